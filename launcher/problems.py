@@ -1,0 +1,30 @@
+"""What is wrong with a launch, said so the user can act on it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Problem:
+    message: str
+    # True when the problem is about this machine rather than the config (GPUs, files, ports): a dry run shows the
+    # plan anyway, with the problem as a warning, because the plan may be meant for another machine.
+    environment: bool = False
+
+
+class PlanError(Exception):
+    """Raised before any process starts; the message lists every problem found, not just the first."""
+
+    def __init__(self, problems: list[Problem]):
+        self.problems = list(problems)
+        lines = "\n".join(f"  - {p.message}" for p in self.problems)
+        super().__init__(f"ddp-launch cannot start: {len(self.problems)} problem(s)\n{lines}")
+
+
+def config_problems(messages: list[str]) -> list[Problem]:
+    return [Problem(m) for m in messages]
+
+
+def environment_problems(messages: list[str]) -> list[Problem]:
+    return [Problem(m, environment=True) for m in messages]

@@ -1,0 +1,64 @@
+"""Shared fixtures: composing the shipped configs, a private cache, and running the real `ddp-launch`."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from launcher.cli import conf_dir
+
+REPO = Path(__file__).resolve().parent.parent
+CONF = Path(conf_dir())
+
+# Small, fast settings for end-to-end runs on two CPU cores (the dataset is generated once per test session).
+TINY = [
+    "data.synthetic.train_images=64",
+    "data.synthetic.val_images=16",
+    "data.synthetic.width=96",
+    "data.synthetic.height=96",
+    "train.imgsz=64",
+    "train.batch_per_device=8",
+    "train.close_mosaic=1",
+    "log.interval_steps=2",
+]
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory) -> Path:
+    """One cache (synthetic datasets, offline Ultralytics settings) for the whole test session, not ~/.cache."""
+    path = tmp_path_factory.mktemp("ddp-launch-cache")
+    os.environ["DDP_LAUNCH_CACHE"] = str(path)
+    return path
+
+
+def compose_config(overrides: list[str] | None = None) -> dict:
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose("config", overrides=overrides or [])
+    return OmegaConf.to_container(cfg, resolve=True)
+
+
+def ddp_launch(args: list[str], cwd: Path, timeout: int = 900, env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run the installed console script, as a user does."""
+    exe = shutil.which("ddp-launch") or str(Path(sys.executable).parent / "ddp-launch")
+    return subprocess.run(
+        [exe, *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def run_dir_of(result: subprocess.CompletedProcess) -> Path:
+    for line in result.stdout.splitlines():
+        if line.startswith("run folder"):
+            return Path(line.split(None, 2)[2])
+    raise AssertionError(f"no run folder in the output:\n{result.stdout}\n{result.stderr}")

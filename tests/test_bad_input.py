@@ -1,0 +1,111 @@
+"""Every bad input is refused before any rank starts, with a message that says what to do, and a non-zero exit."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+import yaml
+
+from launcher.cli import launch
+from launcher.problems import PlanError
+from tests.conftest import compose_config, ddp_launch
+
+
+def refused(overrides: list[str], tmp_path) -> str:
+    cfg = compose_config(overrides)
+    with pytest.raises(PlanError) as e:
+        launch(cfg, tmp_path / "run", tmp_path)
+    assert not (tmp_path / "run" / "plan.json").exists()
+    return str(e.value)
+
+
+@pytest.fixture()
+def data_yaml(tmp_path):
+    root = tmp_path / "ds"
+    for split in ("train", "val"):
+        (root / "images" / split).mkdir(parents=True)
+        (root / "images" / split / "x.jpg").write_bytes(b"")
+
+    def write(content: dict) -> str:
+        f = root / "data.yaml"
+        f.write_text(yaml.safe_dump(content))
+        return str(f)
+
+    return write
+
+
+def test_gpus_without_cuda_suggests_gpus_0(tmp_path, cache_dir):
+    assert "train on the CPU with gpus=0" in refused(["gpus=2"], tmp_path)
+
+
+def test_batch_below_one(tmp_path, cache_dir):
+    assert "train.batch_per_device=0: must be >= 1" in refused(["train.batch_per_device=0"], tmp_path)
+
+
+def test_nccl_on_the_cpu(tmp_path, cache_dir):
+    msg = refused(["gpus=0", "nproc=2", "dist.backend=nccl"], tmp_path)
+    assert "dist.backend=nccl needs GPUs; on the CPU use dist.backend=gloo" in msg
+
+
+def test_busy_explicit_master_port_names_the_port(tmp_path, cache_dir):
+    with socket.socket() as s:
+        s.bind(("", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        msg = refused(["gpus=0", "nproc=2", f"dist.master_port={port}"], tmp_path)
+    assert f"dist.master_port={port} is already in use" in msg
+
+
+def test_missing_dataset_names_the_path_and_the_key(tmp_path, cache_dir):
+    msg = refused(["data=coco", f"data.root={tmp_path}/nowhere"], tmp_path)
+    assert f"{tmp_path}/nowhere" in msg
+    assert "data.root=" in msg and "never downloads" in msg
+    assert "data.allow_download=true" in msg  # coco.yaml has a download script, which is not run
+
+
+def test_data_yaml_without_train(tmp_path, data_yaml, cache_dir):
+    path = data_yaml({"val": "images/val", "names": ["a"]})
+    assert "'train:' is missing" in refused(["data=custom", f"data.path={path}"], tmp_path)
+
+
+def test_data_yaml_with_nc_mismatch(tmp_path, data_yaml, cache_dir):
+    path = data_yaml({"train": "images/train", "val": "images/val", "names": ["a", "b"], "nc": 3})
+    assert "'nc: 3' does not match the 2 entries of 'names:'" in refused(["data=custom", f"data.path={path}"], tmp_path)
+
+
+def test_data_yaml_that_is_not_yaml(tmp_path, cache_dir):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train: [unclosed\n")
+    assert "not valid YAML" in refused(["data=custom", f"data.path={bad}"], tmp_path)
+
+
+def test_custom_data_without_a_path(tmp_path, cache_dir):
+    assert "data=custom needs data.path=" in refused(["data=custom"], tmp_path)
+
+
+def test_a_model_name_that_would_download(tmp_path, cache_dir):
+    assert "would make Ultralytics download weights" in refused(["model.cfg=yolov8n.pt"], tmp_path)
+    msg = refused(["model=checkpoint", "model.weights=yolo11n.pt"], tmp_path)
+    assert "never downloads weights" in msg and "give the path of a local .pt" in msg
+
+
+def test_an_unknown_model_yaml_suggests_close_names(tmp_path, cache_dir):
+    assert "Did you mean: yolov8n.yaml" in refused(["model.cfg=yolov8nn.yaml"], tmp_path)
+
+
+@pytest.mark.parametrize(
+    "args,expected",
+    [
+        (["model=yolov99"], "Could not find 'model/yolov99'"),
+        (["+experiment=nope"], "Could not find 'experiment/nope'"),
+        (["gpus=2"], "train on the CPU with gpus=0"),
+        (["not_a_key=1"], "Could not override 'not_a_key'"),
+    ],
+)
+def test_the_command_line_exits_non_zero_with_the_message(args, expected, tmp_path, cache_dir):
+    r = ddp_launch(args, cwd=tmp_path, timeout=120)
+    assert r.returncode != 0
+    assert expected in r.stderr + r.stdout
+    if args[0].startswith("model="):
+        assert "yolov8n" in r.stderr  # Hydra lists the choices

@@ -1,0 +1,176 @@
+"""The plan is a pure function: topology, batch, learning rate, warmup, loader, rendezvous and its problems."""
+
+from __future__ import annotations
+
+import pytest
+
+from launcher import lr
+from launcher.data import DatasetInfo
+from launcher.hardware import Gpu, Hardware
+from launcher.plan import check_plan, make_plan
+from tests.conftest import compose_config
+
+CPU_BOX = Hardware(gpus=(), cpu_count=2)
+GPU_BOX = Hardware(gpus=tuple(Gpu(i, "NVIDIA H200", 141.0) for i in range(8)), cpu_count=128, nccl_available=True)
+
+
+def shapes(n_train: int) -> DatasetInfo:
+    return DatasetInfo("shapes", "test", {"path": "/x", "train": "/x/t", "val": "/x/v", "names": {0: "a"}}, n_train, 10)
+
+
+def plan_for(overrides=(), hw=GPU_BOX, data=None, port_is_free=None):
+    return make_plan(compose_config(list(overrides)), hw, data, port_is_free=port_is_free)
+
+
+def messages(problems) -> str:
+    return "\n".join(p.message for p in problems)
+
+
+# --- topology ------------------------------------------------------------------------------------------------
+def test_auto_uses_every_gpu_and_one_rank_each():
+    plan, problems = plan_for(["gpus=auto"])
+    assert not problems
+    assert (plan.mode, plan.backend, plan.device) == ("ddp", "nccl", "cuda")
+    assert plan.nproc_per_node == 8 and plan.world_size == 8
+
+
+def test_auto_on_a_cpu_machine_is_one_process_without_a_process_group():
+    plan, problems = plan_for(["gpus=auto"], hw=CPU_BOX)
+    assert not problems
+    assert (plan.mode, plan.backend, plan.device, plan.world_size) == ("single", None, "cpu", 1)
+    assert plan.rendezvous.kind == "none"
+
+
+def test_two_cpu_ranks_use_gloo():
+    plan, problems = plan_for(["gpus=0", "nproc=2"], hw=CPU_BOX)
+    assert not problems
+    assert (plan.mode, plan.backend, plan.world_size) == ("ddp", "gloo", 2)
+
+
+def test_multi_node_world_size_counts_every_node():
+    plan, problems = plan_for(["gpus=4", "nnodes=2", "node_rank=1", "dist.master_addr=10.0.0.1", "dist.master_port=29400"])
+    assert not problems
+    assert plan.world_size == 8 and plan.node_rank == 1
+    assert (plan.rendezvous.kind, plan.rendezvous.addr, plan.rendezvous.port) == ("static", "10.0.0.1", 29400)
+
+
+# --- batch and learning rate ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("gpus,expected_batch", [(1, 32), (2, 64), (4, 128), (8, 256)])
+def test_global_batch_is_per_device_times_world(gpus, expected_batch):
+    plan, _ = plan_for([f"gpus={gpus}", "train.batch_per_device=32"])
+    assert plan.global_batch == expected_batch
+
+
+@pytest.mark.parametrize(
+    "rule,gpus,expected",
+    [("linear", 1, 0.005), ("linear", 8, 0.04), ("sqrt", 8, 0.02), ("sqrt", 2, 0.01), ("none", 8, 0.01)],
+)
+def test_lr0_follows_the_scaling_rule_once(rule, gpus, expected):
+    plan, _ = plan_for([f"gpus={gpus}", "train.batch_per_device=32", f"optim.lr_scaling={rule}"])
+    assert plan.lr0 == pytest.approx(expected)
+
+
+def test_at_the_base_batch_lr0_is_base_lr():
+    plan, _ = plan_for(["gpus=2", "train.batch_per_device=32", "optim.base_batch=64", "optim.base_lr=0.02"])
+    assert plan.lr0 == pytest.approx(0.02)
+
+
+def test_loss_scale_makes_the_ddp_gradient_base_batch_times_the_global_mean():
+    # A rank's summed loss x scale, averaged over ranks by DDP, is base_batch x mean over the global batch.
+    per_image = [1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0]
+    for world in (1, 2, 4):
+        local = len(per_image) // world
+        shards = [per_image[r * local : (r + 1) * local] for r in range(world)]
+        ddp_value = sum(sum(s) * lr.loss_scale(64, local) for s in shards) / world
+        assert ddp_value == pytest.approx(64 * sum(per_image) / len(per_image))
+
+
+# --- warmup ----------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("gpus", [1, 2, 4, 8])
+def test_warmup_is_the_same_number_of_images_at_every_world_size(gpus):
+    plan, _ = plan_for([f"gpus={gpus}", "train.batch_per_device=16", "optim.warmup_epochs=2"], data=shapes(4096))
+    assert plan.warmup_epochs == 2
+    assert plan.warmup_images == 2 * 4096
+    assert plan.warmup_iterations == 2 * 4096 // (16 * gpus)
+
+
+def test_warmup_in_images_overrides_epochs():
+    plan, _ = plan_for(["gpus=4", "train.batch_per_device=16", "optim.warmup_images=1280"], data=shapes(4096))
+    assert plan.warmup_iterations == 1280 // 64 and plan.warmup_images == 1280
+
+
+def test_warmup_leaves_the_last_epoch_alone():
+    plan, _ = plan_for(["gpus=1", "train.epochs=2", "optim.warmup_epochs=3"], data=shapes(320))
+    assert plan.warmup_epochs == 1
+
+
+# --- loader ------------------------------------------------------------------------------------------------------
+def test_auto_workers_are_cores_per_rank_minus_one_capped_at_16():
+    plan, _ = plan_for(["gpus=8"], hw=GPU_BOX)
+    assert plan.workers_per_rank == 15  # 128 cores / 8 ranks - 1
+    plan, _ = plan_for(["gpus=1"], hw=GPU_BOX)
+    assert plan.workers_per_rank == 16
+    plan, _ = plan_for(["gpus=0", "nproc=2"], hw=CPU_BOX)
+    assert plan.workers_per_rank == 0
+
+
+# --- rendezvous ----------------------------------------------------------------------------------------------
+def test_single_node_auto_port_is_torchruns_standalone_rendezvous():
+    plan, _ = plan_for(["gpus=2"])
+    assert (plan.rendezvous.kind, plan.rendezvous.port) == ("standalone", 0)
+
+
+def test_explicit_free_port_is_used():
+    plan, problems = plan_for(["gpus=2", "dist.master_port=29611"], port_is_free=lambda p: True)
+    assert not problems
+    assert (plan.rendezvous.kind, plan.rendezvous.addr, plan.rendezvous.port) == ("static", "127.0.0.1", 29611)
+
+
+def test_busy_explicit_port_is_an_error_naming_the_port():
+    _, problems = plan_for(["gpus=2", "dist.master_port=29612"], port_is_free=lambda p: p != 29612)
+    assert "dist.master_port=29612 is already in use" in messages(problems)
+
+
+# --- problems --------------------------------------------------------------------------------------------------
+def test_more_gpus_than_visible_lists_what_is_visible():
+    hw = Hardware(gpus=(Gpu(0, "NVIDIA H200", 141.0),), cpu_count=16, nccl_available=True)
+    _, problems = plan_for(["gpus=4"], hw=hw)
+    text = messages(problems)
+    assert "gpus=4 but this node has 1 visible GPU(s): cuda:0 NVIDIA H200" in text
+    assert all(p.environment for p in problems)
+
+
+def test_gpus_without_cuda_suggests_the_cpu():
+    _, problems = plan_for(["gpus=2"], hw=CPU_BOX)
+    assert "train on the CPU with gpus=0" in messages(problems)
+
+
+def test_dry_run_turns_machine_problems_into_warnings_but_not_config_errors():
+    _, problems = plan_for(["gpus=2", "train.batch_per_device=0"], hw=CPU_BOX)
+    errors, warnings = check_plan(problems, dry_run=True)
+    assert "train.batch_per_device=0: must be >= 1" in messages(errors)
+    assert "gpus=2" in messages(warnings)
+    errors, warnings = check_plan(problems, dry_run=False)
+    assert not warnings and len(errors) == len(problems)
+
+
+@pytest.mark.parametrize(
+    "overrides,expected",
+    [
+        (["train.batch_per_device=0"], "train.batch_per_device=0: must be >= 1"),
+        (["gpus=0", "dist.backend=nccl", "mode=ddp", "nproc=2"], "dist.backend=nccl needs GPUs"),
+        (["gpus=4", "nproc=2"], "ddp-launch runs one rank per GPU"),
+        (["mode=single", "gpus=2"], "mode=single runs one process"),
+        (["nnodes=2", "gpus=1"], "needs dist.master_addr set to node 0's address"),
+        (["optim.name=auto"], "Ultralytics' `auto` picks its own optimizer"),
+        (["optim.lr_scaling=cubic"], "optim.lr_scaling='cubic'"),
+        (["train.amp=fp8"], "train.amp='fp8'"),
+        (["train.imgsz=100"], "multiple of 32"),
+        (["+train.extra.epochs=3"], "train.extra.epochs: ddp-launch sets this itself; use train.epochs"),
+        (["+train.extra.not_an_arg=3"], "train.extra.not_an_arg: not an Ultralytics train argument"),
+        (["dist.nccl.debug=LOUD"], "dist.nccl.debug='LOUD'"),
+    ],
+)
+def test_bad_config_values_are_named(overrides, expected):
+    _, problems = plan_for(overrides)
+    assert expected in messages(problems)

@@ -1,0 +1,82 @@
+"""The README's commands are a contract: each one is run here.
+
+The main job (`ddp-launch`, no arguments) runs for real, exactly as written. Commands that train on the CPU run
+for real too; commands that need GPUs or a dataset this machine lacks run as dry runs, which compose the config,
+plan and validate (a dry run shows the plan and warns about what is missing here).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO, ddp_launch, run_dir_of
+
+README = (REPO / "README.md").read_text()
+FRESH_MACHINE = re.findall(r"```bash\n(.+?)\n```", README)
+
+
+def readme_commands(tool: str) -> list[str]:
+    """Every `tool ...` command the README shows: in code blocks, and in `inline code` of the tables."""
+    found = re.findall(rf"`({tool}(?: [^`]*)?)`", README)
+    for block in re.findall(r"```bash\n(.*?)```", README, re.S):
+        for line in block.splitlines():
+            if line.startswith(f"{tool} ") or line == tool:
+                found.append(line)
+    return list(dict.fromkeys(found))
+
+
+def needs_this_machine_lacks(cmd: str) -> bool:
+    return bool(re.search(r"gpus=[1-9]", cmd)) or "experiment=coco" in cmd or "data=custom" in cmd
+
+
+def test_the_first_lines_are_the_two_fresh_machine_commands():
+    install_and_run, install_and_test = FRESH_MACHINE[:2]
+    assert install_and_run.endswith("&& ddp-launch") and "pip install ." in install_and_run
+    assert install_and_test.endswith("&& pytest") and "pip install -e '.[dev]'" in install_and_test
+
+
+def test_ci_runs_the_readme_test_command():
+    ci = (REPO / ".ci" / "run").read_text()
+    assert FRESH_MACHINE[1] in ci.splitlines()
+
+
+@pytest.mark.slow
+def test_the_main_job_runs_as_written(tmp_path, cache_dir):
+    command = FRESH_MACHINE[0].rsplit("&& ", 1)[1]
+    assert command == "ddp-launch"
+    result = ddp_launch(shlex.split(command)[1:], cwd=tmp_path, timeout=1500)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    summary = json.loads((run_dir_of(result) / "summary.json").read_text())
+    assert summary["map50"] > 0.3  # it learned: the shapes are easy
+    assert re.search(r"mAP50 0\.\d+\s+mAP50-95 0\.\d+", result.stdout)
+    assert Path(summary["weights"]).is_file() and f"weights     {summary['weights']}" in result.stdout
+
+
+@pytest.mark.parametrize("command", [c for c in readme_commands("ddp-launch") if c != "ddp-launch"])
+def test_every_other_readme_command(command, tmp_path, cache_dir):
+    args = shlex.split(command)[1:]
+    if needs_this_machine_lacks(command):
+        if "data=custom" in command:  # the README's placeholder path, made real
+            args = [a for a in args if not a.startswith("data.path=")] + [f"data.path={_custom_yaml(tmp_path)}"]
+        args = [a for a in args if a != "dry_run=true"] + ["dry_run=true"]
+        result = ddp_launch(args, cwd=tmp_path, timeout=300)
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert "dry run: nothing started" in result.stdout
+        return
+    tiny = [] if "dry_run=true" in args else ["train.imgsz=64", "data.synthetic.train_images=64", "data.synthetic.val_images=16"]
+    result = ddp_launch(args + tiny, cwd=tmp_path, timeout=900)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+
+
+def _custom_yaml(tmp_path: Path) -> Path:
+    root = tmp_path / "custom"
+    for split in ("train", "val"):
+        (root / "images" / split).mkdir(parents=True)
+        (root / "images" / split / "a.jpg").write_bytes(b"")
+    (root / "data.yaml").write_text("path: .\ntrain: images/train\nval: images/val\nnames: [thing]\n")
+    return root / "data.yaml"
