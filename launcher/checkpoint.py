@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 
 TMP_MARK = ".tmp-"
+RESUME_KEY = "ddp_launch_state"  # full-precision training state inside last.pt (removed when the run finishes)
 
 
 class CheckpointError(RuntimeError):
@@ -44,6 +45,58 @@ def _fsync_dir(folder: Path) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def previous_of(path: Path) -> Path:
+    return Path(path).with_name(Path(path).stem + ".prev" + Path(path).suffix)
+
+
+def save_keeping_previous(path: Path, data: bytes) -> None:
+    """Write `path` atomically and keep the checkpoint it replaces as `<name>.prev.pt`.
+
+    Each moment leaves at least one complete checkpoint: the new file is complete (fsynced) before the current one
+    becomes the previous one, and a crash between the two renames leaves the previous one in place.
+    """
+    path = Path(path)
+    if not path.exists():
+        atomic_write_bytes(path, data)
+        return
+    tmp = path.with_name(f".{path.name}{TMP_MARK}{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(path, previous_of(path))
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
+
+
+def load_resumable(path: Path, log=print) -> tuple[dict | None, Path | None]:
+    """The newest readable checkpoint holding resume state among `path` and its `.prev`; (None, None) if none exist.
+
+    An unreadable candidate is reported by name and the previous one tried. If checkpoints exist but none can be
+    used, that is an error: the run never silently starts again from zero.
+    """
+    candidates = [p for p in (Path(path), previous_of(path)) if p.exists()]
+    failures = []
+    for candidate in candidates:
+        try:
+            ckpt = load(candidate)
+        except CheckpointError as e:
+            failures.append(str(e))
+            log(f"WARNING: {e}; trying the previous checkpoint")
+            continue
+        if RESUME_KEY not in ckpt:
+            failures.append(f"{candidate} holds no resume state (a finished run's final weights?)")
+            continue
+        return ckpt, candidate
+    if candidates:
+        raise CheckpointError("no usable checkpoint to resume from: " + "; ".join(failures))
+    return None, None
 
 
 def remove_stale_temporaries(folder: Path) -> list[Path]:

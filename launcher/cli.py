@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import signal
 import sys
 from pathlib import Path
 
@@ -39,7 +41,18 @@ def say(msg: str = "") -> None:
 def launch(cfg: dict, run_dir: Path, base_dir: Path) -> int:
     """Everything after composition. Returns the process exit code."""
     dry_run = bool(cfg.get("dry_run"))
-    hw = hardware.detect()
+    on_slurm = cfg["launcher"]["name"] == "slurm"
+    if on_slurm:
+        from launcher import slurm
+
+        # nnodes and GPUs per node come from slurm.*, written into the config the plan and the ranks read
+        cfg = slurm.planning_config(cfg)
+        errors, _ = check_plan(slurm.submission_problems(cfg, run_dir), dry_run=dry_run)
+        if errors:
+            raise PlanError(errors)
+        hw = slurm.allocation_hardware(cfg)  # the plan is for the nodes SLURM will give, not this login node
+    else:
+        hw = hardware.detect()
 
     # Config problems first: no point generating a dataset for a plan that cannot run.
     model, model_msgs = resolve_model(cfg["model"], base_dir)
@@ -63,14 +76,47 @@ def launch(cfg: dict, run_dir: Path, base_dir: Path) -> int:
         say(f"WARNING: {w.message} (a real run would refuse)")
     if errors:
         raise PlanError(errors)
+    if dry_run and on_slurm:
+        say("\n" + slurm.dry_run_text(cfg, plan, run_dir, env))
+        say("\ndry run: nothing started")
+        return 0
     if dry_run:
         say("\ntorchrun command (with this environment on top of yours):")
         say(torchrun.format_command(cmd, env))
         say("\ndry run: nothing started")
         return 0
 
-    # What the ranks read: the resolved config (with resolved model and data paths) and the plan.
-    assert data is not None
+    assert data is not None and model is not None
+    write_run_folder(run_dir, cfg, plan, model, data, env, cmd)
+
+    if on_slurm:
+        return slurm.submit_job(cfg, plan, run_dir, env)
+
+    code = run_plan(cfg, plan, run_dir, env, cmd)
+    if code != 0 and ddp_failed_to_start(cfg, plan, run_dir):
+        dp_plan, dp_problems = make_plan({**cfg, "mode": "dp", "nproc": None}, hw, data)
+        if not check_plan(dp_problems, dry_run=False)[0]:
+            say(
+                f"\nWARNING: DDP could not start ({plan.backend} process group, see above); dist.fallback=dp: "
+                f"retrying with DataParallel on {dp_plan.devices_per_rank} device(s) in one process"
+            )
+            os.replace(run_dir / "plan.json", run_dir / "plan.ddp-failed.json")
+            (run_dir / "plan.json").write_text(json.dumps(dp_plan.to_dict(), indent=2))
+            dp_env = {**runenv.offline_environment(cache), **dp_plan.env}
+            code = run_plan(cfg, dp_plan, run_dir, dp_env, torchrun.torchrun_command(dp_plan, run_dir))
+    return code
+
+
+def ddp_failed_to_start(cfg: dict, plan, run_dir: Path) -> bool:
+    """mode=auto with dist.fallback=dp, and a rank reported that its process group never came up."""
+    if cfg["mode"] != "auto" or cfg["dist"].get("fallback") != "dp" or plan.mode != "ddp":
+        return False
+    records = [json.loads(f.read_text()) for f in (run_dir / "ranks").glob("rank*.failed.json")]
+    return any(r.get("phase") == "init" for r in records)
+
+
+def write_run_folder(run_dir: Path, cfg: dict, plan, model, data, env: dict, cmd: list[str]) -> None:
+    """What the ranks read: the resolved config (with resolved model and data paths) and the plan."""
     run_dir.mkdir(parents=True, exist_ok=True)
     if (run_dir / "plan.json").exists():
         raise PlanError([Problem(f"{run_dir} already holds a run; choose another hydra.run.dir")])
@@ -81,8 +127,11 @@ def launch(cfg: dict, run_dir: Path, base_dir: Path) -> int:
     OmegaConf.save(OmegaConf.create(resolved), run_dir / "config.yaml")
     (run_dir / "plan.json").write_text(json.dumps(plan.to_dict(), indent=2))
     (run_dir / "torchrun.sh").write_text("#!/bin/sh\n# what ddp-launch ran\nexec " + torchrun.format_command(cmd, env) + "\n")
-    runenv.prepare_ultralytics_home(cache)
+    runenv.prepare_ultralytics_home(Path(cfg["paths"]["cache"]).expanduser())
 
+
+def run_plan(cfg: dict, plan, run_dir: Path, env: dict, cmd: list[str]) -> int:
+    """Start torchrun for a prepared run folder, stream rank 0, and report the outcome."""
     first_rank = plan.node_rank * plan.nproc_per_node
     show = range(first_rank, first_rank + plan.nproc_per_node) if cfg["dist"]["debug"] else [first_rank]
     logs = [run_dir / "logs" / f"rank{r}.log" for r in show]
@@ -91,17 +140,66 @@ def launch(cfg: dict, run_dir: Path, base_dir: Path) -> int:
     return report(run_dir, code, signum, plan.node_rank)
 
 
+def resume(run_dir: Path, fresh_dir: Path) -> int:
+    """`ddp-launch resume=RUN_DIR`: continue a stopped run with its own resolved config and plan."""
+    from launcher.plan import LaunchPlan
+
+    run_dir = run_dir.expanduser().resolve()
+    if fresh_dir != run_dir and fresh_dir.is_dir() and not any(p for p in fresh_dir.iterdir() if p.name != ".hydra"):
+        shutil.rmtree(fresh_dir)  # the folder Hydra made for this invocation: the run continues in its own
+    if not (run_dir / "config.yaml").is_file() or not (run_dir / "plan.json").is_file():
+        raise PlanError([Problem(f"resume={run_dir}: not a ddp-launch run folder (no config.yaml and plan.json)")])
+    summary = run_dir / "summary.json"
+    if summary.exists() and json.loads(summary.read_text()).get("status") == "finished":
+        s = json.loads(summary.read_text())
+        say(f"{run_dir} already finished: {s['epochs_completed']} epoch(s), mAP50 {s['map50']:.4f}; nothing to resume")
+        say(f"weights     {s['weights']}")
+        return 0
+    cfg = OmegaConf.to_container(OmegaConf.load(run_dir / "config.yaml"), resolve=True)
+    plan = LaunchPlan.from_dict(json.loads((run_dir / "plan.json").read_text()))
+    cache = Path(cfg["paths"]["cache"]).expanduser()
+    runenv.prepare_ultralytics_home(cache)
+    env = {**runenv.offline_environment(cache), **plan.env}
+    cmd = torchrun.torchrun_command(plan, run_dir)
+    say(f"resuming {run_dir} with its own config (world size {plan.world_size}, global batch {plan.global_batch})")
+    return run_plan(cfg, plan, run_dir, env, cmd)
+
+
+def write_outcome(run_dir: Path, status: str, exit_code: int, detail: str) -> None:
+    """A failed or stopped run still gets a summary: what happened, and which rank failed first, with what."""
+    failures = sorted(
+        (json.loads(f.read_text()) for f in (run_dir / "ranks").glob("rank*.failed.json")),
+        key=lambda r: r.get("time", 0.0),
+    )
+    outcome = {
+        "status": status,
+        "exit_code": exit_code,
+        "detail": detail,
+        "root_cause": failures[0] if failures else None,
+        "failures": failures,
+        "run_dir": str(run_dir),
+    }
+    (run_dir / "summary.json").write_text(json.dumps(outcome, indent=2))
+    for i, fail in enumerate(failures):
+        say(f"  {'root cause' if i == 0 else 'then'}: rank {fail['rank']}: {fail['error']}")
+
+
 def report(run_dir: Path, code: int, signum: int | None, node_rank: int) -> int:
     summary_file = run_dir / "summary.json"
-    if signum is not None:
-        say(f"\nddp-launch: stopped by signal {signum}; run folder {run_dir}")
+    finished = summary_file.exists() and json.loads(summary_file.read_text()).get("status") == "finished"
+    if signum is not None and not finished:
+        detail = f"stopped by {signal.Signals(signum).name}; the last checkpoint is in {run_dir / 'weights'}"
+        say(f"\nddp-launch: {detail}. Continue with: ddp-launch resume={run_dir}")
+        write_outcome(run_dir, "stopped", 128 + signum, detail)
         return 128 + signum
-    if code != 0:
-        say(f"\nddp-launch: training failed (torchrun exit code {code}); rank logs in {run_dir / 'logs'}")
+    if code != 0 and not finished:
+        detail = f"training failed (torchrun exit code {code}); rank logs in {run_dir / 'logs'}"
+        say(f"\nddp-launch: {detail}")
+        write_outcome(run_dir, "failed", code, detail)
         return code
-    if not summary_file.exists():
+    if not finished:
         if node_rank != 0:
-            say(f"\nddp-launch: this node's ranks finished; rank 0 writes the summary on node 0")
+            say("\nddp-launch: this node's ranks finished; rank 0 writes the summary on node 0")
             return 0
         say(f"\nddp-launch: the ranks exited without writing {summary_file}")
         return 1
@@ -121,7 +219,10 @@ def _hydra_entry(cfg: DictConfig) -> None:
     run_dir = Path(HydraConfig.get().runtime.output_dir).resolve()
     resolved = OmegaConf.to_container(cfg, resolve=True)
     try:
-        code = launch(resolved, run_dir, Path(os.getcwd()))
+        if resolved.get("resume"):
+            code = resume(Path(str(resolved["resume"])), run_dir)
+        else:
+            code = launch(resolved, run_dir, Path(os.getcwd()))
     except PlanError as e:
         print(f"ERROR: {e}", file=sys.stderr, flush=True)
         code = EXIT_PLAN_ERROR

@@ -26,8 +26,9 @@ class MeterSummary:
 
 
 class StepMeter:
-    def __init__(self, device: torch.device, skip_steps: int = 10, sync: bool = True, clock=time.perf_counter):
+    def __init__(self, device: torch.device, skip_steps: int = 10, sync: bool = True, clock=time.perf_counter, monitor=None):
         self.device = device
+        self.monitor = monitor  # a GpuMonitor sampling only while the window is open
         self.skip_steps = skip_steps
         self.sync = sync and device.type == "cuda"
         self.clock = clock
@@ -51,6 +52,8 @@ class StepMeter:
         """Call before fetching the next batch."""
         if self._last_end is None:  # first step of the run or after a pause: a new segment starts here
             self._last_end = self._now()
+            if self.monitor is not None:
+                self.monitor.active = self.steps >= self.skip_steps
         self._wait_start = self.clock()
 
     def batch_ready(self) -> None:
@@ -69,11 +72,15 @@ class StepMeter:
             self._recent[0] += dt
             self._recent[1] += self._wait
             self._recent[2] += images
+        if self.monitor is not None:
+            self.monitor.active = self.steps >= self.skip_steps  # the next step is measured
         self._last_end = end
 
     def pause(self) -> None:
         """Validation, checkpointing: the time until the next step is not training time."""
         self._last_end = None
+        if self.monitor is not None:
+            self.monitor.active = False
 
     def in_window(self) -> bool:
         return self.steps > self.skip_steps

@@ -22,8 +22,9 @@ from launcher.runenv import NCCL_DEBUG_LEVELS, TORCH_DEBUG_LEVELS, distributed_e
 MODES = ("auto", "ddp", "dp", "single")
 BACKENDS = ("auto", "nccl", "gloo")
 AMP_VALUES = (True, False, "bf16")
-CACHE_VALUES = (False, "ram", "disk")
+CACHE_VALUES = (False, "ram", "disk", "shared")
 OPTIMIZERS = ("sgd", "adamw")
+FALLBACKS = ("none", "dp")  # what mode=auto does when DDP fails to start
 MULTI_NODE_DEFAULT_PORT = 29500  # torchrun's default; every node must agree on it, so it cannot be picked at random
 MAX_AUTO_WORKERS = 16
 
@@ -157,23 +158,38 @@ def make_plan(
     if node_rank >= nnodes:
         problems.append(Problem(f"node_rank={node_rank} with nnodes={nnodes}: node_rank counts from 0 to nnodes-1"))
 
-    if mode == "dp":
-        problems.append(Problem("mode=dp (DataParallel) is not available yet; use mode=ddp or mode=auto"))
-        mode = "auto"
+    backend_req = dist.get("backend", "auto")
+    if backend_req not in BACKENDS:
+        problems.append(Problem(f"dist.backend={backend_req!r}: expected one of {', '.join(BACKENDS)}"))
+        backend_req = "auto"
+    if mode == "auto" and gpus > 1 and backend_req == "auto" and not hw.nccl_available and hw.gpu_count:
+        # DDP on GPUs needs NCCL (gloo on CUDA tensors is far slower than DataParallel on one node)
+        mode = "dp"
+        notes.append("WARNING: DDP cannot start here (this torch build has no NCCL): DataParallel over the GPUs instead")
 
     raw_nproc = cfg.get("nproc")
-    if raw_nproc is None:
-        nproc = gpus if gpus > 0 else 1
+    if mode == "dp":
+        # One process drives every GPU of the node (or the CPU as a single device, which only tests the path).
+        if raw_nproc not in (None, 1):
+            problems.append(Problem(f"mode=dp runs one process per node (it drives all GPUs); nproc={raw_nproc} is not 1"))
+        if nnodes > 1:
+            problems.append(Problem("mode=dp is single-node (DataParallel); use mode=ddp across nodes"))
+        nproc, devices_per_rank = 1, max(gpus, 1)
+        if gpus == 0:
+            notes.append("mode=dp on the CPU: DataParallel over one device (exercises the path; no speedup)")
     else:
-        nproc = _as_int(raw_nproc, "nproc", problems, 1) or 1
-        if gpus > 0 and nproc != gpus:
-            problems.append(
-                Problem(
-                    f"nproc={nproc} with gpus={gpus}: ddp-launch runs one rank per GPU. "
-                    f"Set nproc={gpus} (or leave nproc unset), or gpus={nproc}"
+        devices_per_rank = 1
+        if raw_nproc is None:
+            nproc = gpus if gpus > 0 else 1
+        else:
+            nproc = _as_int(raw_nproc, "nproc", problems, 1) or 1
+            if gpus > 0 and nproc != gpus:
+                problems.append(
+                    Problem(
+                        f"nproc={nproc} with gpus={gpus}: ddp-launch runs one rank per GPU. "
+                        f"Set nproc={gpus} (or leave nproc unset), or gpus={nproc}"
+                    )
                 )
-            )
-    devices_per_rank = 1
     world_size = nnodes * nproc
     if mode == "auto":
         mode = "ddp" if world_size > 1 else "single"
@@ -197,11 +213,7 @@ def make_plan(
         )
 
     # --- backend ---------------------------------------------------------------------------------------------
-    backend_req = dist.get("backend", "auto")
     backend: str | None = None
-    if backend_req not in BACKENDS:
-        problems.append(Problem(f"dist.backend={backend_req!r}: expected one of {', '.join(BACKENDS)}"))
-        backend_req = "auto"
     if mode == "ddp":
         backend = ("nccl" if device == "cuda" else "gloo") if backend_req == "auto" else backend_req
         if backend == "nccl" and device == "cpu":
@@ -251,7 +263,7 @@ def make_plan(
     if train.get("amp") not in AMP_VALUES:
         problems.append(Problem(f"train.amp={train.get('amp')!r}: expected true, false or bf16"))
     if train.get("cache") not in CACHE_VALUES:
-        problems.append(Problem(f"train.cache={train.get('cache')!r}: expected false, ram or disk"))
+        problems.append(Problem(f"train.cache={train.get('cache')!r}: expected false, ram, disk or shared"))
     _as_int(train.get("val_interval"), "train.val_interval", problems, 1)
     imgsz = _as_int(train.get("imgsz"), "train.imgsz", problems, 32)
     if imgsz and imgsz % 32:
@@ -273,6 +285,8 @@ def make_plan(
     # On the CPU the rank's own math is the bottleneck and workers mostly wait, so the rank keeps all its cores;
     # on a GPU node the cores are left to the workers that feed the GPU.
     threads = cores_per_rank if device == "cpu" else max(1, cores_per_rank - workers)
+    if mode == "dp" and device == "cuda":
+        threads = max(threads, 2)  # DataParallel's host work (scatter, replicate, gather) is per GPU
     if workers * nproc > cpus:
         notes.append(f"{workers} workers x {nproc} ranks exceed the {cpus} usable cores")
 
@@ -298,7 +312,7 @@ def make_plan(
             port = MULTI_NODE_DEFAULT_PORT
             notes.append(f"multi-node: dist.master_port=auto means {port} on every node")
         rendezvous = Rendezvous("static", addr, port)
-    elif world_size == 1 and mode == "single":
+    elif world_size == 1 and mode in ("single", "dp"):
         rendezvous = Rendezvous("none")
     elif port is None:
         rendezvous = Rendezvous("standalone", "localhost", 0)
@@ -321,6 +335,8 @@ def make_plan(
         problems.append(Problem(f"dist.torch_debug={dist.get('torch_debug')!r}: expected one of {', '.join(TORCH_DEBUG_LEVELS)}"))
     timeout_s = _as_int(dist.get("timeout_s"), "dist.timeout_s", problems, 1) or 600
     max_restarts = _as_int(dist.get("max_restarts", 0), "dist.max_restarts", problems, 0) or 0
+    if dist.get("fallback", "none") not in FALLBACKS:
+        problems.append(Problem(f"dist.fallback={dist.get('fallback')!r}: expected one of {', '.join(FALLBACKS)}"))
     if dist.get("sync_bn") and device == "cpu" and mode == "ddp":
         problems.append(Problem("dist.sync_bn=true needs GPUs (torch's SyncBatchNorm has no CPU kernel)"))
 

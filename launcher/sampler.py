@@ -87,7 +87,11 @@ class EpochSeededDataset(Dataset):
 
 
 def worker_init(_worker_id: int) -> None:
-    """No thread oversubscription: a worker is one core's worth of decoding and augmentation."""
+    """No thread oversubscription (a worker is one core's worth of decoding and augmentation); no dying on the
+    rank's SIGTERM before the rank has saved its checkpoint (shutdown.py)."""
+    from launcher.shutdown import ignore_termination_in_worker
+
+    ignore_termination_in_worker()
     torch.set_num_threads(1)
     try:
         import cv2

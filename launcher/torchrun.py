@@ -54,9 +54,10 @@ def format_command(cmd: list[str], env: dict[str, str]) -> str:
 class LogStreamer(threading.Thread):
     """Copies what rank log files gain to the console while the job runs (rank 0 only, or every rank)."""
 
-    def __init__(self, files: list[Path], prefix: bool, out=None, period: float = 0.2):
+    def __init__(self, files: list[Path], prefix: bool, out=None, period: float = 0.2, keep=None):
         super().__init__(daemon=True)
         self.files, self.prefix, self.period = files, prefix, period
+        self.keep = keep or (lambda line: True)  # which lines reach the console
         self.out = out or sys.stdout
         self.offsets = {f: (f.stat().st_size if f.exists() else 0) for f in files}
         self._done = threading.Event()
@@ -77,7 +78,7 @@ class LogStreamer(threading.Thread):
             lines = text.split("\n")
             if lines[-1]:
                 self._partial[f] = lines[-1]
-            for line in lines[:-1]:
+            for line in filter(self.keep, lines[:-1]):
                 self.out.write(f"[{f.stem}] {line}\n" if self.prefix else f"{line}\n")
             self.out.flush()
 
@@ -95,13 +96,15 @@ class LogStreamer(threading.Thread):
         self.join()
 
 
-def run_torchrun(cmd: list[str], env: dict[str, str], log_files: list[Path], prefix: bool) -> tuple[int, int | None]:
+def run_torchrun(
+    cmd: list[str], env: dict[str, str], log_files: list[Path], prefix: bool, keep=None
+) -> tuple[int, int | None]:
     """Run torchrun to completion. Returns (exit code, the signal that stopped the launcher or None).
 
     SIGINT, SIGTERM and SIGUSR1 (SLURM's advance warning) are forwarded to torchrun as SIGTERM, once; torchrun
     passes it to every rank, which checkpoints and exits, and kills what is left after its shutdown timeout.
     """
-    streamer = LogStreamer(log_files, prefix=prefix)
+    streamer = LogStreamer(log_files, prefix=prefix, keep=keep)
     streamer.start()
     proc = subprocess.Popen(cmd, env={**os.environ, **env}, start_new_session=True)
     received: list[int] = []

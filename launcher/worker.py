@@ -42,7 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     redirect_output(run_dir / "logs" / f"rank{rank}.log")
     print(
         f"==== rank {rank}/{os.environ.get('WORLD_SIZE', '1')} local_rank {os.environ.get('LOCAL_RANK', '0')} "
-        f"pid {os.getpid()} attempt {attempt} {time.strftime('%Y-%m-%d %H:%M:%S')} ====",
+        f"pid {os.getpid()} attempt {attempt} rendezvous {os.environ.get('MASTER_ADDR', '-')}:"
+        f"{os.environ.get('MASTER_PORT', '-')} {time.strftime('%Y-%m-%d %H:%M:%S')} ====",
         flush=True,
     )
 
@@ -51,17 +52,45 @@ def main(argv: list[str] | None = None) -> int:
 
     from launcher.plan import LaunchPlan
 
+    summary = run_dir / "summary.json"
+    if summary.exists() and json.loads(summary.read_text()).get("status") == "finished":
+        print(f"this run already finished ({summary}); nothing to do", flush=True)
+        return 0  # a requeued or restarted job of a finished run is done, not failed
+
     cfg = OmegaConf.to_container(OmegaConf.load(run_dir / "config.yaml"), resolve=True)
     plan = LaunchPlan.from_dict(json.loads((run_dir / "plan.json").read_text()))
 
     @record  # a failure's traceback reaches torchrun's error report, naming this rank
     def _train() -> None:
-        from launcher.trainer import train  # imports Ultralytics: only now, with the environment in place
+        from launcher import trainer  # imports Ultralytics: only now, with the environment in place
 
-        train(cfg, plan, run_dir)
+        (trainer.benchmark if cfg.get("bench", {}).get("cell") else trainer.train)(cfg, plan, run_dir)
 
-    _train()
+    try:
+        _train()
+    except SystemExit:
+        raise  # a signal-driven stop after its checkpoint: not a failure of this rank
+    except BaseException as e:
+        record_failure(run_dir, rank, e)
+        raise
     return 0
+
+
+def record_failure(run_dir: Path, rank: int, error: BaseException) -> None:
+    """The launcher names the failed rank and its error in the run's summary."""
+    import traceback
+
+    folder = run_dir / "ranks"
+    folder.mkdir(parents=True, exist_ok=True)
+    record = {
+        "rank": rank,
+        "error": f"{type(error).__name__}: {error}",
+        "traceback": "".join(traceback.format_exception(error))[-8000:],
+        "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+        "phase": "init" if type(error).__name__ == "DistributedInitError" else "train",
+        "time": time.time(),  # the earliest failure is the root cause; the others usually follow from it
+    }
+    (folder / f"rank{rank}.failed.json").write_text(json.dumps(record, indent=2))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,157 @@
+"""`ddp-bench`: run every cell (mode x size) of the benchmark with the same model, per-device batch, data and seed,
+one after another in this invocation, and write bench.json, bench.md and bench.png into the run folder.
+
+Each cell is a real launch (torchrun, the ranks, ddp-launch's trainer) that trains `bench.warmup_steps +
+bench.steps` steps and then times the same step on batches already on the device (the data-free ceiling).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
+
+from launcher import data as datamod
+from launcher import hardware, runenv, torchrun
+from launcher.bench import report
+from launcher.bench.cells import Cell, plan_cells
+from launcher.cli import EXIT_PLAN_ERROR, conf_dir, say, write_run_folder
+from launcher.models import resolve_model
+from launcher.plan import check_plan, make_plan
+from launcher.problems import PlanError, Problem, config_problems
+
+
+def progress_line(line: str) -> bool:
+    """What of a cell's rank-0 log the console shows while it runs."""
+    return line.startswith("[rank 0]") or "Error" in line or line.startswith("Traceback")
+
+
+def run_bench(cfg: dict, run_dir: Path, base_dir: Path, command: str) -> int:
+    hw = hardware.detect()
+    gpus = cfg["gpus"]
+    on_gpu = hw.gpu_count > 0 if gpus == "auto" else int(gpus) > 0
+    if on_gpu and hw.gpu_count == 0:
+        raise PlanError([Problem(f"gpus={gpus} but {hw.describe_gpus()}; benchmark CPU ranks with gpus=0")])
+    b = cfg["bench"]
+    cells, problems = plan_cells(list(b["sizes"]), list(b["modes"]), b["baseline"], hw.gpu_count, hw.cpu_count, on_gpu)
+    model, model_msgs = resolve_model(cfg["model"], base_dir)
+    if problems or model_msgs:
+        raise PlanError(config_problems(problems + model_msgs))
+    data, data_problems = datamod.resolve_data(cfg["data"], base_dir, generate=True)
+    errors, _ = check_plan(data_problems, dry_run=False)
+    if errors:
+        raise PlanError(errors)
+
+    to_run = [c for c in cells if not c.skip]
+    say(f"ddp-bench: {len(to_run)} cell(s) on {hw.describe_gpus() if on_gpu else f'{hw.cpu_count} CPU core(s)'}")
+    for c in cells:
+        say(f"  {c.name:<14} {'skipped: ' + c.skip if c.skip else 'to run'}")
+    say(f"run folder      {run_dir}\n")
+
+    results = []
+    for cell in cells:
+        if cell.skip:
+            results.append({"mode": cell.mode, "size": cell.size, "skip": cell.skip})
+            continue
+        say(f"--- cell {cell.name} ---")
+        outcome = run_cell(cell, cfg, run_dir / "cells" / cell.name, hw, model, data, on_gpu)
+        if isinstance(outcome, int):
+            return outcome  # stopped by a signal: keep what was measured so far in the cell folders
+        results.append(outcome)
+        if "error" in outcome:
+            say(f"    {cell.name}: failed ({outcome['error']})")
+        else:
+            say(f"    {cell.name}: {outcome['images_per_s']:.1f} images/s, data wait {100 * outcome['data_wait']:.1f} %")
+
+    report.add_speedups(results)
+    for c in results:
+        c["verdict"] = report.verdict(c)
+    out = {
+        "command": command,
+        "settings": {k: b[k] for k in ("sizes", "modes", "warmup_steps", "steps", "ceiling_batches", "baseline")},
+        "model": model.cfg or model.weights,
+        "data": {"name": data.name, "train_images": data.train_images, "path": data.spec["path"]},
+        "imgsz": cfg["train"]["imgsz"],
+        "batch_per_device": cfg["train"]["batch_per_device"],
+        "amp": cfg["train"]["amp"],
+        "cells": results,
+        "notes": [f"{c.name} skipped: {c.skip}" for c in cells if c.skip],
+        "environment": report.environment(),
+    }
+    report.write(out, run_dir)
+    say("\n" + report.markdown(out))
+    say(f"report: {run_dir / 'bench.md'}, {run_dir / 'bench.json'}, {run_dir / 'bench.png'}")
+    return 0 if all("error" not in c for c in results) else 1
+
+
+def run_cell(cell: Cell, cfg: dict, cell_dir: Path, hw, model, data, on_gpu: bool) -> dict | int:
+    ccfg = copy.deepcopy(cfg)
+    ccfg.update(cell.overrides(on_gpu))
+    ccfg["bench"]["cell"] = cell.name
+    if cell.mode == "ultralytics":
+        ccfg.update(Cell("single", 1).overrides(on_gpu))
+    plan, problems = make_plan(ccfg, hw, data)
+    errors, _ = check_plan(problems, dry_run=False)
+    if errors:
+        return {"mode": cell.mode, "size": cell.size, "error": "; ".join(p.message for p in errors)}
+    cache = Path(cfg["paths"]["cache"]).expanduser()
+    env = {**runenv.offline_environment(cache), **plan.env}
+    cmd = torchrun.torchrun_command(plan, cell_dir)
+    write_run_folder(cell_dir, ccfg, plan, model, data, env, cmd)
+    if cell.mode == "ultralytics":
+        code, signum = run_baseline(cell_dir, runenv.offline_environment(cache))
+    else:
+        code, signum = torchrun.run_torchrun(cmd, env, [cell_dir / "logs" / "rank0.log"], prefix=False, keep=progress_line)
+    if signum is not None:
+        say(f"ddp-bench: stopped by signal {signum}; cells so far are in {cell_dir.parent}")
+        return 128 + signum
+    result_file = cell_dir / "cell.json"
+    if code != 0 or not result_file.exists():
+        return {"mode": cell.mode, "size": cell.size, "error": f"exit code {code}; see {cell_dir / 'logs'}"}
+    measured = json.loads(result_file.read_text())
+    return report.aggregate(cell.mode, cell.size, measured["ranks"])
+
+
+def run_baseline(cell_dir: Path, env: dict) -> tuple[int, int | None]:
+    """Ultralytics' own trainer in a fresh process (it must import Ultralytics with its own view of the world)."""
+    log = cell_dir / "logs" / "rank0.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    streamer = torchrun.LogStreamer([log], prefix=False, keep=progress_line)
+    streamer.start()
+    with open(log, "ab") as out:
+        proc = subprocess.run(
+            [sys.executable, "-m", "launcher.bench.baseline", str(cell_dir)],
+            env={**os.environ, **env, "PYTHONUNBUFFERED": "1"},
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    streamer.stop()
+    return proc.returncode, None
+
+
+@hydra.main(version_base="1.3", config_path=conf_dir(), config_name="bench")
+def _hydra_entry(cfg: DictConfig) -> None:
+    run_dir = Path(HydraConfig.get().runtime.output_dir).resolve()
+    resolved = OmegaConf.to_container(cfg, resolve=True)
+    command = "ddp-bench " + " ".join(HydraConfig.get().overrides.task)
+    try:
+        code = run_bench(resolved, run_dir, Path(os.getcwd()), command.strip())
+    except PlanError as e:
+        print(f"ERROR: {e}", file=sys.stderr, flush=True)
+        code = EXIT_PLAN_ERROR
+    sys.exit(code)
+
+
+def main() -> None:
+    _hydra_entry()
+
+
+if __name__ == "__main__":
+    main()

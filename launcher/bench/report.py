@@ -1,0 +1,191 @@
+"""ddp-bench's report: per-cell figures from the ranks, a verdict in words, and bench.json / bench.md / bench.png."""
+
+from __future__ import annotations
+
+import json
+import platform
+from pathlib import Path
+
+INPUT_BOUND = 0.10  # data wait above this share of step time: starved
+PIPELINE_OK = 0.90  # end-to-end at or above this share of the data-free ceiling: the pipeline keeps up
+GPU_BUSY = 85.0  # percent: below this with data ready, the step itself is host- or launch-bound
+SCALING_OK = 0.90  # efficiency below this at size > 1: communication or a straggler
+
+
+def aggregate(mode: str, size: int, ranks: list[dict]) -> dict:
+    """One cell's figures from its ranks' reports: rates add up, the worst rank sets data wait."""
+    gpus = [g for r in ranks for g in (r.get("gpus") or [])]
+    ceilings = [r.get("ceiling_images_per_s") for r in ranks]
+    ips = sum(r["images_per_s"] for r in ranks)
+    ceiling = sum(ceilings) if all(c is not None for c in ceilings) and ceilings else None
+    return {
+        "mode": mode,
+        "size": size,
+        "images_per_s": ips,
+        "data_wait": max(r["data_wait"] for r in ranks),
+        "gpu_util": sum(g["util_mean"] for g in gpus) / len(gpus) if gpus else None,
+        "gpu_util_per_gpu": [round(g["util_mean"], 1) for g in gpus],
+        "memory_peak_gib": max((g["memory_peak_gib"] for g in gpus), default=None),
+        "ceiling_images_per_s": ceiling,
+        "pipeline_efficiency": ips / ceiling if ceiling else None,
+        "host_cpu": sum(r.get("host_cpu", 0.0) for r in ranks) / len(ranks),
+        "step_ms": sum(r["step_ms"] for r in ranks) / len(ranks),
+        "steps_measured": min(r["steps_measured"] for r in ranks),
+    }
+
+
+def add_speedups(cells: list[dict]) -> None:
+    """speedup against size 1 of the same mode, efficiency = speedup / size; ratio to Ultralytics at size 1."""
+    ran = [c for c in cells if not c.get("skip") and not c.get("error")]
+    base = {c["mode"]: c["images_per_s"] for c in ran if c["size"] == 1}
+    ultralytics = base.get("ultralytics")
+    for c in cells:
+        if c not in ran:
+            c.update(speedup=None, efficiency=None, vs_ultralytics=None)
+            continue
+        one = base.get(c["mode"])
+        c["speedup"] = c["images_per_s"] / one if one else None
+        c["efficiency"] = c["speedup"] / c["size"] if c["speedup"] is not None else None
+        c["vs_ultralytics"] = c["images_per_s"] / ultralytics if ultralytics else None
+
+
+def verdict(c: dict) -> str:
+    """Where the time goes, in words, with the knob to turn."""
+    if c.get("skip"):
+        return f"skipped: {c['skip']}"
+    if c.get("error"):
+        return f"failed: {c['error']}"
+    wait, util, pipe, eff = c["data_wait"], c.get("gpu_util"), c.get("pipeline_efficiency"), c.get("efficiency")
+    busy = f"GPU {util:.0f} % busy, " if util is not None else ""
+    if wait > INPUT_BOUND:
+        return (
+            f"input-bound: {busy}{100 * wait:.0f} % of step time waiting for data; raise loader.workers "
+            f"or set train.cache=ram"
+        )
+    if pipe is not None and pipe < PIPELINE_OK:
+        return (
+            f"host-bound: {100 * pipe:.0f} % of the data-free ceiling with {100 * wait:.0f} % data wait; the loader "
+            f"competes with the training process for the CPU (fewer loader.workers, or more cores per GPU)"
+        )
+    if util is not None and util < GPU_BUSY:
+        return (
+            f"step-bound: {busy}data ready ({100 * wait:.0f} % wait); the step itself is bound by per-step host work "
+            f"and kernel launches: a larger train.batch_per_device or a compiled step would fill the GPU"
+        )
+    if c["size"] > 1 and eff is not None and eff < SCALING_OK:
+        return f"scaling-bound: {100 * eff:.0f} % efficiency at {c['size']} devices: communication or a straggler rank"
+    if util is None:
+        return f"compute-bound on the CPU: {100 * wait:.0f} % data wait; the ranks are busy computing"
+    return f"fed: {busy}{100 * wait:.0f} % data wait, {100 * (pipe or 0):.0f} % of the data-free ceiling"
+
+
+def environment() -> dict:
+    import torch
+
+    env = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "nccl": ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else None,
+        "cpu_count": len(__import__("os").sched_getaffinity(0)),
+        "cpu": platform.processor() or platform.machine(),
+        "gpus": [],
+        "driver": None,
+    }
+    try:
+        import ultralytics
+
+        env["ultralytics"] = ultralytics.__version__
+    except ImportError:
+        pass
+    from launcher.hardware import detect
+
+    hw = detect()
+    env["gpus"] = [g.name for g in hw.gpus]
+    env["driver"] = hw.driver or None
+    return env
+
+
+def _fmt(v, spec: str, scale: float = 1.0, suffix: str = "") -> str:
+    return "-" if v is None else f"{v * scale:{spec}}{suffix}"
+
+
+def markdown(report: dict) -> str:
+    lines = [
+        "# ddp-bench",
+        "",
+        f"Command: `{report['command']}`",
+        "",
+        "| cell | images/s | speedup | efficiency | vs Ultralytics | GPU busy | data wait | ceiling images/s | of ceiling | peak GPU mem | host CPU | verdict |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+    ]
+    for c in report["cells"]:
+        if c.get("skip") or c.get("error"):
+            lines.append(f"| {c['mode']} x{c['size']} | - | - | - | - | - | - | - | - | - | - | {c['verdict']} |")
+            continue
+        lines.append(
+            "| "
+            + " | ".join(
+                [
+                    f"{c['mode']} x{c['size']}",
+                    _fmt(c["images_per_s"], ".1f"),
+                    _fmt(c["speedup"], ".2f", suffix="x"),
+                    _fmt(c["efficiency"], ".0f", 100, " %"),
+                    _fmt(c["vs_ultralytics"], ".2f", suffix="x"),
+                    _fmt(c["gpu_util"], ".0f", suffix=" %"),
+                    _fmt(c["data_wait"], ".1f", 100, " %"),
+                    _fmt(c["ceiling_images_per_s"], ".1f"),
+                    _fmt(c["pipeline_efficiency"], ".0f", 100, " %"),
+                    _fmt(c["memory_peak_gib"], ".1f", suffix=" GiB"),
+                    _fmt(c["host_cpu"], ".0f", 100, " %"),
+                    c["verdict"],
+                ]
+            )
+            + " |"
+        )
+    env = report["environment"]
+    lines += [
+        "",
+        "Speedup is against size 1 of the same mode; efficiency = speedup / size. Steady state: "
+        f"{report['settings']['warmup_steps']} warm-up steps dropped, {report['settings']['steps']} steps measured with "
+        "CUDA-synchronised stamps; GPU busy is NVML utilisation over the measured window; the data-free ceiling is the "
+        "same trainer step on real batches held on the device.",
+        "",
+        f"Environment: {', '.join(env['gpus']) or 'no GPU'}; driver {env.get('driver')}; torch {env['torch']} "
+        f"(CUDA {env.get('cuda')}, NCCL {env.get('nccl')}); ultralytics {env.get('ultralytics')}; "
+        f"{env['cpu_count']} CPU cores; Python {env['python']}.",
+    ]
+    if report.get("notes"):
+        lines += ["", "Notes:"] + [f"- {n}" for n in report["notes"]]
+    return "\n".join(lines) + "\n"
+
+
+def plot(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    ran = [c for c in report["cells"] if not c.get("skip") and not c.get("error") and c.get("speedup") is not None]
+    sizes = sorted({c["size"] for c in ran}) or [1]
+    ax1.plot(sizes, sizes, "k--", label="ideal")
+    for mode in dict.fromkeys(c["mode"] for c in ran):
+        pts = sorted((c["size"], c["speedup"], c["efficiency"]) for c in ran if c["mode"] == mode)
+        ax1.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=mode)
+        ax2.plot([p[0] for p in pts], [100 * p[2] for p in pts], "o-", label=mode)
+    ax1.set(xlabel="devices", ylabel="speedup vs 1 device", title="speedup", xticks=sizes)
+    ax2.set(xlabel="devices", ylabel="scaling efficiency (%)", title="efficiency", xticks=sizes, ylim=(0, 110))
+    ax2.axhline(100, color="k", ls="--", lw=0.8)
+    for ax in (ax1, ax2):
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write(report: dict, folder: Path) -> None:
+    (folder / "bench.json").write_text(json.dumps(report, indent=2))
+    (folder / "bench.md").write_text(markdown(report))
+    plot(report, folder / "bench.png")

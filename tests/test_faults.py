@@ -1,0 +1,177 @@
+"""Fault injection: what a user finds after a rank dies, hangs, a disk fills, or the job is stopped.
+
+Two gloo ranks on the CPU, a small model, faults injected through DDP_LAUNCH_FAULT (launcher/faults.py) or by
+signalling the launcher. Each test checks what a user would look at afterwards: exit code, files, epochs,
+leftover processes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+from tests.conftest import TINY, ddp_launch
+
+pytestmark = [pytest.mark.slow, pytest.mark.dist]
+
+EPOCHS = 3  # 64 images, 2 ranks x 8: 4 steps per epoch
+BASE = ["gpus=0", "nproc=2", f"train.epochs={EPOCHS}", "loader.mosaic_buffer=false", *TINY]
+
+
+def launch(run_dir: Path, *args: str, fault: str | None = None, timeout: int = 600):
+    env = {"DDP_LAUNCH_FAULT": fault} if fault else {}
+    return ddp_launch([*BASE, f"hydra.run.dir={run_dir}", *args], cwd=run_dir.parent, timeout=timeout, env=env)
+
+
+def leftovers(run_dir: Path) -> list[str]:
+    """Processes still running for this run (ranks, torchrun, DataLoader workers all carry the run folder)."""
+    found = []
+    for p in psutil.process_iter(["cmdline"]):
+        cmd = " ".join(p.info["cmdline"] or [])
+        if str(run_dir) in cmd and "pytest" not in cmd:
+            found.append(cmd)
+    return found
+
+
+def temporaries(run_dir: Path) -> list[Path]:
+    return list((run_dir / "weights").glob(".*tmp-*"))
+
+
+def summary(run_dir: Path) -> dict:
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def test_a_rank_that_raises_fails_the_run_by_name(tmp_path, cache_dir):
+    run = tmp_path / "run"
+    r = launch(run, fault="rank=1,step=3,kind=raise")
+    assert r.returncode != 0
+    s = summary(run)
+    assert s["status"] == "failed"
+    assert s["root_cause"]["rank"] == 1  # rank 0 may fail after it (its peer vanished): not the cause
+    assert "InjectedFault: injected fault: rank 1 raised at step 3" in s["root_cause"]["error"]
+    assert "root cause: rank 1: InjectedFault" in r.stdout
+    assert not leftovers(run)
+
+
+def test_a_killed_rank_restarts_and_ends_with_the_weights_of_an_uninterrupted_run(tmp_path, cache_dir):
+    clean = tmp_path / "clean"
+    assert launch(clean).returncode == 0
+    killed = tmp_path / "killed"
+    r = launch(killed, "dist.max_restarts=1", fault="rank=1,step=6,kind=sigkill")  # in epoch 2
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    s = summary(killed)
+    assert s["epochs_completed"] == EPOCHS and s["resumed"] is True
+    rows = (killed / "results.csv").read_text().strip().splitlines()[1:]
+    assert [int(float(row.split(",")[0])) for row in rows] == [1, 2, 3]  # each epoch counted once
+    # Resumed from the epoch-1 checkpoint with full-precision state and per-sample seeded augmentation: the
+    # restarted run repeats the uninterrupted one exactly on the CPU.
+    assert s["ranks"][0]["params_sha256"] == summary(clean)["ranks"][0]["params_sha256"]
+    assert not leftovers(killed)
+
+
+def test_a_hung_rank_fails_within_the_timeout_naming_the_rank(tmp_path, cache_dir):
+    run = tmp_path / "run"
+    start = time.monotonic()
+    r = launch(run, "dist.timeout_s=15", fault="rank=1,step=5,kind=hang")
+    elapsed = time.monotonic() - start
+    assert r.returncode != 0
+    failure = summary(run)["root_cause"]
+    assert failure["rank"] == 1 and "made no progress for" in failure["error"]
+    assert "[watchdog] rank 1 made no progress" in r.stdout
+    assert elapsed < 15 + 90  # the timeout, plus start-up and the ranks' shutdown grace; not Ultralytics' 3 hours
+    assert not leftovers(run)
+
+
+def test_a_kill_during_the_checkpoint_write_leaves_the_previous_one_to_resume_from(tmp_path, cache_dir):
+    run = tmp_path / "run"
+    r = launch(run, "dist.max_restarts=1", fault="rank=0,step=5,kind=kill_in_save")  # the epoch-2 save
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    log = (run / "logs" / "rank0.log").read_text()
+    assert "injected 'kill_in_save'" in log
+    assert f"resuming from {run / 'weights' / 'last.pt'} at epoch 2, step 1" in log
+    assert summary(run)["epochs_completed"] == EPOCHS
+    assert not temporaries(run)
+
+
+def test_a_truncated_last_checkpoint_is_reported_and_the_previous_one_used(tmp_path, cache_dir):
+    run = tmp_path / "run"
+    r = launch(run, fault="rank=0,step=10,kind=exit")  # dies in epoch 3: last.pt = epoch 2, last.prev.pt = epoch 1
+    assert r.returncode != 0
+    last = run / "weights" / "last.pt"
+    last.write_bytes(last.read_bytes()[: last.stat().st_size // 2])
+    r = ddp_launch([f"resume={run}"], cwd=tmp_path, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    log = (run / "logs" / "rank0.log").read_text()
+    assert f"checkpoint {last} is unreadable" in log and "trying the previous checkpoint" in log
+    assert f"resuming from {run / 'weights' / 'last.prev.pt'} at epoch 2, step 1" in log
+    assert summary(run)["epochs_completed"] == EPOCHS
+
+
+def test_sigterm_to_the_launcher_checkpoints_and_exits_143_without_orphans(tmp_path, cache_dir):
+    run = tmp_path / "run"
+    exe = str(Path(os.environ.get("VIRTUAL_ENV", "")) / "bin" / "ddp-launch")
+    exe = exe if os.path.exists(exe) else "ddp-launch"
+    proc = subprocess.Popen(
+        [exe, *BASE, "train.epochs=20", f"hydra.run.dir={run}"], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    log = run / "logs" / "rank0.log"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and not (log.exists() and "epoch 2/20" in log.read_text()):
+        time.sleep(0.5)
+    assert log.exists(), "the run did not start"
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 143, out[-3000:]
+    assert summary(run)["status"] == "stopped"
+    assert "checkpoint saved at epoch" in log.read_text()
+    assert not leftovers(run) and not temporaries(run)
+    ckpt = torch.load(run / "weights" / "last.pt", map_location="cpu", weights_only=False)
+    assert ckpt["ddp_launch_state"]["position"][0] >= 1
+    r = ddp_launch([f"resume={run}"], cwd=tmp_path, timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:]
+    assert summary(run)["epochs_completed"] == 20
+
+
+def test_two_launches_at_once_get_their_own_ports_and_run_folders(tmp_path, cache_dir):
+    procs = []
+    for name in ("a", "b"):
+        exe = str(Path(os.environ.get("VIRTUAL_ENV", "")) / "bin" / "ddp-launch")
+        exe = exe if os.path.exists(exe) else "ddp-launch"
+        procs.append(subprocess.Popen([exe, *BASE, "train.epochs=1"], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outs = [p.communicate(timeout=600)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    folders = [next(line.split(None, 2)[2] for line in out.splitlines() if line.startswith("run folder")) for out in outs]
+    assert folders[0] != folders[1]
+    ports = []
+    for folder in folders:
+        header = (Path(folder) / "logs" / "rank0.log").read_text().splitlines()[0]
+        ports.append(header.split("rendezvous ")[1].split()[0])
+    assert ports[0] != ports[1] and all(p.startswith("localhost:") or ":" in p for p in ports)
+
+
+def test_a_full_disk_while_saving_is_a_clear_error_and_keeps_the_previous_checkpoint(tmp_path, cache_dir):
+    run = tmp_path / "run"
+    r = launch(run, fault="rank=0,step=5,kind=disk_full")  # the epoch-2 save fails
+    assert r.returncode != 0
+    error = summary(run)["root_cause"]["error"]
+    assert "could not write a checkpoint" in error and "No space left on device" in error
+    assert "the previous checkpoint" in error and "is intact" in error
+    ckpt = torch.load(run / "weights" / "last.pt", map_location="cpu", weights_only=False)
+    assert ckpt["ddp_launch_state"]["position"] == (1, 0)  # epoch 1's, untouched
+    assert not temporaries(run) and not leftovers(run)
+
+
+def test_resume_on_a_finished_run_says_so_and_exits_0(tmp_path, cache_dir):
+    run = tmp_path / "run"
+    assert launch(run, "train.epochs=1").returncode == 0
+    r = ddp_launch([f"resume={run}"], cwd=tmp_path, timeout=120)
+    assert r.returncode == 0
+    assert "already finished" in r.stdout
