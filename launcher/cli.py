@@ -67,7 +67,7 @@ def launch(cfg: dict, run_dir: Path, base_dir: Path) -> int:
 
     cache = Path(cfg["paths"]["cache"]).expanduser()
     env = {**runenv.offline_environment(cache), **plan.env}
-    cmd = torchrun.torchrun_command(plan, run_dir)
+    cmd = [] if on_slurm else torchrun.torchrun_command(plan, run_dir)  # a SLURM job builds one per node
 
     say("ddp-launch plan")
     say(describe(plan, model, data))
@@ -126,7 +126,8 @@ def write_run_folder(run_dir: Path, cfg: dict, plan, model, data, env: dict, cmd
     resolved["data"] = {**cfg["data"], "path": str(data_yaml)}
     OmegaConf.save(OmegaConf.create(resolved), run_dir / "config.yaml")
     (run_dir / "plan.json").write_text(json.dumps(plan.to_dict(), indent=2))
-    (run_dir / "torchrun.sh").write_text("#!/bin/sh\n# what ddp-launch ran\nexec " + torchrun.format_command(cmd, env) + "\n")
+    if cfg["launcher"]["name"] != "slurm":  # a SLURM job's command is in job.sbatch; each node builds its own
+        (run_dir / "torchrun.sh").write_text("#!/bin/sh\n# what ddp-launch ran\nexec " + torchrun.format_command(cmd, env) + "\n")
     runenv.prepare_ultralytics_home(Path(cfg["paths"]["cache"]).expanduser())
 
 
@@ -160,9 +161,12 @@ def resume(run_dir: Path, fresh_dir: Path) -> int:
     cache = Path(cfg["paths"]["cache"]).expanduser()
     runenv.prepare_ultralytics_home(cache)
     env = {**runenv.offline_environment(cache), **plan.env}
-    cmd = torchrun.torchrun_command(plan, run_dir)
     say(f"resuming {run_dir} with its own config (world size {plan.world_size}, global batch {plan.global_batch})")
-    return run_plan(cfg, plan, run_dir, env, cmd)
+    if plan.rendezvous.kind == "slurm":
+        from launcher import slurm
+
+        return slurm.sbatch(cfg, plan, run_dir)
+    return run_plan(cfg, plan, run_dir, env, torchrun.torchrun_command(plan, run_dir))
 
 
 def write_outcome(run_dir: Path, status: str, exit_code: int, detail: str) -> None:

@@ -300,7 +300,12 @@ def make_plan(
             port = None
     else:
         port = None
-    if nnodes > 1:
+    on_slurm = (cfg.get("launcher") or {}).get("name") == "slurm"
+    if on_slurm:
+        # decided in the job (launcher/job.py): c10d on the allocation's first host, a port derived from the job id
+        # (or dist.master_port); one node: localhost:0. Nothing on this login node to check.
+        rendezvous = Rendezvous("slurm", "", port or 0)
+    elif nnodes > 1:
         if addr in ("127.0.0.1", "localhost", "::1"):
             problems.append(
                 Problem(
@@ -318,7 +323,7 @@ def make_plan(
         rendezvous = Rendezvous("standalone", "localhost", 0)
     else:
         rendezvous = Rendezvous("static", addr, port)
-    if port is not None and port_is_free is not None and node_rank == 0 and not port_is_free(port):
+    if port is not None and port_is_free is not None and node_rank == 0 and not on_slurm and not port_is_free(port):
         problems.append(
             Problem(
                 f"dist.master_port={port} is already in use on this machine (another job?). "
@@ -340,7 +345,8 @@ def make_plan(
     if dist.get("sync_bn") and device == "cpu" and mode == "ddp":
         problems.append(Problem("dist.sync_bn=true needs GPUs (torch's SyncBatchNorm has no CPU kernel)"))
 
-    env = {**thread_environment(threads), **distributed_environment(dist), "PYTHONUNBUFFERED": "1"}
+    single_node = nnodes == 1 and not on_slurm
+    env = {**thread_environment(threads), **distributed_environment(dist, single_node), "PYTHONUNBUFFERED": "1"}
 
     plan = LaunchPlan(
         mode=mode,
@@ -403,6 +409,9 @@ def describe(plan: LaunchPlan, model: ModelSpec | None, data: DatasetInfo | None
         "standalone": "c10d standalone on localhost:0 (torchrun picks a free port; several jobs per node are fine)",
         "static": f"{rdzv.addr}:{rdzv.port}",
         "none": "none (one process)",
+        "slurm": "decided in the job: c10d on the allocation's first host, port "
+        + (str(rdzv.port) if rdzv.port else "20000 + job id mod 10000")
+        + " (one node: localhost:0)",
     }[rdzv.kind]
     lines = [
         f"mode            {plan.mode}" + (f" ({plan.backend})" if plan.backend else ""),

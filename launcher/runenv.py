@@ -88,10 +88,16 @@ def thread_environment(threads_per_rank: int) -> dict[str, str]:
     return {"OMP_NUM_THREADS": n, "MKL_NUM_THREADS": n, "OPENBLAS_NUM_THREADS": n}
 
 
-def distributed_environment(dist_cfg: dict) -> dict[str, str]:
-    """NCCL and torch.distributed toggles from `dist.*`; `dist.debug=true` turns on the useful set at once."""
+def distributed_environment(dist_cfg: dict, single_node: bool = False) -> dict[str, str]:
+    """NCCL and torch.distributed toggles from `dist.*`; `dist.debug=true` turns on the useful set at once.
+
+    On a single node the ranks' own sockets (gloo's pairs, NCCL's bootstrap) stay on the loopback interface.
+    """
     env: dict[str, str] = {}
     nccl = dist_cfg.get("nccl") or {}
+    if single_node and not nccl.get("socket_ifname"):
+        env["GLOO_SOCKET_IFNAME"] = "lo"
+        env["NCCL_SOCKET_IFNAME"] = "lo"
     debug = bool(dist_cfg.get("debug"))
     level = nccl.get("debug") or ("INFO" if debug else None)
     if level:

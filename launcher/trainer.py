@@ -39,7 +39,7 @@ from launcher.graphed import GraphedDetector
 from launcher.loss_sync import use_global_normaliser
 from launcher.meter import StepMeter
 from launcher.plan import LaunchPlan
-from launcher.sampler import EpochBatchSampler, EpochSeededDataset, worker_init
+from launcher.sampler import EpochBatchSampler, EpochSeededDataset, sample_seed, worker_init
 from launcher.shutdown import StopSignal
 from launcher.watchdog import Heartbeat
 
@@ -193,6 +193,7 @@ class LaunchTrainer(DetectionTrainer):
         self.samples_seen: dict[int, list[str]] = {}
         self.fitness_epoch: int | None = None  # the epoch best.pt holds
         self.start_batch = 0  # resuming mid-epoch: the first batch of start_epoch to train
+        self.tloss_steps = 0  # steps in the running mean self.tloss
         self.resumed_from: Path | None = None
         self.stop_signal = StopSignal()
         self.control_group = None
@@ -280,6 +281,7 @@ class LaunchTrainer(DetectionTrainer):
                 model,
                 device_ids=[self.device.index] if self.device.type == "cuda" else None,
                 find_unused_parameters=bool(self.cfg["dist"]["find_unused_parameters"]),
+                gradient_as_bucket_view=True,  # gradients live in the all-reduce buckets: no copy in, no copy out
                 **{BUFFER_SYNC_KWARG: bool(self.cfg["dist"]["broadcast_buffers"])},
             )
         if self.plan.mode == "dp":
@@ -287,16 +289,6 @@ class LaunchTrainer(DetectionTrainer):
             devices = list(range(self.plan.devices_per_rank)) if self.device.type == "cuda" else None
             return nn.DataParallel(model, device_ids=devices)
         return model
-
-    def build_optimizer(self, model, name="auto", lr=0.001, momentum=0.9, decay=1e-5, iterations=1e5):
-        """Ultralytics' parameter groups; on CUDA, SGD's fused kernel (one launch for the whole update, and
-        GradScaler checks for overflow on the device instead of stopping the host at every step)."""
-        optimizer = super().build_optimizer(model, name, lr, momentum, decay, iterations)
-        if isinstance(optimizer, torch.optim.SGD) and self.device.type == "cuda":
-            keep = ("params", "lr", "momentum", "nesterov", "weight_decay", "dampening", "param_group")
-            groups = [{k: v for k, v in g.items() if k in keep} for g in optimizer.param_groups]
-            optimizer = torch.optim.SGD(groups, lr=lr, momentum=momentum, nesterov=True, fused=True)
-        return optimizer
 
     def _restore(self, state: dict, ckpt: dict) -> None:
         """Continue where the checkpoint stopped: optimizer, scaler, EMA, position, best fitness, records."""
@@ -316,6 +308,10 @@ class LaunchTrainer(DetectionTrainer):
             self._log(f"world size changed ({state['world_size']} -> {self.world_size}): restarting epoch {epoch + 1}")
             batch = 0
         self.start_epoch, self.start_batch = epoch, batch
+        if batch and state.get("tloss"):
+            self.tloss = {k: torch.tensor(v, device=self.device) for k, v in state["tloss"].items()}
+            self.tloss_steps = state["tloss_steps"]
+            self.loss_items, self.loss_names = dict(self.tloss), tuple(self.tloss)  # the validator reads their keys
         if self.rank == 0 and self._results_before:
             # rows of the epochs this checkpoint has completed; later ones (written before a failed save) go
             lines = self._results_before.splitlines()
@@ -375,10 +371,14 @@ class LaunchTrainer(DetectionTrainer):
 
     def _train_loader(self):
         loader_cfg = self.cfg["loader"]
+        self.gpu_augment = None
         with torch_distributed_zero_first(UL_LOCAL_RANK):  # rank 0 writes the labels *.cache first
-            dataset = self.build_dataset(self.data["train"], mode="train", batch=self.plan.batch_per_rank)
+            if loader_cfg.get("gpu_augment"):
+                dataset = self._raw_train_dataset()
+            else:
+                dataset = self.build_dataset(self.data["train"], mode="train", batch=self.plan.batch_per_rank)
         self.train_dataset = dataset
-        if not loader_cfg.get("mosaic_buffer", True):
+        if not loader_cfg.get("mosaic_buffer", True) and self.gpu_augment is None:
             set_mosaic_buffer(dataset, False)
         self.batch_sampler = EpochBatchSampler(
             len(dataset),
@@ -389,7 +389,7 @@ class LaunchTrainer(DetectionTrainer):
         )
         workers = self.plan.workers_per_rank
         return torch.utils.data.DataLoader(
-            EpochSeededDataset(dataset, int(self.cfg["seed"])),
+            dataset if self.gpu_augment is not None else EpochSeededDataset(dataset, int(self.cfg["seed"])),
             batch_sampler=self.batch_sampler,
             num_workers=workers,
             pin_memory=bool(loader_cfg["pin_memory"]) and self.device.type == "cuda",
@@ -398,6 +398,30 @@ class LaunchTrainer(DetectionTrainer):
             prefetch_factor=int(loader_cfg["prefetch_factor"]) if workers else None,
             persistent_workers=False,  # the iterator itself lives for the whole run (see _batches)
         )
+
+    def _raw_train_dataset(self):
+        """loader.gpu_augment: the CPU loads and resizes images (raw_loader.py); the device augments them."""
+        from launcher.gpu_augment import GpuAugment
+        from launcher.raw_loader import RawTrainDataset, build_raw_dataset
+
+        if self.device.type != "cuda":
+            self._log("loader.gpu_augment on the CPU: the same augmentation, computed by the training process")
+        inner = build_raw_dataset(self.args, self.data["train"], self.plan.batch_per_rank, self.data)
+        if self.cfg["train"]["cache"] == "shared":
+            cache = image_cache.ensure_cache(
+                self.data["train"], inner.imgsz, channels=inner.channels, dirs=self._image_cache_dirs(), log=self._log
+            )
+            image_cache.attach_cache(inner, cache)
+        self.gpu_augment = GpuAugment(inner.imgsz, self.args)
+        return RawTrainDataset(inner, int(self.cfg["seed"]), partners=self.cfg["loader"].get("mosaic_partners", "dataset"))
+
+    def _augment_on_device(self, raw, ni: int) -> dict:
+        """One batch's augmentation on the device, its randomness a function of (seed, step, rank) alone."""
+        if not hasattr(self, "_aug_generator"):
+            self._aug_generator = torch.Generator(device=self.device)
+        self._aug_generator.manual_seed(sample_seed(int(self.cfg["seed"]), ni, self.rank))
+        raw = raw.to(self.device, non_blocking=True)
+        return self.gpu_augment(raw, self._aug_generator)
 
     def _batches(self, epoch: int, start_batch: int = 0):
         """A fresh iterator over the training batches from (epoch, start_batch) onwards; old workers are stopped."""
@@ -451,17 +475,19 @@ class LaunchTrainer(DetectionTrainer):
             if it is None or not persistent:
                 it = self._batches(epoch, first)
 
-            self.tloss = None
+            if epoch != self.start_epoch or not first:
+                self.tloss, self.tloss_steps = None, 0  # a resumed epoch keeps the mean of its steps before the stop
             for i in range(first, nb):
                 ni = i + nb * epoch
                 batch = self._train_batch(it, ni, nw, epoch)
                 if self.record_samples:
                     self.samples_seen.setdefault(epoch, []).extend(Path(f).name for f in batch["im_file"])
-                done = i + 1 - first
+                self.tloss_steps += 1
+                n = self.tloss_steps
                 self.tloss = (
                     self.loss_items
                     if self.tloss is None
-                    else {k: (self.tloss[k] * (done - 1) + v) / done for k, v in self.loss_items.items()}
+                    else {k: (self.tloss[k] * (n - 1) + v) / n for k, v in self.loss_items.items()}
                 )
                 self.faults.at_step(ni + 1)
                 self._beat("waiting", ni + 1)
@@ -524,7 +550,10 @@ class LaunchTrainer(DetectionTrainer):
     def _train_batch(self, it, ni: int, nw: int, epoch: int) -> dict:
         """Fetch the next batch and take one optimizer step on it, metered. `ni` counts steps from the run's start."""
         self.meter.wait_start()
-        batch = self.preprocess_batch(next(it))
+        batch = next(it)
+        if self.gpu_augment is not None:
+            batch = self._augment_on_device(batch, ni)
+        batch = self.preprocess_batch(batch)
         self.meter.batch_ready()
         self.run_callbacks("on_train_batch_start")
         if nw and ni <= nw:
@@ -552,8 +581,11 @@ class LaunchTrainer(DetectionTrainer):
             (self.heartbeat.working if state == "working" else self.heartbeat.waiting)(step)
 
     def _stop_on_signal(self, signum: int, epoch: int, next_batch: int, nb: int) -> None:
-        """Every rank got here at the same step: save where we are, then leave with 128 + signal."""
-        position = (epoch + 1, 0) if next_batch >= nb else (epoch, next_batch)
+        """Every rank got here at the same step: save where we are, then leave with 128 + signal.
+
+        After an epoch's last step the position is (epoch, nb): a resumed run has no step left in that epoch but
+        still runs its end (validation, the results row, the epoch checkpoint)."""
+        position = (epoch, next_batch)
         if self.rank == 0:
             self.save_model(validated=False, position=position)
             self._log(f"checkpoint saved at epoch {position[0] + 1} step {position[1] + 1}: {self.last}")
@@ -569,7 +601,10 @@ class LaunchTrainer(DetectionTrainer):
 
     def _close_dataloader_mosaic(self):
         self._log("closing mosaic for the last epochs")
-        self.train_dataset.close_mosaic(hyp=deepcopy(self.args))
+        if self.gpu_augment is not None:
+            self.train_dataset.close_mosaic()  # raw batches of one tile per sample: the device skips mosaic
+        else:
+            self.train_dataset.close_mosaic(hyp=deepcopy(self.args))
 
     def _warmup(self, ni: int, nw: int, epoch: int) -> None:
         """Ultralytics' warmup, over `nw` optimizer steps: bias lr falls from warmup_bias_lr, the others rise from 0."""
@@ -645,6 +680,8 @@ class LaunchTrainer(DetectionTrainer):
                     "fitness_epoch": self.fitness_epoch,
                     "validated_epochs": list(self.validated_epochs),
                     "metrics": dict(self.metrics or {}),
+                    "tloss": {k: float(v) for k, v in (self.tloss or {}).items()},  # mean loss of the epoch so far
+                    "tloss_steps": self.tloss_steps,
                     "world_size": self.world_size,
                     "global_batch": self.plan.global_batch,
                 },
@@ -752,6 +789,7 @@ class LaunchTrainer(DetectionTrainer):
             "gpu_util": sum(g["util_mean"] for g in gpus) / len(gpus) if gpus else None,
             "memory_peak_gib": max((g["memory_peak_gib"] for g in gpus), default=None),
             "params_sha256": h.hexdigest(),
+            "loss": {k: float(v) for k, v in (self.loss_items or {}).items()},  # the last step's, a sanity check
             "validated_epochs": self.validated_epochs,
             "resumed_from": str(self.resumed_from) if self.resumed_from else None,
             "samples": {str(e): names for e, names in self.samples_seen.items()} if self.record_samples else None,
@@ -797,7 +835,12 @@ class BenchTrainer(LaunchTrainer):
 
     def _ceiling(self, it, n_batches: int, steps: int) -> float:
         """images/s of the same trainer step on `n_batches` real batches already on the device, cycled."""
-        batches = [self.preprocess_batch(next(it)) for _ in range(n_batches)]
+        batches = []
+        for j in range(n_batches):
+            batch = next(it)
+            if self.gpu_augment is not None:
+                batch = self._augment_on_device(batch, j)
+            batches.append(self.preprocess_batch(batch))
         images = 0
         for j in range(steps + 3):
             if j == 3:  # a few unmeasured steps after switching from the loader

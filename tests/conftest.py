@@ -44,9 +44,12 @@ def compose_config(overrides: list[str] | None = None) -> dict:
     return OmegaConf.to_container(cfg, resolve=True)
 
 
-def ddp_launch(args: list[str], cwd: Path, timeout: int = 900, env: dict | None = None) -> subprocess.CompletedProcess:
-    """Run the installed console script, as a user does."""
-    exe = shutil.which("ddp-launch") or str(Path(sys.executable).parent / "ddp-launch")
+def ddp_launch(
+    args: list[str], cwd: Path, timeout: int = 900, env: dict | None = None, tool: str = "ddp-launch"
+) -> subprocess.CompletedProcess:
+    """Run an installed console script (ddp-launch, ddp-bench), as a user does."""
+    exe = str(Path(sys.executable).parent / tool)
+    exe = exe if Path(exe).exists() else shutil.which(tool) or tool
     return subprocess.run(
         [exe, *args],
         cwd=cwd,

@@ -31,7 +31,8 @@ def readme_commands(tool: str) -> list[str]:
 
 
 def needs_this_machine_lacks(cmd: str) -> bool:
-    return bool(re.search(r"gpus=[1-9]", cmd)) or "experiment=coco" in cmd or "data=custom" in cmd
+    # launcher=slurm needs a cluster: its dry run prints the job script (tests/test_slurm_cluster.py submits for real)
+    return bool(re.search(r"gpus=[1-9]", cmd)) or "experiment=coco" in cmd or "data=custom" in cmd or "launcher=slurm" in cmd
 
 
 def test_the_first_lines_are_the_two_fresh_machine_commands():
@@ -57,9 +58,32 @@ def test_the_main_job_runs_as_written(tmp_path, cache_dir):
     assert Path(summary["weights"]).is_file() and f"weights     {summary['weights']}" in result.stdout
 
 
+@pytest.mark.parametrize("command", readme_commands("ddp-bench"))
+def test_every_readme_benchmark_command(command, tmp_path, cache_dir):
+    """On the CPU ones run for real (small enough); the GPU ones are dry runs: cells and their plans."""
+    args = shlex.split(command)[1:]
+    if "gpus=0" not in args:
+        args.append("dry_run=true")
+    result = ddp_launch(args, cwd=tmp_path, timeout=900, tool="ddp-bench")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    if "dry_run=true" in args:
+        assert "dry run: nothing started" in result.stdout
+    else:
+        report = next(Path(tmp_path).rglob("bench.json"))
+        cells = json.loads(report.read_text())["cells"]
+        assert cells and all(c.get("images_per_s") for c in cells if not c.get("skip"))
+        assert (report.parent / "bench.md").exists() and (report.parent / "bench.png").exists()
+
+
 @pytest.mark.parametrize("command", [c for c in readme_commands("ddp-launch") if c != "ddp-launch"])
 def test_every_other_readme_command(command, tmp_path, cache_dir):
     args = shlex.split(command)[1:]
+    if "resume=RUN_DIR" in args:  # the README's placeholder: a real (finished) run of this machine
+        first = ddp_launch(["train.epochs=1", "train.imgsz=64", "data.synthetic.train_images=64"], cwd=tmp_path)
+        assert first.returncode == 0, first.stdout[-2000:]
+        result = ddp_launch([f"resume={run_dir_of(first)}"], cwd=tmp_path, timeout=300)
+        assert result.returncode == 0 and "already finished" in result.stdout, result.stdout + result.stderr
+        return
     if needs_this_machine_lacks(command):
         if "data=custom" in command:  # the README's placeholder path, made real
             args = [a for a in args if not a.startswith("data.path=")] + [f"data.path={_custom_yaml(tmp_path)}"]

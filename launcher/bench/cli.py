@@ -24,7 +24,7 @@ from launcher.bench import report
 from launcher.bench.cells import Cell, plan_cells
 from launcher.cli import EXIT_PLAN_ERROR, conf_dir, say, write_run_folder
 from launcher.models import resolve_model
-from launcher.plan import check_plan, make_plan
+from launcher.plan import check_plan, describe, make_plan
 from launcher.problems import PlanError, Problem, config_problems
 
 
@@ -40,12 +40,15 @@ def run_bench(cfg: dict, run_dir: Path, base_dir: Path, command: str) -> int:
     if on_gpu and hw.gpu_count == 0:
         raise PlanError([Problem(f"gpus={gpus} but {hw.describe_gpus()}; benchmark CPU ranks with gpus=0")])
     b = cfg["bench"]
-    cells, problems = plan_cells(list(b["sizes"]), list(b["modes"]), b["baseline"], hw.gpu_count, hw.cpu_count, on_gpu)
+    cells, problems = plan_cells(
+        list(b["sizes"]), list(b["modes"]), b["baseline"], hw.gpu_count, hw.cpu_count, on_gpu, b.get("variants") or None
+    )
     model, model_msgs = resolve_model(cfg["model"], base_dir)
     if problems or model_msgs:
         raise PlanError(config_problems(problems + model_msgs))
-    data, data_problems = datamod.resolve_data(cfg["data"], base_dir, generate=True)
-    errors, _ = check_plan(data_problems, dry_run=False)
+    dry_run = bool(cfg.get("dry_run"))
+    data, data_problems = datamod.resolve_data(cfg["data"], base_dir, generate=not dry_run)
+    errors, warnings = check_plan(data_problems, dry_run=dry_run)
     if errors:
         raise PlanError(errors)
 
@@ -54,16 +57,28 @@ def run_bench(cfg: dict, run_dir: Path, base_dir: Path, command: str) -> int:
     for c in cells:
         say(f"  {c.name:<14} {'skipped: ' + c.skip if c.skip else 'to run'}")
     say(f"run folder      {run_dir}\n")
+    if dry_run:
+        for w in warnings:
+            say(f"WARNING: {w.message} (a real run would refuse)")
+        for cell in to_run:
+            plan, plan_problems = make_plan(with_overrides({**cfg, **cell.overrides(on_gpu)}, list(cell.overrides_)), hw, data)
+            say(f"--- cell {cell.name} ---\n{describe(plan, model, data)}")
+            for p in plan_problems:
+                say(f"WARNING: {p.message}")
+        say("\ndry run: nothing started")
+        return 0
 
     results = []
     for cell in cells:
         if cell.skip:
-            results.append({"mode": cell.mode, "size": cell.size, "skip": cell.skip})
+            results.append({"mode": cell.mode, "size": cell.size, "variant": cell.variant, "skip": cell.skip})
             continue
         say(f"--- cell {cell.name} ---")
         outcome = run_cell(cell, cfg, run_dir / "cells" / cell.name, hw, model, data, on_gpu)
         if isinstance(outcome, int):
             return outcome  # stopped by a signal: keep what was measured so far in the cell folders
+        outcome["variant"] = cell.variant
+        outcome["overrides"] = list(cell.overrides_)
         results.append(outcome)
         if "error" in outcome:
             say(f"    {cell.name}: failed ({outcome['error']})")
@@ -75,7 +90,7 @@ def run_bench(cfg: dict, run_dir: Path, base_dir: Path, command: str) -> int:
         c["verdict"] = report.verdict(c)
     out = {
         "command": command,
-        "settings": {k: b[k] for k in ("sizes", "modes", "warmup_steps", "steps", "ceiling_batches", "baseline")},
+        "settings": {k: b.get(k) for k in ("sizes", "modes", "warmup_steps", "steps", "ceiling_batches", "baseline", "variants")},
         "model": model.cfg or model.weights,
         "data": {"name": data.name, "train_images": data.train_images, "path": data.spec["path"]},
         "imgsz": cfg["train"]["imgsz"],
@@ -91,8 +106,21 @@ def run_bench(cfg: dict, run_dir: Path, base_dir: Path, command: str) -> int:
     return 0 if all("error" not in c for c in results) else 1
 
 
+def with_overrides(cfg: dict, overrides: list[str]) -> dict:
+    """cfg with `key=value` overrides (Hydra's syntax for plain values); unknown keys are an error, except under
+    train.extra, which passes any Ultralytics argument."""
+    base = OmegaConf.create(copy.deepcopy(cfg))
+    OmegaConf.set_struct(base, True)
+    OmegaConf.set_struct(base.train.extra, False)
+    try:
+        merged = OmegaConf.merge(base, OmegaConf.from_dotlist(list(overrides)))
+    except Exception as e:
+        raise PlanError([Problem(f"bench.variants: {e}")]) from e
+    return OmegaConf.to_container(merged, resolve=True)
+
+
 def run_cell(cell: Cell, cfg: dict, cell_dir: Path, hw, model, data, on_gpu: bool) -> dict | int:
-    ccfg = copy.deepcopy(cfg)
+    ccfg = with_overrides(cfg, list(cell.overrides_))
     ccfg.update(cell.overrides(on_gpu))
     ccfg["bench"]["cell"] = cell.name
     if cell.mode == "ultralytics":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import platform
 from pathlib import Path
 
@@ -31,19 +32,20 @@ def aggregate(mode: str, size: int, ranks: list[dict]) -> dict:
         "host_cpu": sum(r.get("host_cpu", 0.0) for r in ranks) / len(ranks),
         "step_ms": sum(r["step_ms"] for r in ranks) / len(ranks),
         "steps_measured": min(r["steps_measured"] for r in ranks),
+        "loss_finite": all(math.isfinite(v) for r in ranks for v in (r.get("loss") or {}).values()),
     }
 
 
 def add_speedups(cells: list[dict]) -> None:
     """speedup against size 1 of the same mode, efficiency = speedup / size; ratio to Ultralytics at size 1."""
     ran = [c for c in cells if not c.get("skip") and not c.get("error")]
-    base = {c["mode"]: c["images_per_s"] for c in ran if c["size"] == 1}
-    ultralytics = base.get("ultralytics")
+    base = {(c["mode"], c.get("variant", "")): c["images_per_s"] for c in ran if c["size"] == 1}
+    ultralytics = base.get(("ultralytics", ""))
     for c in cells:
         if c not in ran:
             c.update(speedup=None, efficiency=None, vs_ultralytics=None)
             continue
-        one = base.get(c["mode"])
+        one = base.get((c["mode"], c.get("variant", "")))
         c["speedup"] = c["images_per_s"] / one if one else None
         c["efficiency"] = c["speedup"] / c["size"] if c["speedup"] is not None else None
         c["vs_ultralytics"] = c["images_per_s"] / ultralytics if ultralytics else None
@@ -55,6 +57,8 @@ def verdict(c: dict) -> str:
         return f"skipped: {c['skip']}"
     if c.get("error"):
         return f"failed: {c['error']}"
+    if c.get("loss_finite") is False:
+        return "invalid: the loss is not finite (NaN or inf), so these figures are not a training run's"
     wait, util, pipe, eff = c["data_wait"], c.get("gpu_util"), c.get("pipeline_efficiency"), c.get("efficiency")
     busy = f"GPU {util:.0f} % busy, " if util is not None else ""
     if wait > INPUT_BOUND:
@@ -120,14 +124,15 @@ def markdown(report: dict) -> str:
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
     for c in report["cells"]:
+        label = f"{c['mode']} x{c['size']}" + (f" {c['variant']}" if c.get("variant") else "")
         if c.get("skip") or c.get("error"):
-            lines.append(f"| {c['mode']} x{c['size']} | - | - | - | - | - | - | - | - | - | - | {c['verdict']} |")
+            lines.append(f"| {label} | - | - | - | - | - | - | - | - | - | - | {c['verdict']} |")
             continue
         lines.append(
             "| "
             + " | ".join(
                 [
-                    f"{c['mode']} x{c['size']}",
+                    label,
                     _fmt(c["images_per_s"], ".1f"),
                     _fmt(c["speedup"], ".2f", suffix="x"),
                     _fmt(c["efficiency"], ".0f", 100, " %"),
@@ -155,6 +160,10 @@ def markdown(report: dict) -> str:
         f"(CUDA {env.get('cuda')}, NCCL {env.get('nccl')}); ultralytics {env.get('ultralytics')}; "
         f"{env['cpu_count']} CPU cores; Python {env['python']}.",
     ]
+    variants = (report["settings"].get("variants") or {})
+    if variants:
+        lines += ["", "Variants (config overrides of each cell):"]
+        lines += [f"- {name or 'base'}: {' '.join(ov) if ov else '(none)'}" for name, ov in variants.items()]
     if report.get("notes"):
         lines += ["", "Notes:"] + [f"- {n}" for n in report["notes"]]
     return "\n".join(lines) + "\n"
@@ -170,10 +179,11 @@ def plot(report: dict, path: Path) -> None:
     ran = [c for c in report["cells"] if not c.get("skip") and not c.get("error") and c.get("speedup") is not None]
     sizes = sorted({c["size"] for c in ran}) or [1]
     ax1.plot(sizes, sizes, "k--", label="ideal")
-    for mode in dict.fromkeys(c["mode"] for c in ran):
-        pts = sorted((c["size"], c["speedup"], c["efficiency"]) for c in ran if c["mode"] == mode)
-        ax1.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=mode)
-        ax2.plot([p[0] for p in pts], [100 * p[2] for p in pts], "o-", label=mode)
+    for key in dict.fromkeys((c["mode"], c.get("variant", "")) for c in ran):
+        pts = sorted((c["size"], c["speedup"], c["efficiency"]) for c in ran if (c["mode"], c.get("variant", "")) == key)
+        label = " ".join(filter(None, key))
+        ax1.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=label)
+        ax2.plot([p[0] for p in pts], [100 * p[2] for p in pts], "o-", label=label)
     ax1.set(xlabel="devices", ylabel="speedup vs 1 device", title="speedup", xticks=sizes)
     ax2.set(xlabel="devices", ylabel="scaling efficiency (%)", title="efficiency", xticks=sizes, ylim=(0, 110))
     ax2.axhline(100, color="k", ls="--", lw=0.8)

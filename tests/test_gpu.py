@@ -1,0 +1,70 @@
+"""GPU paths: skipped without CUDA (CI); run on the GPU machine, results in docs/benchmarks/ and the issue notes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tests.conftest import TINY, ddp_launch, run_dir_of
+from tests.test_ddp_equivalence import make_model_and_batch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+def _on_cuda(batch: dict) -> dict:
+    return {k: v.cuda() for k, v in batch.items()}
+
+
+def test_dataparallel_loss_on_gathered_predictions_equals_the_single_gpu_loss():
+    from ultralytics.utils.torch_utils import unwrap_model
+
+    from launcher.trainer import prepare_criterion
+
+    model, batch = make_model_and_batch()
+    model, batch = model.cuda(), _on_cuda(batch)
+    prepare_criterion(model)
+    model.train()
+    for m in model.modules():
+        if isinstance(m, torch.nn.BatchNorm2d):
+            m.eval()  # per-replica BatchNorm statistics would differ from the whole batch's
+    single, _ = model.loss(batch, model(batch["img"]))
+    dp = torch.nn.DataParallel(model)  # every visible GPU: the images are scattered, the predictions gathered
+    dp_loss, _ = unwrap_model(dp).loss(batch, dp(batch["img"]))
+    torch.testing.assert_close(dp_loss, single, rtol=1e-4, atol=1e-4)
+
+
+def test_a_cuda_graph_step_takes_the_same_step_as_the_eager_one():
+    from launcher import lr
+    from launcher.graphed import GraphedDetector
+    from launcher.trainer import prepare_criterion, train_step
+
+    results = []
+    for graphed in (False, False, True):  # two eager runs: how far cuDNN's own choices move the weights
+        model, batch = make_model_and_batch()
+        model, batch = model.cuda(), _on_cuda(batch)
+        prepare_criterion(model)
+        model.train()
+        net = GraphedDetector(model, batch["img"].shape[0], batch["img"].shape[-1], None) if graphed else model
+        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, nesterov=True)
+        scaler = torch.amp.GradScaler("cuda", enabled=False)
+        for _ in range(3):
+            train_step(net, batch, loss_scale=lr.loss_scale(64, 4), optimizer=opt, scaler=scaler, grad_clip=10.0)
+        results.append({k: v.detach().clone() for k, v in model.named_parameters()})
+    def distance(a, b):
+        return max(((a[k] - b[k]).abs().max() / (b[k].abs().max() + 1e-12)).item() for k in b)
+
+    eager_spread, graph_gap = distance(results[1], results[0]), distance(results[2], results[0])
+    print(f"relative gap: eager vs eager {eager_spread:.2e}, graph vs eager {graph_gap:.2e}")
+    assert graph_gap <= max(10 * eager_spread, 1e-3)
+
+
+def test_one_gpu_trains_with_every_lever_on(tmp_path, cache_dir):
+    levers = ["train.cuda_graphs=true", "loader.gpu_augment=true", "train.cache=shared", "mode=ddp", "gpus=1"]
+    r = ddp_launch([*TINY, "train.epochs=3", *levers], cwd=tmp_path)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    summary = json.loads((run_dir_of(r) / "summary.json").read_text())
+    assert summary["backend"] == "nccl" and summary["epochs_completed"] == 3
+    assert summary["ranks"][0]["gpus"], "NVML figures missing"
+    assert "CUDA graphs: forward and backward captured" in (run_dir_of(r) / "logs" / "rank0.log").read_text()

@@ -1,0 +1,489 @@
+"""GPU-side augmentation (launcher/gpu_augment.py, launcher/raw_loader.py) against Ultralytics 8.4.190's own pipeline.
+
+All on CPU tensors, on a small generated dataset: the strongest check feeds Ultralytics' Mosaic, RandomPerspective,
+RandomHSV, RandomFlip and Format the random draws GpuAugment made and compares images and boxes; the others check
+the semantics on their own (boxes frame what they label, parameter distributions, the batch format, the identity,
+batch statistics against Ultralytics' randomly seeded pipeline) and the loader's determinism.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from launcher import shapes
+from launcher.gpu_augment import GpuAugment, RawBatch, box_candidates, hsv_augment
+from launcher.raw_loader import RawTrainDataset, build_raw_dataset
+
+IMGSZ = 64
+STRONG = dict(degrees=30.0, translate=0.2, scale=0.5, shear=10.0, fliplr=0.5, flipud=0.5)
+
+
+@pytest.fixture(scope="module")
+def ul():
+    """Ultralytics' modules, imported when the first test needs them."""
+    from ultralytics.cfg import get_cfg
+    from ultralytics.data import augment
+
+    return get_cfg, augment
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> dict:
+    spec = shapes.ShapesSpec(train_images=48, val_images=1, width=96, height=72, max_objects=5, texture=True)
+    yaml_path = shapes.ensure_dataset(tmp_path_factory.mktemp("shapes"), spec, workers=1)
+    root = yaml_path.parent
+    return {"train": str(root / "images" / "train"), "names": dict(enumerate(shapes.CLASSES)), "nc": 3, "channels": 3}
+
+
+def hyp(ul, imgsz=IMGSZ, **overrides):
+    get_cfg, _ = ul
+    return get_cfg(overrides={"imgsz": imgsz, **overrides})
+
+
+def raw_dataset(ul, data, seed=0, imgsz=IMGSZ, **kw) -> RawTrainDataset:
+    args = hyp(ul, imgsz)
+    return RawTrainDataset(build_raw_dataset(args, data["train"], 8, data), seed, **kw)
+
+
+def generator(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+# --- against Ultralytics, draw for draw ------------------------------------------------------------------------------
+class Scripted:
+    """Stands in for Python's `random` inside ultralytics.data.augment: returns the given values in the given order."""
+
+    def __init__(self, calls: list[tuple[str, object]]):
+        self.calls = list(calls)
+
+    def _next(self, name):
+        expected, value = self.calls.pop(0)
+        assert expected == name, f"Ultralytics called random.{name}, the script expected random.{expected}"
+        return value
+
+    def uniform(self, a, b):
+        return self._next("uniform")
+
+    def random(self):
+        return self._next("random")
+
+    def choices(self, population, k):
+        return self._next("choices")
+
+
+def ultralytics_sample(ul, monkeypatch, raw_ds, hyp_ns, params, b: int, tiles: list[int]) -> dict:
+    """Ultralytics' classes composed as v8_transforms composes them (mixup, cutmix, copy_paste are 0 and skipped),
+    given GpuAugment's draws for sample b."""
+    _, augment = ul
+    ds = raw_ds.dataset
+    mosaic = bool(params.mosaic[b])
+    xc, yc = params.centre[b].tolist()
+    calls = [("uniform", 0.0 if mosaic else 1.0)]  # Mosaic's "apply?" draw, against p
+    if mosaic:
+        calls += [("choices", tiles[1:]), ("uniform", yc), ("uniform", xc)]
+    calls += [("uniform", float(v)) for v in params.perspective[b]]
+    calls += [("uniform", float(params.angle[b])), ("uniform", float(params.scale[b]))]
+    calls += [("uniform", float(v)) for v in params.shear[b]] + [("uniform", float(v)) for v in params.translate[b]]
+    calls += [("random", 0.0 if params.flip_ud[b] else 0.999), ("random", 0.0 if params.flip_lr[b] else 0.999)]
+    calls += [("uniform", 0.5)]  # Format: RGB
+    monkeypatch.setattr(augment, "random", Scripted(calls))
+    gains = np.array([hyp_ns.hsv_h, hyp_ns.hsv_s, hyp_ns.hsv_v])
+    unit = np.divide(params.hsv[b].double().numpy(), gains, out=np.zeros(3), where=gains > 0)
+    monkeypatch.setattr(augment.np.random, "uniform", lambda lo, hi, n: unit)
+
+    pipeline = augment.Compose(
+        [
+            augment.Mosaic(ds, imgsz=hyp_ns.imgsz, p=hyp_ns.mosaic if mosaic else 0.0),  # 0 after close_mosaic
+            augment.RandomPerspective(
+                degrees=hyp_ns.degrees,
+                translate=hyp_ns.translate,
+                scale=hyp_ns.scale,
+                shear=hyp_ns.shear,
+                perspective=hyp_ns.perspective,
+                size=(hyp_ns.imgsz, hyp_ns.imgsz),
+            ),
+            augment.RandomHSV(hgain=hyp_ns.hsv_h, sgain=hyp_ns.hsv_s, vgain=hyp_ns.hsv_v),
+            augment.RandomFlip(direction="vertical", p=hyp_ns.flipud),
+            augment.RandomFlip(direction="horizontal", p=hyp_ns.fliplr),
+            augment.Format(bbox_format="xywh", normalize=True, batch_idx=True),
+        ]
+    )
+    out = pipeline(ds.get_image_and_label(tiles[0]))
+    monkeypatch.undo()
+    return out
+
+
+@pytest.mark.parametrize("mosaic", [True, False])
+def test_given_the_same_draws_images_and_boxes_are_ultralytics(ul, data, monkeypatch, mosaic):
+    """With mosaic, and without (after close_mosaic), with rotation, shear, perspective, HSV and both flips."""
+    # translate 0.4 and scale 0.9: many boxes end cut by the border, where box_candidates decides
+    hyp_ns = hyp(ul, **dict(STRONG, translate=0.4, scale=0.9), perspective=0.0005)
+    raw_ds = raw_dataset(ul, data, mosaic=mosaic)
+    samples = [raw_ds[(0, i)] for i in range(16)]
+    raw = raw_ds.collate_fn(samples)
+    aug = GpuAugment(IMGSZ, hyp_ns)
+    params = aug.draw(raw, generator(1))
+    ours = aug.apply(raw, params)
+
+    diffs = []
+    for b, sample in enumerate(samples):
+        tiles = [t.index for t in sample.tiles]
+        theirs = ultralytics_sample(ul, monkeypatch, raw_ds, hyp_ns, params, b, tiles)
+        diffs.append((ours["img"][b].int() - theirs["img"].int()).abs())
+        mine = ours["bboxes"][ours["batch_idx"] == b]
+        assert len(mine) == len(theirs["bboxes"]), f"sample {b}: {len(mine)} boxes, Ultralytics {len(theirs['bboxes'])}"
+        torch.testing.assert_close(mine, theirs["bboxes"], atol=2e-3, rtol=0)  # 2e-3 x 64 px: an eighth of a pixel
+        torch.testing.assert_close(ours["cls"][ours["batch_idx"] == b], theirs["cls"])
+    diff = torch.stack(diffs).float()
+    # The warps round a few values differently (~0.02 %); HSV may carry such a grey level on, nothing else differs.
+    assert (diff > 0).float().mean() < 1e-3, f"{(diff > 0).float().mean():.5f} of the values differ"
+    assert diff.mean() < 0.01, f"mean |difference| {diff.mean():.4f} grey levels"
+
+
+def test_box_candidates_are_ultralytics(ul):
+    _, augment = ul
+    g = generator(0)
+    before = torch.rand(5000, 2, generator=g) * 40  # (w, h) x scale
+    after = torch.rand(5000, 4, generator=g) * 40
+    after[:, 2:] += after[:, :2]  # xyxy, some thinner than 2 px, some with a tenth of the area, some very elongated
+    after[::7, 3] = after[::7, 1] + 0.3
+    before_xyxy = torch.cat((torch.zeros_like(before), before), 1)
+    theirs = augment.RandomPerspective.box_candidates(before_xyxy.T.numpy(), after.T.numpy())
+    assert 0.05 < theirs.mean() < 0.95
+    np.testing.assert_array_equal(box_candidates(before, after).numpy(), theirs)
+
+
+def test_hsv_is_opencv_and_the_ultralytics_luts_bit_for_bit(ul, monkeypatch):
+    _, augment = ul
+    rng = np.random.default_rng(0)
+    img = rng.integers(0, 256, (64, 64, 3), dtype=np.uint8)
+    img[:4] = rng.integers(0, 256, (4, 64, 1))  # greys: no saturation, hue 0
+    for gains in ((0.5, 0.5, 0.25), (0.015, 0.7, 0.4)):
+        r = torch.tensor(rng.uniform(-1, 1, 3) * gains, dtype=torch.float32)
+        unit = r.double().numpy() / np.array(gains)
+        monkeypatch.setattr(augment.np.random, "uniform", lambda lo, hi, n: unit)
+        theirs = augment.RandomHSV(*gains).apply_image({"img": img.copy()})["img"]
+        ours = hsv_augment(torch.from_numpy(img).float().view(1, -1, 3), r[None]).view(img.shape)
+        np.testing.assert_array_equal(ours.numpy().astype(np.uint8), theirs)
+
+
+# --- (a) every box frames the object it labels --------------------------------------------------------------------
+def rectangles_batch(b: int, s: int, seed: int) -> tuple[RawBatch, dict[int, tuple[int, int, int]]]:
+    """b mosaic samples of 4 distinct raw images (s x 3s/4), 3 solid rectangles each; class = colour = object."""
+    rng = np.random.default_rng(seed)
+    levels = (0, 64, 128, 192, 255)
+    colours = [c for c in np.ndindex(5, 5, 5) if len(set(c)) > 1]  # no greys, so never the 114 border
+    rng.shuffle(colours)
+    h, w = 3 * s // 4, s
+    images = torch.full((4 * b, s, s, 3), 114, dtype=torch.uint8)
+    images[:, :h, :w] = torch.tensor((30, 30, 30), dtype=torch.uint8)
+    rows, palette = [], {}
+    for n in range(4 * b):
+        placed = []
+        while len(placed) < 3:
+            bw, bh = rng.integers(14, 35, 2)
+            x1, y1 = int(rng.integers(0, w - bw)), int(rng.integers(0, h - bh))
+            box = (x1, y1, x1 + int(bw), y1 + int(bh))
+            if all(box[0] > o[2] + 2 or o[0] > box[2] + 2 or box[1] > o[3] + 2 or o[1] > box[3] + 2 for o in placed):
+                placed.append(box)
+        for box in placed:
+            obj = len(palette)
+            palette[obj] = tuple(levels[i] for i in colours[obj])  # BGR
+            images[n, box[1] : box[3], box[0] : box[2]] = torch.tensor(palette[obj], dtype=torch.uint8)
+            rows.append((n // 4, n % 4, obj, *box))
+    raw = RawBatch(
+        images=images,
+        sizes=torch.tensor([(h, w)] * 4 * b),
+        groups=torch.arange(4 * b).view(b, 4),
+        labels=torch.tensor(rows, dtype=torch.float32),
+        im_file=tuple(f"im{i}.jpg" for i in range(b)),
+        ori_shape=((h, w),) * b,
+        ratio_pad=((1.0, 1.0),) * b,
+    )
+    return raw, palette
+
+
+def visible_box(img: torch.Tensor, colour_rgb) -> tuple[torch.Tensor, int] | None:
+    """The pixel box of the object of this colour in a (3, S, S) image, and its pixel count, or None if it shows no
+    3 x 3 block of its colour. Pixels of exactly the colour count when within 3 pixels of such a block: this keeps
+    the thin corners of a rotated rectangle and drops blends elsewhere that happen to equal the colour."""
+    mask = (img == torch.tensor(colour_rgb, dtype=torch.uint8)[:, None, None]).all(0).float()[None, None]
+    core = -torch.nn.functional.max_pool2d(-mask, 3, stride=1, padding=1)  # 3 x 3 erosion
+    if core.sum() == 0:
+        return None
+    near = mask * torch.nn.functional.max_pool2d(core, 7, stride=1, padding=3)
+    ys, xs = torch.nonzero(near[0, 0], as_tuple=True)
+    return torch.tensor([xs.min(), ys.min(), xs.max() + 1, ys.max() + 1], dtype=torch.float32), int(mask.sum())
+
+
+def fully_inside(raw: RawBatch, p, row: torch.Tensor, s: int) -> bool:
+    """Whether the object of this label row lies wholly on the mosaic canvas and, warped, wholly in the output."""
+    b, q = int(row[0]), int(row[1])
+    h, w = raw.sizes[raw.groups[b, q]].tolist()
+    xc, yc = p.centre[b].tolist()
+    pad = torch.tensor([xc - w if q in (0, 2) else xc, yc - h if q in (0, 1) else yc] * 2, dtype=torch.float32)
+    box = row[3:] + pad
+    corners = torch.tensor([[box[0], box[1], 1], [box[2], box[1], 1], [box[0], box[3], 1], [box[2], box[3], 1]])
+    warped = corners @ p.matrix[b].T
+    warped = warped[:, :2] / warped[:, 2:]
+    return bool((box >= 0).all() and (box <= 2 * s).all() and (warped >= 0).all() and (warped <= s).all())
+
+
+def test_every_box_frames_its_object_through_mosaic_rotation_shear_scale_and_flips():
+    s = 96
+    aug = GpuAugment(s, dict(STRONG, mosaic=1.0, hsv_h=0.0, hsv_s=0.0, hsv_v=0.0))
+    tight = shown = 0
+    for seed in range(4):
+        raw, palette = rectangles_batch(8, s, seed)
+        p = aug.draw(raw, generator(seed))
+        out = aug.apply(raw, p)
+        rows = {(int(r[0]), int(r[2])): r for r in raw.labels}  # (sample, object) -> its raw label row
+        labelled = set()
+        for k in range(len(out["bboxes"])):
+            b, obj = int(out["batch_idx"][k]), int(out["cls"][k, 0])
+            labelled.add((b, obj))
+            cx, cy, bw, bh = (out["bboxes"][k] * s).tolist()
+            label = torch.tensor([cx - bw / 2, cy - bh / 2, cx + bw / 2, cy + bh / 2])
+            found = visible_box(out["img"][b], palette[obj][::-1])
+            assert found is not None or min(bw, bh) < 8, f"sample {b}: object {obj} is labelled but not visible"
+            if found is None:
+                continue
+            gap = found[0] - label  # > 0 on the left and top sides: the box is wider than what shows
+            # Never narrower than the object (a pixel of slack for the grid). Where nothing was clipped, no wider than
+            # the grid plus the rim where the bilinear filter blends the object's colour into its surroundings (half a
+            # source pixel each side, scaled, rotated and sheared): 1.5 + scale pixels.
+            assert (gap[:2] > -1).all() and (gap[2:] < 1).all(), (b, obj, found[0], label)
+            if fully_inside(raw, p, rows[b, obj], s):
+                rim = 1.5 + float(p.scale[b])
+                assert (gap[:2] < rim).all() and (gap[2:] > -rim).all(), (b, obj, found[0], label)
+                tight += 1
+        # the other way round: an object that shows a quarter of its (scaled) self is labelled
+        for (b, obj), row in rows.items():
+            found = visible_box(out["img"][b], palette[obj][::-1])
+            area = float((row[5] - row[3]) * (row[6] - row[4])) * float(p.scale[b]) ** 2
+            if found is not None and found[1] >= 0.25 * area:
+                assert (b, obj) in labelled, f"sample {b}: object {obj} shows {found[1]} pixels and has no label"
+                shown += 1
+    assert tight > 40 and shown > 100, (tight, shown)  # the checks above did run, on many objects
+
+
+# --- (b) the random choices follow the configured distributions --------------------------------------------------
+def empty_raw(n: int) -> RawBatch:
+    """n mosaic samples of one blank image: enough for `draw`."""
+    return RawBatch(
+        images=torch.zeros(1, IMGSZ, IMGSZ, 3, dtype=torch.uint8),
+        sizes=torch.tensor([[48, 64]]),
+        groups=torch.zeros(n, 4, dtype=torch.int64),
+        labels=torch.zeros(0, 7),
+        im_file=("a.jpg",) * n,
+        ori_shape=((48, 64),) * n,
+        ratio_pad=((1.0, 1.0),) * n,
+    )
+
+
+def assert_uniform(x: torch.Tensor, lo: float, hi: float, what: str) -> None:
+    x, width = x.double(), hi - lo
+    assert lo <= x.min() < lo + 0.01 * width, f"{what}: minimum {x.min()}"
+    assert hi - 0.01 * width < x.max() <= hi, f"{what}: maximum {x.max()}"
+    assert abs(x.mean() - (lo + hi) / 2) < 0.012 * width, f"{what}: mean {x.mean()}"  # 5 standard errors at n=20000
+    assert abs(x.std() - width / math.sqrt(12)) < 0.01 * width, f"{what}: std {x.std()}"
+
+
+def assert_rate(flags: torch.Tensor, p: float, what: str) -> None:
+    assert abs(flags.double().mean() - p) < 0.016, f"{what}: rate {flags.double().mean()} for p={p}"  # 5 s.e.
+
+
+def test_random_choices_follow_ultralytics_defaults(ul):
+    n = 20000
+    p = GpuAugment(IMGSZ, hyp(ul, mosaic=0.7)).draw(empty_raw(n), generator(0))  # every other value: the default
+    assert_rate(p.mosaic, 0.7, "mosaic")
+    centres = p.centre[p.mosaic]
+    assert_uniform(centres + 0.5, IMGSZ / 2, 3 * IMGSZ / 2, "mosaic centre")  # integers, int(uniform(s/2, 3s/2))
+    assert (p.centre[~p.mosaic] == 0).all()
+    assert_uniform(p.scale, 0.5, 1.5, "scale")
+    for k in range(2):
+        assert_uniform(p.translate[:, k], 0.4, 0.6, "translate")
+    assert (p.angle == 0).all() and (p.shear == 0).all() and (p.perspective == 0).all()
+    for k, gain in enumerate((0.015, 0.7, 0.4)):
+        assert_uniform(p.hsv[:, k], -gain, gain, f"hsv gain {k}")
+    assert_rate(p.flip_lr, 0.5, "fliplr")
+    assert not p.flip_ud.any() and p.rgb.all()
+
+
+def test_random_choices_follow_strong_settings(ul):
+    n = 20000
+    p = GpuAugment(IMGSZ, hyp(ul, **STRONG, perspective=0.001, bgr=0.25)).draw(empty_raw(n), generator(1))
+    assert p.mosaic.all()
+    assert_uniform(p.angle, -30, 30, "degrees")
+    for k in range(2):
+        assert_uniform(p.shear[:, k], -10, 10, "shear")
+        assert_uniform(p.translate[:, k], 0.3, 0.7, "translate")
+        assert_uniform(p.perspective[:, k], -0.001, 0.001, "perspective")
+    assert_rate(p.flip_ud, 0.5, "flipud")
+    assert_rate(~p.rgb, 0.25, "bgr")
+    flips = torch.stack((p.flip_lr, p.flip_ud), 1).double()
+    assert abs(torch.corrcoef(flips.T)[0, 1]) < 0.04  # every choice is its own draw
+
+
+# --- (c) the batch Ultralytics' collate_fn gives -------------------------------------------------------------------
+def ultralytics_dataset(ul, data, args):
+    from ultralytics.data.build import build_yolo_dataset
+
+    from launcher.sampler import EpochSeededDataset
+
+    return EpochSeededDataset(build_yolo_dataset(args, data["train"], 8, data, mode="train"), 0)
+
+
+def test_the_batch_has_ultralytics_collated_format(ul, data):
+    args = hyp(ul)
+    keys = [(0, i) for i in range(8)]
+    theirs_ds = ultralytics_dataset(ul, data, args)
+    theirs = theirs_ds.collate_fn([theirs_ds[k] for k in keys])
+    raw_ds = raw_dataset(ul, data)
+    ours = GpuAugment(IMGSZ, args)(raw_ds.collate_fn([raw_ds[k] for k in keys]), generator(0))
+
+    assert list(ours) == list(theirs)  # the same keys, in the same (sorted) order
+    for key, value in theirs.items():
+        if isinstance(value, torch.Tensor):
+            assert (ours[key].dtype, ours[key].shape[1:]) == (value.dtype, value.shape[1:]), key
+        else:
+            assert ours[key] == value, key  # im_file, ori_shape, ratio_pad, resized_shape: the same samples
+    assert ours["img"].shape == (8, 3, IMGSZ, IMGSZ) and ours["img"].is_contiguous()
+    n = len(ours["batch_idx"])
+    assert n > 8 and ours["cls"].shape == (n, 1) and ours["bboxes"].shape == (n, 4)
+    assert (ours["batch_idx"].diff() >= 0).all() and set(ours["batch_idx"].tolist()) <= set(range(8))
+    xy, wh = ours["bboxes"][:, :2], ours["bboxes"][:, 2:]
+    assert (wh > 0).all() and (xy - wh / 2 >= -1e-6).all() and (xy + wh / 2 <= 1 + 1e-6).all()
+
+
+# --- (d) no augmentation: exactly LetterBox and Format ------------------------------------------------------------
+def test_with_every_strength_zero_and_no_mosaic_the_batch_is_letterbox_and_format(ul, data):
+    """96 x 72 images load as 64 x 48: centring them pads 8 rows above and below, as LetterBox does."""
+    _, augment = ul
+    zero = dict(degrees=0.0, translate=0.0, scale=0.0, shear=0.0, hsv_h=0.0, hsv_s=0.0, hsv_v=0.0, fliplr=0.0)
+    raw_ds = raw_dataset(ul, data, mosaic=False)
+    ours = GpuAugment(IMGSZ, hyp(ul, **zero))(raw_ds.collate_fn([raw_ds[(0, i)] for i in range(8)]), generator(0))
+    ds = raw_ds.dataset
+    letterbox = augment.Compose([augment.LetterBox(new_shape=IMGSZ, scaleup=False), augment.Format(batch_idx=True)])
+    theirs = ds.collate_fn([letterbox(ds.get_image_and_label(i)) for i in range(8)])
+    assert torch.equal(ours["img"], theirs["img"])
+    for key in ("batch_idx", "cls", "bboxes"):
+        torch.testing.assert_close(ours[key], theirs[key], atol=1e-5, rtol=0)
+
+
+# --- (e) batch statistics: Ultralytics' own randomly seeded pipeline on the same keys ------------------------------
+def batch_statistics(batches: list[dict]) -> dict:
+    img = torch.cat([b["img"] for b in batches]).float()
+    boxes = torch.cat([b["bboxes"] for b in batches])
+    return {
+        "boxes per image": len(boxes) / len(img),
+        "box side": float((boxes[:, 2] * boxes[:, 3]).sqrt().mean()),
+        "box centre spread": float(boxes[:, :2].std()),
+        "grey pixels": float(((img[:, 0] == img[:, 1]) & (img[:, 1] == img[:, 2])).float().mean()),  # mostly border
+        "channel means": img.mean((0, 2, 3)),
+        "pixel std": float(img.std()),
+    }
+
+
+def test_batches_look_like_ultralytics_batches(ul, data):
+    """Ultralytics' defaults, the same 192 keys, each side with its own randomness: the statistics agree within
+    about twice what two seeds of Ultralytics' own pipeline differ by."""
+    args = hyp(ul)
+    keys = [(e, i) for e in range(4) for i in range(48)]
+    theirs_ds = ultralytics_dataset(ul, data, args)
+    chunks = [keys[j : j + 48] for j in range(0, len(keys), 48)]
+    theirs = batch_statistics([theirs_ds.collate_fn([theirs_ds[k] for k in chunk]) for chunk in chunks])
+    raw_ds, aug = raw_dataset(ul, data), GpuAugment(IMGSZ, args)
+    raws = [raw_ds.collate_fn([raw_ds[k] for k in chunk]) for chunk in chunks]
+    ours = batch_statistics([aug(raw, generator(j)) for j, raw in enumerate(raws)])
+
+    for key, tolerance in (("boxes per image", 0.10), ("box side", 0.06), ("box centre spread", 0.05)):
+        assert abs(ours[key] / theirs[key] - 1) < tolerance, (key, ours[key], theirs[key])
+    assert abs(ours["grey pixels"] - theirs["grey pixels"]) < 0.02, (ours["grey pixels"], theirs["grey pixels"])
+    means = ours["channel means"], theirs["channel means"]
+    assert (means[0] - means[1]).abs().max() < 8, means
+    assert abs(ours["pixel std"] - theirs["pixel std"]) < 3, (ours["pixel std"], theirs["pixel std"])
+
+
+# --- the CPU side ---------------------------------------------------------------------------------------------------
+def test_mosaic_partners_are_uniform_and_a_function_of_seed_epoch_and_index(ul, data):
+    raw_ds = raw_dataset(ul, data, seed=3)
+
+    def tiles(ds, key):
+        return [t.index for t in ds[key].tiles]
+
+    assert tiles(raw_ds, (2, 5)) == tiles(raw_ds, (2, 5)) and tiles(raw_ds, (2, 5))[0] == 5
+    assert tiles(raw_ds, (2, 5)) != tiles(raw_ds, (3, 5))  # another epoch
+    assert tiles(raw_ds, (2, 5)) != tiles(raw_dataset(ul, data, seed=4), (2, 5))  # another seed
+    picks = np.concatenate([tiles(raw_ds, (e, i))[1:] for e in range(5) for i in range(48)])  # 720 picks of 48
+    counts = np.bincount(picks, minlength=48)
+    assert counts.min() >= 3 and counts.max() <= 30, counts  # 15 expected each: uniform over the whole dataset
+
+
+def test_a_raw_batch_is_the_same_whatever_the_number_of_workers(ul, data):
+    from launcher.sampler import EpochBatchSampler
+
+    raw_ds = raw_dataset(ul, data)
+
+    def first_batches(workers: int) -> list[RawBatch]:
+        sampler = EpochBatchSampler(len(raw_ds), 8, seed=0)
+        loader = torch.utils.data.DataLoader(
+            raw_ds, batch_sampler=sampler, num_workers=workers, collate_fn=raw_ds.collate_fn
+        )
+        it = iter(loader)
+        return [next(it).to("cpu") for _ in range(3)]
+
+    for a, b in zip(first_batches(0), first_batches(2)):
+        for name in ("images", "sizes", "groups", "labels"):
+            assert torch.equal(getattr(a, name), getattr(b, name)), name
+        assert (a.im_file, a.ori_shape, a.ratio_pad) == (b.im_file, b.ori_shape, b.ratio_pad)
+        assert a.images.shape == (len(set(a.groups.flatten().tolist())), IMGSZ, IMGSZ, 3)  # each raw image once
+
+
+def test_partners_from_the_batch_cost_one_image_per_sample(ul, data):
+    raw_ds = raw_dataset(ul, data, partners="batch")
+    samples = [raw_ds[(1, i)] for i in range(8)]
+    assert all(len(s.tiles) == 1 for s in samples)
+    raw = raw_ds.collate_fn(samples)
+    assert raw.images.shape[0] == 8 and raw.groups.shape == (8, 4)
+    assert raw.groups[:, 0].tolist() == list(range(8)) and int(raw.groups.max()) < 8
+    assert torch.equal(raw.groups, raw_ds.collate_fn([raw_ds[(1, i)] for i in range(8)]).groups)
+    labelled_tiles = {(int(b), int(q)) for b, q in raw.labels[:, :2]}
+    assert labelled_tiles == {(b, q) for b in range(8) for q in range(4)}  # each tile brings its own image's labels
+
+
+def test_after_close_mosaic_each_sample_is_its_own_image(ul, data):
+    raw_ds = raw_dataset(ul, data)
+    raw_ds.close_mosaic()
+    raw = raw_ds.collate_fn([raw_ds[(7, i)] for i in range(8)])
+    assert raw.groups.shape == (8, 1) and raw.images.shape[0] == 8
+    aug = GpuAugment(IMGSZ, hyp(ul))
+    assert not aug.draw(raw, generator(0)).mosaic.any()
+
+
+def test_the_generator_alone_decides(ul, data):
+    raw_ds = raw_dataset(ul, data)
+    raw = raw_ds.collate_fn([raw_ds[(0, i)] for i in range(8)])
+    aug = GpuAugment(IMGSZ, hyp(ul))
+    a, b, c = aug(raw, generator(5)), aug(raw, generator(5)), aug(raw, generator(6))
+    assert all(torch.equal(a[k], b[k]) for k in ("img", "bboxes", "cls", "batch_idx"))
+    assert not torch.equal(a["img"], c["img"])
+
+
+def test_polygon_labels_are_flagged_and_rect_datasets_refused():
+    from types import SimpleNamespace
+
+    with pytest.warns(UserWarning, match="polygons"):
+        RawTrainDataset(SimpleNamespace(labels=[{"segments": [np.zeros((5, 2))]}], imgsz=IMGSZ, rect=False), seed=0)
+    with pytest.raises(ValueError, match="rect"):
+        RawTrainDataset(SimpleNamespace(labels=[], imgsz=IMGSZ, rect=True), seed=0)
+
+
+@pytest.mark.parametrize("key", ["mixup", "cutmix", "copy_paste"])
+def test_refuses_what_it_does_not_implement(key):
+    with pytest.raises(ValueError, match=key):
+        GpuAugment(IMGSZ, {key: 0.1})

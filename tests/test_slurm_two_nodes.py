@@ -1,0 +1,58 @@
+"""Two nodes of one SLURM job, played on this machine: two `python -m launcher.job RUN_DIR` processes with the SLURM
+environment each node would get (SLURM_NODEID 0 and 1), meeting at node 0's c10d rendezvous on the job's port and
+training one 2-rank gloo run. No cluster is needed; a stand-in `scontrol` expands the node list."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from launcher import job
+from launcher.ports import port_is_free
+from tests.conftest import TINY, ddp_launch
+
+pytestmark = [pytest.mark.slow, pytest.mark.dist]
+
+
+def test_two_nodes_meet_at_node_0s_rendezvous_and_train_together(tmp_path, cache_dir):
+    run_dir = tmp_path / "run"
+    args = ["launcher=slurm", "slurm.nodes=2", "gpus=0", "nproc=1", "slurm.submit=false", "train.epochs=2", *TINY]
+    result = ddp_launch([*args, f"hydra.run.dir={run_dir}"], tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+    job_id = next(i for i in range(424242, 434242) if port_is_free(job.rendezvous_port(i)))
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text("#!/bin/sh\n[ \"$1 $2\" = 'show hostnames' ] && echo localhost\n")
+    (bin_dir / "scontrol").chmod(0o755)
+    env = {
+        **os.environ,
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        "SLURM_JOB_ID": str(job_id),
+        "SLURM_NNODES": "2",
+        "SLURM_JOB_NODELIST": "localhost",
+        "SLURM_RESTART_COUNT": "0",
+        "OMP_NUM_THREADS": "1",
+    }
+    nodes = [
+        subprocess.Popen(
+            [sys.executable, "-m", "launcher.job", str(run_dir)],
+            env={**env, "SLURM_NODEID": str(n)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for n in (1, 0)  # node 1 first: it waits for node 0's store
+    ]
+    outputs = [p.communicate(timeout=600)[0] for p in nodes]
+    assert [p.returncode for p in nodes] == [0, 0], "\n\n".join(o[-3000:] for o in outputs)
+    node1, node0 = outputs
+    assert f"--rdzv-endpoint localhost:{job.rendezvous_port(job_id)} --rdzv-conf is_host=1" in node0
+    assert "is_host=0" in node1 and "done: 2 epoch(s) on 2 rank(s)" in node0
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert (summary["status"], summary["world_size"], summary["epochs_completed"]) == ("finished", 2, 2)
+    assert summary["ranks_params_identical"] is True
