@@ -417,7 +417,7 @@ def describe(plan: LaunchPlan, model: ModelSpec | None, data: DatasetInfo | None
         f"mode            {plan.mode}" + (f" ({plan.backend})" if plan.backend else ""),
         f"topology        {plan.nnodes} node(s) x {plan.nproc_per_node} rank(s) = world size {plan.world_size}"
         + (f", node_rank {plan.node_rank}" if plan.nnodes > 1 else ""),
-        f"device          "
+        "device          "
         + (f"{plan.gpus_per_node} GPU(s) per node, cuda:LOCAL_RANK" if plan.device == "cuda" else "CPU"),
         f"batch           {plan.batch_per_device} per device x {plan.devices_per_rank * plan.world_size} device(s)"
         f" = global batch {plan.global_batch}",

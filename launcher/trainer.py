@@ -6,7 +6,8 @@ or opaque under an external torchrun (../shared/notes/ultralytics-8.4.md):
 
 * world size, rank and device from torchrun's environment, not from the device string (multi-node, CPU);
 * the process group is ours: backend from the plan, timeout `dist.timeout_s` (not 3 hours);
-* DDP without find_unused_parameters, device_ids only on CUDA, BatchNorm buffers kept in sync;
+* DDP without find_unused_parameters, device_ids only on CUDA, gradients in the all-reduce buckets; a loss normalised
+  over the global batch (loss_sync.py); a store prefix per restart attempt; a heartbeat that names a hung rank;
 * the training loader: a DistributedSampler whose epoch is set when the loader reaches that epoch (sampler.py);
 * the update: loss scaled so lr0 means one thing (lr.py), no hidden accumulation or weight-decay rescaling;
 * validation every `val_interval` epochs, decided the same way on every rank;
@@ -18,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import math
 import os
 import time
 import warnings
@@ -75,9 +77,9 @@ def attempt_store(timeout: timedelta):
     fast rank can read a dead peer's address before the slow one rewrites it. A prefix per attempt keeps them apart.
     """
     addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-    _, _, world = rank_info()
-    agent_hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    base = dist.TCPStore(addr, port, world, is_master=not agent_hosts and rank_info()[0] == 0, timeout=timeout)
+    rank, _, world = rank_info()
+    agent_hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # torchrun's agent serves the store
+    base = dist.TCPStore(addr, port, world, is_master=not agent_hosts and rank == 0, timeout=timeout)
     return dist.PrefixStore(f"ddp_launch/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", base)
 
 
@@ -750,6 +752,8 @@ class LaunchTrainer(DetectionTrainer):
             line += f" | mem {mem:.2f}G"
         if self.gpu_monitor is not None and self.gpu_monitor.available and end_of_epoch:
             line += " | GPU busy " + ", ".join(f"{g.util_mean:.0f}%" for g in self.gpu_monitor.stats())
+        if any(not np.isfinite(float(v)) for v in (self.tloss or {}).values()):
+            line += " | WARNING: the loss is not finite"
         if end_of_epoch and validated and self.rank == 0 and self.metrics:
             line += f" | mAP50 {self.metrics.get('metrics/mAP50(B)', 0):.4f} mAP50-95 {self.metrics.get('metrics/mAP50-95(B)', 0):.4f}"
         self._log(line)
@@ -789,7 +793,7 @@ class LaunchTrainer(DetectionTrainer):
             "gpu_util": sum(g["util_mean"] for g in gpus) / len(gpus) if gpus else None,
             "memory_peak_gib": max((g["memory_peak_gib"] for g in gpus), default=None),
             "params_sha256": h.hexdigest(),
-            "loss": {k: float(v) for k, v in (self.loss_items or {}).items()},  # the last step's, a sanity check
+            "loss": {k: float(v) for k, v in (self.loss_items or {}).items()},  # the last step's: a sanity check
             "validated_epochs": self.validated_epochs,
             "resumed_from": str(self.resumed_from) if self.resumed_from else None,
             "samples": {str(e): names for e, names in self.samples_seen.items()} if self.record_samples else None,
@@ -983,6 +987,7 @@ def build_summary(trainer: LaunchTrainer, reports: list[dict]) -> dict:
         "last": str(trainer.last),
         "run_dir": str(trainer.run_dir),
         "resumed": any(r.get("resumed_from") for r in reports),
+        "loss_finite": all(math.isfinite(v) for r in reports for v in r["loss"].values()),
         "ranks_params_identical": len(digests) == 1,
         "ranks": [{k: v for k, v in r.items() if k != "samples"} for r in reports],
         "train_minutes": (time.time() - trainer.train_time_start) / 60,

@@ -7,7 +7,6 @@ frozen (eval mode) so that per-rank batch statistics do not differ from whole-ba
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch

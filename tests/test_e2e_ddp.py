@@ -77,7 +77,7 @@ def test_the_run_folder_holds_config_plan_logs_weights_and_summary(run):
     for key in ("map50", "map50_95", "epochs_completed", "world_size", "global_batch", "lr0", "images_per_s", "weights"):
         assert key in summary
     assert summary["world_size"] == 2 and summary["epochs_completed"] == EPOCHS
-    assert summary["global_batch"] == 16 and summary["images_per_s"] > 0
+    assert summary["global_batch"] == 16 and summary["images_per_s"] > 0 and summary["loss_finite"] is True
     assert "[rank 0] epoch 4/4" in result.stdout  # rank 0 on the console
     assert "[rank 1]" not in result.stdout and "[rank 1] epoch 4/4" in (run_dir / "logs/rank1.log").read_text()
     from ultralytics import YOLO
