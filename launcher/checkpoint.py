@@ -18,7 +18,13 @@ class CheckpointError(RuntimeError):
     pass
 
 
-def atomic_write_bytes(path: Path, data: bytes) -> None:
+def atomic_write_bytes(path: Path, data: bytes, keep_previous: bool = False) -> None:
+    """Write `path` so that it is always either the old file or the complete new one.
+
+    With `keep_previous`, the file it replaces becomes `<name>.prev.pt`: each moment leaves at least one complete
+    checkpoint, because the new file is complete (fsynced) before the current one becomes the previous one, and a
+    crash between the two renames leaves the previous one in place.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}{TMP_MARK}{os.getpid()}")
@@ -27,6 +33,8 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
+        if keep_previous and path.exists():
+            os.replace(path, previous_of(path))
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -49,30 +57,6 @@ def _fsync_dir(folder: Path) -> None:
 
 def previous_of(path: Path) -> Path:
     return Path(path).with_name(Path(path).stem + ".prev" + Path(path).suffix)
-
-
-def save_keeping_previous(path: Path, data: bytes) -> None:
-    """Write `path` atomically and keep the checkpoint it replaces as `<name>.prev.pt`.
-
-    Each moment leaves at least one complete checkpoint: the new file is complete (fsynced) before the current one
-    becomes the previous one, and a crash between the two renames leaves the previous one in place.
-    """
-    path = Path(path)
-    if not path.exists():
-        atomic_write_bytes(path, data)
-        return
-    tmp = path.with_name(f".{path.name}{TMP_MARK}{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(path, previous_of(path))
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    _fsync_dir(path.parent)
 
 
 def load_resumable(path: Path, log=print) -> tuple[dict | None, Path | None]:

@@ -222,11 +222,15 @@ def report(run_dir: Path, code: int, signum: int | None, node_rank: int) -> int:
 def _hydra_entry(cfg: DictConfig) -> None:
     run_dir = Path(HydraConfig.get().runtime.output_dir).resolve()
     resolved = OmegaConf.to_container(cfg, resolve=True)
+    if resolved.get("resume"):
+        exit_with(lambda: resume(Path(str(resolved["resume"])), run_dir))
+    exit_with(lambda: launch(resolved, run_dir, Path(os.getcwd())))
+
+
+def exit_with(action) -> None:
+    """Exit with `action()`'s code; a PlanError is the user's to fix: its message, no traceback, exit code 2."""
     try:
-        if resolved.get("resume"):
-            code = resume(Path(str(resolved["resume"])), run_dir)
-        else:
-            code = launch(resolved, run_dir, Path(os.getcwd()))
+        code = action()
     except PlanError as e:
         print(f"ERROR: {e}", file=sys.stderr, flush=True)
         code = EXIT_PLAN_ERROR

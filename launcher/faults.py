@@ -3,7 +3,8 @@
     DDP_LAUNCH_FAULT="rank=1,step=5,kind=sigkill"          # one fault
     DDP_LAUNCH_FAULT="rank=0,step=3,kind=raise;rank=1,..." # several, separated by ';'
 
-kinds: raise (an exception), sigkill (the rank is killed), hang (stops making progress), exit (exits with code 3),
+kinds: raise (an exception), sigkill (the rank is killed), sigterm (the rank is asked to stop, as torchrun would ask
+it), hang (stops making progress), exit (exits with code 3),
 init_fail (the process group cannot start), kill_in_save (killed halfway through writing a checkpoint),
 disk_full (the checkpoint write fails with ENOSPC). `step` counts optimizer steps from the start of the run
 (1-based); `attempt` (default 0) is the torchrun restart it fires in, so a restarted group runs clean.
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ENV = "DDP_LAUNCH_FAULT"
-KINDS = ("raise", "sigkill", "hang", "exit", "init_fail", "kill_in_save", "disk_full")
+KINDS = ("raise", "sigkill", "sigterm", "hang", "exit", "init_fail", "kill_in_save", "disk_full")
 
 
 class InjectedFault(RuntimeError):
@@ -65,7 +66,7 @@ class FaultInjector:
 
     def at_step(self, step: int) -> None:
         self.step = step
-        fault = self._due("raise", "sigkill", "hang", "exit")
+        fault = self._due("raise", "sigkill", "sigterm", "hang", "exit")
         if fault is None or fault.step != step:
             return
         print(f"[fault] rank {self.rank}: injected '{fault.kind}' at step {step}", flush=True)
@@ -73,6 +74,8 @@ class FaultInjector:
             raise InjectedFault(f"injected fault: rank {self.rank} raised at step {step}")
         if fault.kind == "sigkill":
             os.kill(os.getpid(), signal.SIGKILL)
+        if fault.kind == "sigterm":
+            os.kill(os.getpid(), signal.SIGTERM)  # the handler notes it; the step-boundary agreement follows
         if fault.kind == "exit":
             os._exit(3)
         if fault.kind == "hang":

@@ -106,26 +106,23 @@ def run_torchrun(
     """
     streamer = LogStreamer(log_files, prefix=prefix, keep=keep)
     streamer.start()
+    # torchrun first, then the handlers: torchrun must inherit the dispositions the caller set (launcher.job ignores
+    # SLURM's USR1, which SLURM sends to every process of the step; a handler installed before the fork would be
+    # reset to the default, "terminate", in torchrun and the ranks).
+    proc = subprocess.Popen(cmd, env={**os.environ, **env}, start_new_session=True)
     received: list[int] = []
-    child: list[subprocess.Popen] = []
 
     def forward(signum, _frame):
         if not received:
             received.append(signum)
             print(f"\nddp-launch: got {signal.Signals(signum).name}, stopping the ranks (they save a checkpoint)", flush=True)
-            if child:
-                try:
-                    child[0].send_signal(signal.SIGTERM)
-                except ProcessLookupError:
-                    pass
+            try:
+                proc.send_signal(signal.SIGTERM)
+            except ProcessLookupError:
+                pass
 
-    # handlers first: a signal that arrives while torchrun starts is kept and forwarded as soon as it exists
     previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
     try:
-        proc = subprocess.Popen(cmd, env={**os.environ, **env}, start_new_session=True)
-        child.append(proc)
-        if received:
-            proc.send_signal(signal.SIGTERM)
         code = proc.wait()
     finally:
         for s, h in previous.items():

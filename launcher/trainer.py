@@ -314,6 +314,7 @@ class LaunchTrainer(DetectionTrainer):
             self.tloss = {k: torch.tensor(v, device=self.device) for k, v in state["tloss"].items()}
             self.tloss_steps = state["tloss_steps"]
             self.loss_items, self.loss_names = dict(self.tloss), tuple(self.tloss)  # the validator reads their keys
+            self.loss = sum(self.tloss.values())  # read by Ultralytics' validate() even when no step runs first
         if self.rank == 0 and self._results_before:
             # rows of the epochs this checkpoint has completed; later ones (written before a failed save) go
             lines = self._results_before.splitlines()
@@ -560,6 +561,17 @@ class LaunchTrainer(DetectionTrainer):
         self.run_callbacks("on_train_batch_start")
         if nw and ni <= nw:
             self._warmup(ni, nw, epoch)
+        self._step_on(batch)
+        if not self.loss_names:
+            self.loss_names = tuple(self.loss_items)
+            if self.rank == 0:
+                self.metrics.update(dict.fromkeys(self.label_loss_items(prefix="val"), 0.0))
+        self.meter.step_end(len(batch["im_file"]))
+        self._beat("working", ni + 1)
+        return batch
+
+    def _step_on(self, batch: dict) -> None:
+        """One optimizer step on a batch already on the device, then the EMA."""
         self.loss, self.loss_items = train_step(
             self.model,
             batch,
@@ -570,13 +582,6 @@ class LaunchTrainer(DetectionTrainer):
             amp_dtype=self.amp_dtype if self.amp else None,
         )
         self.ema.update(self.net)
-        if not self.loss_names:
-            self.loss_names = tuple(self.loss_items)
-            if self.rank == 0:
-                self.metrics.update(dict.fromkeys(self.label_loss_items(prefix="val"), 0.0))
-        self.meter.step_end(len(batch["im_file"]))
-        self._beat("working", ni + 1)
-        return batch
 
     def _beat(self, state: str, step: int) -> None:
         if self.heartbeat is not None:
@@ -700,7 +705,7 @@ class LaunchTrainer(DetectionTrainer):
         data = self._checkpoint_bytes(position)
         try:
             self.faults.at_checkpoint_write(self.last)
-            ckptio.save_keeping_previous(self.last, data)
+            ckptio.atomic_write_bytes(self.last, data, keep_previous=True)
             if validated and self.fitness_epoch == self.epoch + 1:
                 ckptio.atomic_write_bytes(self.best, data)
             if self.save_period > 0 and self.epoch % self.save_period == 0 and position[1] == 0:
@@ -857,18 +862,6 @@ class BenchTrainer(LaunchTrainer):
         if self.cfg["bench"].get("profile") and self.rank == 0:
             self._profile(batches)
         return ips
-
-    def _step_on(self, batch: dict) -> None:
-        train_step(
-            self.model,
-            batch,
-            loss_scale=self.loss_scale,
-            optimizer=self.optimizer,
-            scaler=self.scaler,
-            grad_clip=self.grad_clip,
-            amp_dtype=self.amp_dtype if self.amp else None,
-        )
-        self.ema.update(self.net)
 
     def _profile(self, batches: list[dict], steps: int = 10) -> None:
         """torch.profiler over a few data-free steps: where the step's time goes (bench.profile=true)."""

@@ -140,6 +140,20 @@ def test_sigterm_to_the_launcher_checkpoints_and_exits_143_without_orphans(tmp_p
     assert summary(run)["epochs_completed"] == 20
 
 
+def test_a_stop_on_an_epochs_last_step_still_ends_that_epoch_after_resume(tmp_path, cache_dir):
+    run = tmp_path / "run"
+    r = launch(run, fault="rank=0,step=4,kind=sigterm")  # step 4 is epoch 1's last
+    assert r.returncode != 0
+    ckpt = torch.load(run / "weights" / "last.pt", map_location="cpu", weights_only=False)
+    assert ckpt["ddp_launch_state"]["position"] == (0, 4)  # every step of epoch 1 done, its end not yet
+    r = ddp_launch([f"resume={run}"], cwd=tmp_path, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:]
+    s = summary(run)
+    assert s["validated_epochs"] == [1, 2, 3] and s["epochs_completed"] == EPOCHS
+    rows = (run / "results.csv").read_text().strip().splitlines()[1:]
+    assert [int(float(row.split(",")[0])) for row in rows] == [1, 2, 3]
+
+
 def test_two_launches_at_once_get_their_own_ports_and_run_folders(tmp_path, cache_dir):
     procs = []
     for name in ("a", "b"):

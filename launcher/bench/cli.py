@@ -22,7 +22,7 @@ from launcher import data as datamod
 from launcher import hardware, runenv, torchrun
 from launcher.bench import report
 from launcher.bench.cells import Cell, plan_cells
-from launcher.cli import EXIT_PLAN_ERROR, conf_dir, say, write_run_folder
+from launcher.cli import conf_dir, exit_with, say, write_run_folder
 from launcher.models import resolve_model
 from launcher.plan import check_plan, describe, make_plan
 from launcher.problems import PlanError, Problem, config_problems
@@ -169,12 +169,7 @@ def _hydra_entry(cfg: DictConfig) -> None:
     run_dir = Path(HydraConfig.get().runtime.output_dir).resolve()
     resolved = OmegaConf.to_container(cfg, resolve=True)
     command = "ddp-bench " + " ".join(HydraConfig.get().overrides.task)
-    try:
-        code = run_bench(resolved, run_dir, Path(os.getcwd()), command.strip())
-    except PlanError as e:
-        print(f"ERROR: {e}", file=sys.stderr, flush=True)
-        code = EXIT_PLAN_ERROR
-    sys.exit(code)
+    exit_with(lambda: run_bench(resolved, run_dir, Path(os.getcwd()), command.strip()))
 
 
 def main() -> None:
