@@ -891,15 +891,23 @@ class BenchTrainer(LaunchTrainer):
 
 def benchmark(cfg: dict, plan: LaunchPlan, run_dir: Path) -> dict | None:
     """Run one bench cell on this rank; rank 0 writes cell.json with every rank's figures."""
-    trainer = BenchTrainer(cfg, plan, run_dir)
+
+    def cell(trainer: LaunchTrainer, reports: list[dict]) -> dict:
+        return {"mode": plan.mode, "size": plan.world_size * plan.devices_per_rank, "ranks": reports}
+
+    return _run_rank(BenchTrainer(cfg, plan, run_dir), "cell.json", cell)
+
+
+def _run_rank(trainer: LaunchTrainer, record: str, build) -> dict | None:
+    """Train, gather every rank's report, and have rank 0 write `build(trainer, reports)` as RUN_DIR/record."""
     try:
         trainer.train()
         reports = _gather_reports(trainer)
         if trainer.rank != 0:
             return None
-        cell = {"mode": plan.mode, "size": plan.world_size * plan.devices_per_rank, "ranks": reports}
-        ckptio.atomic_write_bytes(Path(run_dir) / "cell.json", json.dumps(cell, indent=2).encode())
-        return cell
+        result = build(trainer, reports)
+        ckptio.atomic_write_bytes(trainer.run_dir / record, json.dumps(result, indent=2).encode())
+        return result
     finally:
         _teardown(trainer)
 
@@ -937,17 +945,7 @@ def _val_worker_init(worker_id: int) -> None:
 
 def train(cfg: dict, plan: LaunchPlan, run_dir: Path) -> dict | None:
     """Train on this rank; rank 0 writes summary.json. Returns the summary on rank 0."""
-    trainer = LaunchTrainer(cfg, plan, run_dir)
-    try:
-        trainer.train()
-        reports = _gather_reports(trainer)
-        if trainer.rank != 0:
-            return None
-        summary = build_summary(trainer, reports)
-        ckptio.atomic_write_bytes(Path(run_dir) / "summary.json", json.dumps(summary, indent=2).encode())
-        return summary
-    finally:
-        _teardown(trainer)
+    return _run_rank(LaunchTrainer(cfg, plan, run_dir), "summary.json", build_summary)
 
 
 def build_summary(trainer: LaunchTrainer, reports: list[dict]) -> dict:
