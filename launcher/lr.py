@@ -69,13 +69,6 @@ def warmup_length(
     return Warmup(iterations=iterations, images=iterations * global_batch, epochs=length_epochs)
 
 
-def warmup_factor(step: int, warmup_steps: int) -> float:
-    """0 -> 1 along warmup (step counts from 0); 1 once warmup is done."""
-    if warmup_steps <= 0 or step >= warmup_steps:
-        return 1.0
-    return step / warmup_steps
-
-
 def lr_lambda(epochs: int, lrf: float, cos_lr: bool):
     """Per-epoch multiplier on lr0: Ultralytics' linear (to lrf) or one-cycle cosine schedule."""
     if cos_lr:

@@ -83,9 +83,6 @@ class StepMeter:
         if self.monitor is not None:
             self.monitor.active = False
 
-    def in_window(self) -> bool:
-        return self.steps > self.skip_steps
-
     def recent(self) -> tuple[float, float]:
         """(images/s, data-wait fraction) since the last call; (0, 0) before the window opens."""
         seconds, wait, images = self._recent

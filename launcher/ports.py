@@ -28,9 +28,3 @@ def port_is_free(port: int, host: str = "") -> bool:
             raise
     return True
 
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port that was free a moment ago (bind to 0, read it, release). For tests and single-use helpers."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]

@@ -25,6 +25,3 @@ class PlanError(Exception):
 def config_problems(messages: list[str]) -> list[Problem]:
     return [Problem(m) for m in messages]
 
-
-def environment_problems(messages: list[str]) -> list[Problem]:
-    return [Problem(m, environment=True) for m in messages]
