@@ -6,6 +6,7 @@ result, so tests build `Hardware(...)` by hand instead of patching NVML.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from dataclasses import dataclass, field
 
@@ -24,6 +25,7 @@ class Hardware:
     cpu_count: int = 1
     nccl_available: bool = False
     gloo_available: bool = True
+    triton_available: bool = False  # torch.compile's GPU code generator (train.compile on CUDA)
     driver: str = ""
     source: str = "none"  # where the GPU list came from: nvml, torch or none
     notes: tuple[str, ...] = field(default=())
@@ -134,6 +136,7 @@ def detect() -> Hardware:
         cpu_count=usable_cpu_count(),
         nccl_available=dist.is_available() and dist.is_nccl_available(),
         gloo_available=dist.is_available() and dist.is_gloo_available(),
+        triton_available=importlib.util.find_spec("triton") is not None,
         driver=driver,
         source=source,
         notes=tuple(notes),

@@ -36,6 +36,7 @@ class StepMeter:
         self._last_end: float | None = None  # end of the previous step (None: the next step starts a new segment)
         self._wait_start = 0.0
         self._wait = 0.0  # this step's wait
+        self._ahead_wait = 0.0  # time spent waiting for this step's batch while it was fetched ahead (add_wait)
         self.window_s = 0.0
         self.window_wait_s = 0.0
         self.window_images = 0
@@ -59,7 +60,14 @@ class StepMeter:
     def batch_ready(self) -> None:
         """Call once the batch's host-to-device copy is issued. Host time: the copy itself overlaps the GPU's queue,
         and a second synchronisation per step would cost more than it tells."""
-        self._wait = self.clock() - self._wait_start
+        self._wait = self.clock() - self._wait_start + self._ahead_wait
+        self._ahead_wait = 0.0
+
+    def add_wait(self, seconds: float) -> None:
+        """The next batch was fetched ahead, during the previous step, and the loader made the host wait this long:
+        counted as that batch's data wait. Conservative: the GPU was still busy with the previous step for part of
+        that time, so the real starvation is at most this."""
+        self._ahead_wait += seconds
 
     def step_end(self, images: int) -> None:
         end = self._now()

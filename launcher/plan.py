@@ -24,6 +24,8 @@ BACKENDS = ("auto", "nccl", "gloo")
 AMP_VALUES = (True, False, "bf16")
 CACHE_VALUES = (False, "ram", "disk", "shared")
 OPTIMIZERS = ("sgd", "adamw")
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs", "max-autotune")  # torch.compile's
+FUSED_VALUES = ("auto", True, False)
 FALLBACKS = ("none", "dp")  # what mode=auto does when DDP fails to start
 MULTI_NODE_DEFAULT_PORT = 29500  # torchrun's default; every node must agree on it, so it cannot be picked at random
 MAX_AUTO_WORKERS = 16
@@ -271,13 +273,16 @@ def make_plan(
     _as_int(train.get("close_mosaic"), "train.close_mosaic", problems, 0)
     _as_int(train.get("patience"), "train.patience", problems, 1)
     problems += _check_extra(train.get("extra") or {})
+    problems += _check_step(train, optim, device=device, mode=mode, hw=hw)
 
     # --- loader and threads ----------------------------------------------------------------------------------
     cpus = max(1, hw.cpu_count)
     cores_per_rank = max(1, cpus // nproc)
     workers_req = loader.get("workers", "auto")
     if workers_req == "auto":
-        workers = min(MAX_AUTO_WORKERS, max(0, cores_per_rank - 1))
+        # A GPU rank keeps 2 cores for itself (the training thread and the pin-memory thread: affinity.py)
+        reserved = 2 if device == "cuda" and cores_per_rank >= 4 else 1
+        workers = min(MAX_AUTO_WORKERS, max(0, cores_per_rank - reserved))
     else:
         workers = _as_int(workers_req, "loader.workers", problems, 0) or 0
     if isinstance(loader.get("prefetch_factor"), int) and loader["prefetch_factor"] < 1:
@@ -392,6 +397,38 @@ def _check_extra(extra: dict) -> list[Problem]:
             problems.append(Problem(f"train.extra.{key}: ddp-launch sets this itself; use {OWNED_ULTRALYTICS_ARGS[key]}"))
         elif key not in known:
             problems.append(Problem(f"train.extra.{key}: not an Ultralytics train argument"))
+    return problems
+
+
+def _check_step(train: dict, optim: dict, *, device: str, mode: str, hw: Hardware) -> list[Problem]:
+    """The step's speed settings: train.compile, train.cuda_graphs, optim.fused (fast_step.py, graphed.py)."""
+    problems = []
+    if optim.get("fused", "auto") not in FUSED_VALUES:
+        problems.append(Problem(f"optim.fused={optim.get('fused')!r}: expected auto, true or false"))
+    graphs = bool(train.get("cuda_graphs"))
+    if graphs and mode == "dp":
+        problems.append(Problem("train.cuda_graphs=true is not supported with mode=dp; use mode=ddp"))
+    value = train.get("compile", False)
+    if value is False or value is None:
+        return problems
+    if value is not True and value not in COMPILE_MODES:
+        problems.append(Problem(f"train.compile={value!r}: expected false, true or one of {', '.join(COMPILE_MODES)}"))
+        return problems
+    if graphs:
+        problems.append(
+            Problem("train.compile with train.cuda_graphs=true: choose one (train.compile=reduce-overhead compiles the "
+                    "network and replays it as CUDA graphs)")
+        )
+    if mode == "dp":
+        problems.append(Problem("train.compile is not supported with mode=dp (DataParallel re-replicates the network "
+                                "every step); use mode=ddp"))
+    if value in ("reduce-overhead", "max-autotune") and device != "cuda":
+        problems.append(Problem(f"train.compile={value} replays CUDA graphs: it needs GPUs; on the CPU use train.compile=default"))
+    if device == "cuda" and hw.gpu_count and not hw.triton_available:
+        problems.append(
+            Problem("train.compile on GPUs needs Triton, which this Python lacks: pip install triton, or train.compile=false",
+                    environment=True)
+        )
     return problems
 
 

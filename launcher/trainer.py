@@ -32,9 +32,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from launcher import affinity
 from launcher import checkpoint as ckptio
 from launcher import image_cache
 from launcher import lr as lrmod
+from launcher.fast_loss import MAX_TARGETS, make_sync_free, max_targets_per_image
+from launcher.fast_step import compiled, fused_optimizer
 from launcher.faults import FaultInjector
 from launcher.gpu_monitor import GpuMonitor
 from launcher.graphed import GraphedDetector
@@ -168,10 +171,13 @@ def set_mosaic_buffer(dataset, enabled: bool) -> None:
             stack.append(t.pre_transform)
 
 
-def prepare_criterion(model) -> None:
-    """Build the model's loss now (Ultralytics builds it lazily) and normalise it over the global batch."""
+def prepare_criterion(model, sync_free: bool = True) -> None:
+    """Build the model's loss now (Ultralytics builds it lazily), without host syncs (fast_loss.py) if asked, and
+    normalise it over the global batch."""
     m = unwrap_model(model)
     m.criterion = m.init_criterion()
+    if sync_free and not make_sync_free(m.criterion):
+        LOGGER.warning(f"{type(m.criterion).__name__}: train.sync_free_loss applies to detection losses; this one syncs")
     if not use_global_normaliser(m.criterion):
         LOGGER.warning(f"{type(m.criterion).__name__}: loss normalised per rank (not a YOLO detection loss)")
 
@@ -201,6 +207,8 @@ class LaunchTrainer(DetectionTrainer):
         self.control_group = None
         self.heartbeat = None
         self.faults = FaultInjector.from_env(self.rank)
+        self._ahead: tuple[dict, torch.cuda.Event | None] | None = None  # the next batch, fetched during this step
+        self._copy_stream = None  # CUDA: the side stream that batches fetched ahead are copied on
 
     # --- setup ----------------------------------------------------------------------------------------------
     def _setup_ddp(self):
@@ -254,11 +262,14 @@ class LaunchTrainer(DetectionTrainer):
         # Everything that needs the bare network happens before it is wrapped: loaders and optimizer, class weights,
         # the EMA copy, the loss. `self.net` stays the bare network; `self.model` becomes what the step calls.
         self.net = self.model
+        if self.device.type == "cuda":
+            self._copy_stream = torch.cuda.Stream(device=self.device)
         self._build_train_pipeline()
         self.validator = self.get_validator()
         self.set_class_weights()
         self.ema = ModelEMA(self.net)
-        prepare_criterion(self.net)  # after the EMA copy: validation keeps Ultralytics' own, collective-free loss
+        # after the EMA copy: validation keeps Ultralytics' own, collective-free loss
+        prepare_criterion(self.net, sync_free=bool(self.cfg["train"].get("sync_free_loss", True)))
         self.model = self._wrap(self.net)
 
         if self.rank == 0:
@@ -279,18 +290,21 @@ class LaunchTrainer(DetectionTrainer):
             model = GraphedDetector(net, self.plan.batch_per_rank, self.args.imgsz, self.amp_dtype if self.amp else None)
             self._log(f"CUDA graphs: forward and backward captured for batches of {self.plan.batch_per_rank}")
         if self.use_ddp:
-            return nn.parallel.DistributedDataParallel(
+            model = nn.parallel.DistributedDataParallel(
                 model,
                 device_ids=[self.device.index] if self.device.type == "cuda" else None,
                 find_unused_parameters=bool(self.cfg["dist"]["find_unused_parameters"]),
                 gradient_as_bucket_view=True,  # gradients live in the all-reduce buckets: no copy in, no copy out
                 **{BUFFER_SYNC_KWARG: bool(self.cfg["dist"]["broadcast_buffers"])},
             )
+            # compiled around DDP, as torch recommends: Dynamo splits the graph at DDP's buckets, so each bucket's
+            # all-reduce still overlaps the rest of the backward pass
+            return compiled(model, self.cfg["train"].get("compile", False))
         if self.plan.mode == "dp":
             # One process drives every GPU of the node: images are scattered, predictions gathered on cuda:0.
             devices = list(range(self.plan.devices_per_rank)) if self.device.type == "cuda" else None
             return nn.DataParallel(model, device_ids=devices)
-        return model
+        return compiled(model, self.cfg["train"].get("compile", False))
 
     def _restore(self, state: dict, ckpt: dict) -> None:
         """Continue where the checkpoint stopped: optimizer, scaler, EMA, position, best fitness, records."""
@@ -325,12 +339,13 @@ class LaunchTrainer(DetectionTrainer):
     def _build_train_pipeline(self):
         plan = self.plan
         self.batch_size = plan.global_batch
+        self.cores = self._bind_cores()
         self.train_loader = self._train_loader()
         self.args.workers = plan.workers_per_rank  # the validation loader uses twice this (Ultralytics' rule)
         self.test_loader = self.get_dataloader(
             self.data["val"], batch_size=plan.batch_per_rank * 2, rank=UL_LOCAL_RANK, mode="val"
         )
-        self.test_loader.worker_init_fn = _val_worker_init
+        self.test_loader.worker_init_fn = self._worker_init(_val_worker_init)
         self.accumulate = 1
         nb = self.batch_sampler.batches_per_epoch
         self.optimizer = self.build_optimizer(
@@ -341,13 +356,39 @@ class LaunchTrainer(DetectionTrainer):
             decay=self.args.weight_decay,
             iterations=nb * self.epochs,
         )
+        # fused on CUDA: GradScaler then skips an overflowing step on the device, without a host sync (fast_step.py)
+        self.optimizer = fused_optimizer(self.optimizer, self.cfg["optim"].get("fused", "auto"), self.device)
         self._setup_scheduler()
+
+    def _bind_cores(self) -> affinity.CoreSplit | None:
+        """loader.bind_cores on a GPU node: this process on its own cores, its loader workers on the others."""
+        if not self.cfg["loader"].get("bind_cores", True) or self.device.type != "cuda":
+            return None
+        split = affinity.split_cores(
+            affinity.available_cores(), self.local_rank, self.plan.nproc_per_node, self.plan.workers_per_rank
+        )
+        if split is None:
+            return None
+        affinity.bind_process(split.main)
+        self._log(f"cores: training process on {_core_list(split.main)}, loader workers on {_core_list(split.workers)}")
+        return split
+
+    def _worker_init(self, inner):
+        return affinity.BindWorker(self.cores.workers, inner) if self.cores else inner
 
     def _setup_scheduler(self):
         self.lf = lrmod.lr_lambda(self.epochs, self.args.lrf, self.args.cos_lr)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda=self.lf)
 
     # --- the node-wide image cache (train.cache=shared) ---------------------------------------------------------
+    def preprocess_batch(self, batch: dict) -> dict:
+        """Ultralytics' (to the device, images to [0, 1]), plus the batch's largest per-image target count, read
+        while the labels are still on the CPU: the sync-free loss pads to it without asking the GPU."""
+        max_targets = max_targets_per_image(batch["batch_idx"], len(batch["img"]))
+        batch = super().preprocess_batch(batch)
+        batch[MAX_TARGETS] = max_targets
+        return batch
+
     def _image_cache_dirs(self) -> list[Path]:
         return image_cache.default_dirs(Path(self.cfg["paths"]["cache"]).expanduser() / "images")
 
@@ -397,7 +438,7 @@ class LaunchTrainer(DetectionTrainer):
             num_workers=workers,
             pin_memory=bool(loader_cfg["pin_memory"]) and self.device.type == "cuda",
             collate_fn=dataset.collate_fn,
-            worker_init_fn=worker_init,
+            worker_init_fn=self._worker_init(worker_init),
             prefetch_factor=int(loader_cfg["prefetch_factor"]) if workers else None,
             persistent_workers=False,  # the iterator itself lives for the whole run (see _batches)
         )
@@ -434,6 +475,7 @@ class LaunchTrainer(DetectionTrainer):
         return self._train_iter
 
     def _close_train_iterator(self) -> None:
+        self._ahead = None  # a batch fetched ahead belongs to the iterator that is going
         old = getattr(self, "_train_iter", None)
         if old is not None and hasattr(old, "_shutdown_workers"):
             old._shutdown_workers()
@@ -482,7 +524,7 @@ class LaunchTrainer(DetectionTrainer):
                 self.tloss, self.tloss_steps = None, 0  # a resumed epoch keeps the mean of its steps before the stop
             for i in range(first, nb):
                 ni = i + nb * epoch
-                batch = self._train_batch(it, ni, nw, epoch)
+                batch = self._train_batch(it, ni, nw, epoch, ahead=i + 1 < nb)
                 if self.record_samples:
                     self.samples_seen.setdefault(epoch, []).extend(Path(f).name for f in batch["im_file"])
                 self.tloss_steps += 1
@@ -550,24 +592,65 @@ class LaunchTrainer(DetectionTrainer):
         self.grad_clip = float(self.cfg["optim"].get("grad_clip", 10.0))
         return self.meter
 
-    def _train_batch(self, it, ni: int, nw: int, epoch: int) -> dict:
-        """Fetch the next batch and take one optimizer step on it, metered. `ni` counts steps from the run's start."""
+    def _train_batch(self, it, ni: int, nw: int, epoch: int, ahead: bool = False) -> dict:
+        """Take one optimizer step on the next batch, metered; `ni` counts steps from the run's start. With `ahead`
+        (another step of this epoch follows) the next batch is fetched while the GPU runs this step."""
         self.meter.wait_start()
-        batch = next(it)
-        if self.gpu_augment is not None:
-            batch = self._augment_on_device(batch, ni)
-        batch = self.preprocess_batch(batch)
+        batch = self._take_ahead() if self._ahead is not None else self._fetch(it, ni)
         self.meter.batch_ready()
         self.run_callbacks("on_train_batch_start")
         if nw and ni <= nw:
             self._warmup(ni, nw, epoch)
         self._step_on(batch)
+        if ahead and self.cfg["loader"].get("fetch_ahead", True):
+            self._fetch_ahead(it, ni + 1)
         if not self.loss_names:
             self.loss_names = tuple(self.loss_items)
             if self.rank == 0:
                 self.metrics.update(dict.fromkeys(self.label_loss_items(prefix="val"), 0.0))
         self.meter.step_end(len(batch["im_file"]))
         self._beat("working", ni + 1)
+        return batch
+
+    def _fetch(self, it, ni: int) -> dict:
+        """Batch `ni` on the device: from the loader, augmented on the device if asked, preprocessed."""
+        batch = next(it)
+        if self.gpu_augment is not None:
+            batch = self._augment_on_device(batch, ni)
+        return self.preprocess_batch(batch)
+
+    def _fetch_ahead(self, it, ni: int) -> None:
+        """Fetch batch `ni` now, while the GPU still runs the step just launched: its host-to-device copy (and its
+        augmentation, with loader.gpu_augment) on a side stream, so that the copy engine and the step overlap and
+        the next step starts on data already on the device. Only the loader's own delay counts as data wait."""
+        start = time.perf_counter()
+        raw = next(it)
+        self.meter.add_wait(time.perf_counter() - start)
+        if self._copy_stream is None:  # the CPU: nothing to overlap, the same batch either way
+            self._ahead = (self._finish(raw, ni), None)
+            return
+        with torch.cuda.stream(self._copy_stream):
+            batch = self._finish(raw, ni)
+            ready = torch.cuda.Event()
+            ready.record(self._copy_stream)
+        self._ahead = (batch, ready)
+
+    def _finish(self, raw, ni: int) -> dict:
+        if self.gpu_augment is not None:
+            raw = self._augment_on_device(raw, ni)
+        return self.preprocess_batch(raw)
+
+    def _take_ahead(self) -> dict:
+        """The batch fetched ahead, for the compute stream: it waits for the copy on the device, not on the host, and
+        the allocator keeps the batch's memory until the compute stream is done with it."""
+        batch, ready = self._ahead
+        self._ahead = None
+        if ready is not None:
+            compute = torch.cuda.current_stream(self.device)
+            compute.wait_event(ready)
+            for v in batch.values():
+                if isinstance(v, torch.Tensor) and v.is_cuda:
+                    v.record_stream(compute)
         return batch
 
     def _step_on(self, batch: dict) -> None:
@@ -833,7 +916,7 @@ class BenchTrainer(LaunchTrainer):
             if n == warmup:
                 cpu_start = psutil.cpu_times()
             self.epoch = n // nb  # the sampler runs on across epochs; the loop does not stop for them
-            self._train_batch(it, n, 0, self.epoch)
+            self._train_batch(it, n, 0, self.epoch, ahead=n + 1 < warmup + steps)
             if self.rank == 0 and (n + 1) % max(1, (warmup + steps) // 5) == 0:
                 self._log(f"bench step {n + 1}/{warmup + steps}")
         self.meter.pause()
@@ -850,6 +933,9 @@ class BenchTrainer(LaunchTrainer):
             if self.gpu_augment is not None:
                 batch = self._augment_on_device(batch, j)
             batches.append(self.preprocess_batch(batch))
+        # The loader's workers stop first: still prefetching, they would compete with this process for the cores
+        # and the ceiling would measure the host's contention, not the step.
+        self._close_train_iterator()
         images = 0
         for j in range(steps + 3):
             if j == 3:  # a few unmeasured steps after switching from the loader
@@ -931,6 +1017,18 @@ def _teardown(trainer: LaunchTrainer) -> None:
     trainer.stop_signal.restore()
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def _core_list(cores) -> str:
+    """(0, 1, 2, 5) -> '0-2,5' (the cpuset notation)."""
+    runs, start = [], None
+    for i, c in enumerate(cores):
+        if start is None:
+            start = c
+        if i + 1 == len(cores) or cores[i + 1] != c + 1:
+            runs.append(f"{start}-{c}" if c != start else str(c))
+            start = None
+    return ",".join(runs)
 
 
 def _val_worker_init(worker_id: int) -> None:

@@ -61,10 +61,76 @@ def test_a_cuda_graph_step_takes_the_same_step_as_the_eager_one():
 
 
 def test_one_gpu_trains_with_every_lever_on(tmp_path, cache_dir):
-    levers = ["train.cuda_graphs=true", "loader.gpu_augment=true", "train.cache=shared", "mode=ddp", "gpus=1"]
+    levers = ["train.cuda_graphs=true", "loader.gpu_augment=true", "train.cache=shared", "mode=ddp", "gpus=1"]  # fused, bound
     r = ddp_launch([*TINY, "train.epochs=3", *levers], cwd=tmp_path)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     summary = json.loads((run_dir_of(r) / "summary.json").read_text())
     assert summary["backend"] == "nccl" and summary["epochs_completed"] == 3
     assert summary["ranks"][0]["gpus"], "NVML figures missing"
     assert "CUDA graphs: forward and backward captured" in (run_dir_of(r) / "logs" / "rank0.log").read_text()
+
+
+def test_fp16_amp_with_the_fused_optimizer_survives_an_overflowing_first_step():
+    """GradScaler's first scale (65536) overflows fp16 on the first step; the fused kernel skips that step on the
+    device. The momentum buffers it would have initialised are zeros (fast_step.py), so training stays finite."""
+    from launcher import lr
+    from launcher.fast_step import fused_optimizer
+    from launcher.trainer import prepare_criterion, train_step
+
+    model, batch = make_model_and_batch()
+    model, batch = model.cuda(), _on_cuda(batch)
+    prepare_criterion(model)
+    model.train()
+    plain = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.937, nesterov=True)
+    opt = fused_optimizer(plain, "auto", torch.device("cuda"))
+    assert opt is not plain and opt.defaults["fused"]
+    scaler = torch.amp.GradScaler("cuda", init_scale=2.0**24)  # certain to overflow at first
+    losses = []
+    for _ in range(6):
+        loss, _ = train_step(model, batch, loss_scale=lr.loss_scale(64, 4), optimizer=opt, scaler=scaler,
+                             grad_clip=10.0, amp_dtype=torch.float16)
+        losses.append(loss.item())
+    assert scaler.get_scale() < 2.0**24, "no step overflowed: the test did not test the skipped step"
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert all(torch.isfinite(torch.tensor(losses))), losses
+
+
+def test_one_gpu_trains_with_a_compiled_network(tmp_path, cache_dir):
+    r = ddp_launch([*TINY, "train.epochs=2", "train.compile=reduce-overhead", "mode=ddp", "gpus=1"], cwd=tmp_path)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    summary = json.loads((run_dir_of(r) / "summary.json").read_text())
+    assert summary["epochs_completed"] == 2
+    assert all(v == v and abs(v) < 1e4 for v in summary["ranks"][0]["loss"].values()), summary["ranks"][0]["loss"]
+
+
+def test_the_training_step_never_makes_the_host_wait_for_the_gpu():
+    """Forward, the sync-free loss, backward, unscale, clip, the fused step and the EMA: with the batch's target count
+    known to the host, CUDA's sync debug mode finds no synchronisation (fast_loss.py, fast_step.py)."""
+    from ultralytics.utils.torch_utils import ModelEMA
+
+    from launcher import lr
+    from launcher.fast_loss import MAX_TARGETS, max_targets_per_image
+    from launcher.fast_step import fused_optimizer
+    from launcher.trainer import prepare_criterion, train_step
+
+    model, batch = make_model_and_batch()
+    max_targets = max_targets_per_image(batch["batch_idx"], len(batch["img"]))
+    model, batch = model.cuda(), {**_on_cuda(batch), MAX_TARGETS: max_targets}
+    prepare_criterion(model)
+    model.train()
+    opt = fused_optimizer(torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, nesterov=True), "auto", batch["img"].device)
+    scaler, ema = torch.amp.GradScaler("cuda"), ModelEMA(model)
+
+    def step():
+        train_step(model, batch, loss_scale=lr.loss_scale(64, 4), optimizer=opt, scaler=scaler, grad_clip=10.0,
+                   amp_dtype=torch.float16)
+        ema.update(model)
+
+    step()  # first-use work (cuDNN plans, the anchor cache, lazy state) may sync once
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)

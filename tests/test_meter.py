@@ -46,3 +46,21 @@ def test_pauses_do_not_count_as_training_time():
     s = meter.summary()
     assert s.window_s == pytest.approx(10.0)  # ten 1 s steps; the 100 s pause is not in the window
     assert s.images_per_s == pytest.approx(16.0)
+
+
+def test_a_loader_delay_while_fetching_ahead_counts_as_the_next_batchs_wait():
+    """With the next batch fetched during the current step (loader.fetch_ahead), the host finds it ready at once;
+    the time the loader kept it waiting then is that batch's data wait, not lost."""
+    clock = FakeClock()
+    meter = StepMeter(torch.device("cpu"), skip_steps=1, clock=clock)
+    for step in range(4):
+        meter.wait_start()
+        meter.batch_ready()  # fetched ahead (or, for the first, the skipped step): ready at once
+        clock.t += 1.0  # the step, during which the next batch is fetched...
+        if step < 3:
+            meter.add_wait(0.3)  # ...and the loader made the host wait 0.3 s for it
+        meter.step_end(16)
+    s = meter.summary()
+    assert s.steps_measured == 3
+    assert s.data_wait == pytest.approx(0.3)
+    assert s.images_per_s == pytest.approx(16.0)

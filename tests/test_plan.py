@@ -105,9 +105,10 @@ def test_warmup_leaves_the_last_epoch_alone():
 
 
 # --- loader ------------------------------------------------------------------------------------------------------
-def test_auto_workers_are_cores_per_rank_minus_one_capped_at_16():
+def test_auto_workers_leave_a_gpu_rank_two_cores_and_are_capped_at_16():
     plan, _ = plan_for(["gpus=8"], hw=GPU_BOX)
-    assert plan.workers_per_rank == 15  # 128 cores / 8 ranks - 1
+    assert plan.workers_per_rank == 14  # 128 cores / 8 ranks - 2 (the training thread, the pin-memory thread)
+    assert plan.threads_per_rank == 2
     plan, _ = plan_for(["gpus=1"], hw=GPU_BOX)
     assert plan.workers_per_rank == 16
     plan, _ = plan_for(["gpus=0", "nproc=2"], hw=CPU_BOX)
@@ -169,8 +170,30 @@ def test_dry_run_turns_machine_problems_into_warnings_but_not_config_errors():
         (["+train.extra.epochs=3"], "train.extra.epochs: ddp-launch sets this itself; use train.epochs"),
         (["+train.extra.not_an_arg=3"], "train.extra.not_an_arg: not an Ultralytics train argument"),
         (["dist.nccl.debug=LOUD"], "dist.nccl.debug='LOUD'"),
+        (["train.compile=fastest"], "train.compile='fastest': expected false, true or one of default, reduce-overhead"),
+        (["train.compile=true", "train.cuda_graphs=true"], "choose one (train.compile=reduce-overhead"),
+        (["train.compile=true", "mode=dp"], "train.compile is not supported with mode=dp"),
+        (["train.cuda_graphs=true", "mode=dp"], "train.cuda_graphs=true is not supported with mode=dp"),
+        (["optim.fused=maybe"], "optim.fused='maybe': expected auto, true or false"),
     ],
 )
 def test_bad_config_values_are_named(overrides, expected):
     _, problems = plan_for(overrides)
     assert expected in messages(problems)
+
+
+# --- the step's speed settings ----------------------------------------------------------------------------------
+def test_compile_with_cuda_graphs_on_the_cpu_is_refused_with_the_mode_that_works():
+    _, problems = plan_for(["gpus=0", "train.compile=reduce-overhead"], hw=CPU_BOX)
+    assert "on the CPU use train.compile=default" in messages(problems)
+    _, problems = plan_for(["gpus=0", "train.compile=default"], hw=CPU_BOX)
+    assert not problems
+
+
+def test_compile_on_gpus_without_triton_is_a_machine_problem():
+    _, problems = plan_for(["gpus=1", "train.compile=true"], hw=GPU_BOX)
+    (problem,) = [p for p in problems if "Triton" in p.message]
+    assert problem.environment and "train.compile=false" in problem.message
+    with_triton = Hardware(gpus=GPU_BOX.gpus, cpu_count=128, nccl_available=True, triton_available=True)
+    _, problems = plan_for(["gpus=1", "train.compile=reduce-overhead"], hw=with_triton)
+    assert not problems
