@@ -14,9 +14,9 @@ The values are Ultralytics'; only how they are computed changes:
 * Targets are padded to the batch's largest per-image count, which the host reads off the batch before it moves
   to the GPU (`max_targets_per_image`, stored as `batch["max_targets"]`). Without it (labels made on the GPU),
   Ultralytics' own padding runs, with its sync.
-* The anchor grid is made once per feature-map shape (Ultralytics rebuilds it every step from CPU ranges and
-  device strides read back by the host); the image-size vector and the assigner's stride floor are made on the
-  device from Python numbers (fills), not copied from the CPU.
+* The anchor grid and the image-size vector are made once per feature-map shape (Ultralytics rebuilds them every
+  step from CPU ranges and lists, and device strides read back by the host); the assigner's stride floor is a
+  Python number, not a tensor copied from the CPU.
 * TaskAlignedAssigner scores every (image, target, anchor) triple densely instead of gathering the candidates
   through `nonzero()`; the candidates' values are the same numbers, the others are masked to zero as before.
   Dense costs memory (a few temporaries of images x targets x anchors): above DENSE_LIMIT triples the assigner uses
@@ -50,14 +50,6 @@ def max_targets_per_image(batch_idx: torch.Tensor, batch_size: int) -> int | Non
     return int(torch.bincount(batch_idx.long(), minlength=batch_size).max())
 
 
-def _device_vector(values, device, dtype) -> torch.Tensor:
-    """A small tensor on `device` made by fills (kernel arguments), not by a blocking copy from the CPU."""
-    out = torch.empty(len(values), device=device, dtype=dtype)
-    for i, v in enumerate(values):
-        out[i] = v
-    return out
-
-
 class SyncFreeDetectionLoss(v8DetectionLoss):
     """v8DetectionLoss whose padding size comes from the host and whose image size is made on the device."""
 
@@ -79,28 +71,29 @@ class SyncFreeDetectionLoss(v8DetectionLoss):
             out[..., 1:5] = xywh2xyxy(out[..., 1:5].mul_(scale_tensor))
         return out
 
-    def _anchors(self, feats: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """make_anchors, once per feature-map shape: it builds its grids on the CPU and reads the (device) strides
-        back as fill values, 9 syncs for 3 levels. Nothing writes into the cached tensors."""
-        key = (tuple(tuple(f.shape[2:]) for f in feats), feats[0].dtype, feats[0].device)
-        cache = self.__dict__.setdefault("_anchor_cache", {})
+    def _grid(self, feats: list[torch.Tensor], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(anchor points, stride per anchor, image size (h, w)), once per feature-map shape. Ultralytics rebuilds
+        them every step: make_anchors from CPU ranges and device strides read back by the host (9 syncs for 3
+        levels), the image size copied from a CPU list (1 sync). Nothing writes into the cached tensors."""
+        key = (tuple(tuple(f.shape[2:]) for f in feats), feats[0].dtype, dtype, feats[0].device)
+        cache = self.__dict__.setdefault("_grid_cache", {})
         if key not in cache:
-            cache[key] = make_anchors(feats, self.stride, 0.5)
+            anchor_points, stride_tensor = make_anchors(feats, self.stride, 0.5)
+            imgsz = torch.tensor(feats[0].shape[2:], device=self.device, dtype=dtype) * self.stride[0]
+            cache[key] = anchor_points, stride_tensor, imgsz
         return cache[key]
 
     def get_assigned_targets_and_loss(self, preds: dict, batch: dict, **assign_kwargs) -> tuple:
-        """Ultralytics 8.4.190's method, with cached anchors and the image size made on the device."""
+        """Ultralytics 8.4.190's method, with the anchor grid and the image size cached per feature-map shape."""
         self._max_targets = batch.get(MAX_TARGETS)
         loss = torch.zeros(3, device=self.device)  # box, cls, dfl
         pred_distri, pred_scores = (
             preds["boxes"].permute(0, 2, 1).contiguous(),
             preds["scores"].permute(0, 2, 1).contiguous(),
         )
-        anchor_points, stride_tensor = self._anchors(preds["feats"])
-
         dtype = pred_scores.dtype
         batch_size = pred_scores.shape[0]
-        imgsz = _device_vector(preds["feats"][0].shape[2:], self.device, dtype) * self.stride[0]
+        anchor_points, stride_tensor, imgsz = self._grid(preds["feats"], dtype)
 
         targets = torch.cat((batch["batch_idx"].view(-1, 1), batch["cls"].view(-1, 1), batch["bboxes"]), 1)
         scale = imgsz.flip(0).repeat(2)  # (w, h, w, h): imgsz[[1, 0, 1, 0]] without copying an index to the GPU

@@ -294,6 +294,11 @@ def make_plan(
         threads = max(threads, 2)  # DataParallel's host work (scatter, replicate, gather) is per GPU
     if workers * nproc > cpus:
         notes.append(f"{workers} workers x {nproc} ranks exceed the {cpus} usable cores")
+    if device == "cuda" and train.get("cuda_graphs") and loader.get("fetch_ahead", True):
+        notes.append(
+            "train.cuda_graphs with loader.fetch_ahead measured 15 % slower than with loader.fetch_ahead=false on an "
+            "H200 (docs/benchmarks/README.md, section 3)"
+        )
 
     # --- rendezvous --------------------------------------------------------------------------------------------
     port_req = dist.get("master_port", "auto")

@@ -197,3 +197,10 @@ def test_compile_on_gpus_without_triton_is_a_machine_problem():
     with_triton = Hardware(gpus=GPU_BOX.gpus, cpu_count=128, nccl_available=True, triton_available=True)
     _, problems = plan_for(["gpus=1", "train.compile=reduce-overhead"], hw=with_triton)
     assert not problems
+
+
+def test_cuda_graphs_with_fetch_ahead_carries_the_measured_warning():
+    plan, _ = plan_for(["gpus=1", "train.cuda_graphs=true"])
+    assert any("15 % slower" in n for n in plan.notes)
+    plan, _ = plan_for(["gpus=1", "train.cuda_graphs=true", "loader.fetch_ahead=false"])
+    assert not any("fetch_ahead" in n for n in plan.notes)
