@@ -8,18 +8,21 @@ the host launches the optimizer, the EMA and the next batch. A fused optimizer t
 tensor and skips the update on the GPU, so the host never waits there.
 
 torch's fused SGD has a trap, found on the H200 (docs/benchmarks/README.md): its first step creates the momentum
-buffers with `torch.empty_like` and lets the kernel fill them. When that first step overflows -- the norm with fp16
-AMP, whose first scale of 65536 is chosen to overflow -- the kernel skips the step and leaves the buffers holding
-uninitialised memory, and every later step reads it: NaN from the second step on. So the buffers are created here,
-as zeros, before the first step. With zero buffers the first update is `buf = momentum * 0 + grad = grad`, exactly
-torch's first-step rule (dampening is 0), and a skipped step leaves them zero.
+buffers with `torch.empty_like` and lets the kernel fill them. When that first step overflows -- common with fp16
+AMP, whose scale starts at 65536 and is lowered after each overflow -- the kernel skips the step and leaves the
+buffers holding uninitialised memory, and every later step reads it: NaN from the second step on. So the buffers are
+created here, as zeros, before the first step. With zero buffers the first update is `buf = momentum * 0 + grad =
+grad`, exactly torch's first-step rule (dampening is 0), and a skipped step leaves them zero. Measured on the H200:
++2.9 % and +4.4 % images/s end to end.
 
-**torch.compile.** The step is bound by launches, not arithmetic (about 1,400 kernels per yolov8s step, each taking
-more host time than GPU time): Inductor fuses BatchNorm, SiLU, the concatenations and the copies around the cuDNN
-convolutions into far fewer kernels, and `reduce-overhead` also replays forward and backward as CUDA graphs. Only the
-network is compiled: the loss has data-dependent shapes (target assignment) and stays eager, like validation, which
-runs on the EMA copy. Shapes are static (`dynamic=False`): a short last batch compiles once more, and every full
-batch keeps the specialised kernels.
+**torch.compile.** The eager step launches about 1,200 kernels per yolov8s step, each taking more host time than
+GPU time. Inductor fuses the elementwise work (BatchNorm, SiLU, concatenations, copies) around cuDNN's convolutions,
+and `reduce-overhead` also replays forward and backward as CUDA graphs. Only the network is compiled: the loss has
+data-dependent shapes (target assignment) and stays eager, like validation, which runs on the EMA copy. Shapes are
+static (`dynamic=False`): a short last batch compiles once more, and every full batch keeps the specialised kernels.
+Measured on the H200 (yolov8s, batch 64): `default` -4 %, `reduce-overhead` +6 %, 2.5 min of compilation per run,
+and the GPU time per step unchanged (Inductor's SPPF max-pool and upsample-backward kernels are slower than ATen's);
+so it stays off by default.
 """
 
 from __future__ import annotations

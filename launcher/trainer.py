@@ -380,15 +380,17 @@ class LaunchTrainer(DetectionTrainer):
         self.lf = lrmod.lr_lambda(self.epochs, self.args.lrf, self.args.cos_lr)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda=self.lf)
 
-    # --- the node-wide image cache (train.cache=shared) ---------------------------------------------------------
     def preprocess_batch(self, batch: dict) -> dict:
         """Ultralytics' (to the device, images to [0, 1]), plus the batch's largest per-image target count, read
         while the labels are still on the CPU: the sync-free loss pads to it without asking the GPU."""
-        max_targets = max_targets_per_image(batch["batch_idx"], len(batch["img"]))
+        max_targets = batch.get(MAX_TARGETS)
+        if max_targets is None:
+            max_targets = max_targets_per_image(batch["batch_idx"], len(batch["img"]))
         batch = super().preprocess_batch(batch)
         batch[MAX_TARGETS] = max_targets
         return batch
 
+    # --- the node-wide image cache (train.cache=shared) ---------------------------------------------------------
     def _image_cache_dirs(self) -> list[Path]:
         return image_cache.default_dirs(Path(self.cfg["paths"]["cache"]).expanduser() / "images")
 
@@ -465,7 +467,10 @@ class LaunchTrainer(DetectionTrainer):
             self._aug_generator = torch.Generator(device=self.device)
         self._aug_generator.manual_seed(sample_seed(int(self.cfg["seed"]), ni, self.rank))
         raw = raw.to(self.device, non_blocking=True)
-        return self.gpu_augment(raw, self._aug_generator)
+        batch = self.gpu_augment(raw, self._aug_generator)
+        # counted here, on the stream that augments (it syncs once for the boxes anyway), not in the training step
+        batch[MAX_TARGETS] = max_targets_per_image(batch["batch_idx"], len(batch["im_file"]), read_device=True)
+        return batch
 
     def _batches(self, epoch: int, start_batch: int = 0):
         """A fresh iterator over the training batches from (epoch, start_batch) onwards; old workers are stopped."""
@@ -613,11 +618,8 @@ class LaunchTrainer(DetectionTrainer):
         return batch
 
     def _fetch(self, it, ni: int) -> dict:
-        """Batch `ni` on the device: from the loader, augmented on the device if asked, preprocessed."""
-        batch = next(it)
-        if self.gpu_augment is not None:
-            batch = self._augment_on_device(batch, ni)
-        return self.preprocess_batch(batch)
+        """Batch `ni` on the device, now: from the loader, augmented on the device if asked, preprocessed."""
+        return self._finish(next(it), ni)
 
     def _fetch_ahead(self, it, ni: int) -> None:
         """Fetch batch `ni` now, while the GPU still runs the step just launched: its host-to-device copy (and its
@@ -636,6 +638,7 @@ class LaunchTrainer(DetectionTrainer):
         self._ahead = (batch, ready)
 
     def _finish(self, raw, ni: int) -> dict:
+        """A loader batch made ready for the step: augmented on the device (loader.gpu_augment), moved, scaled."""
         if self.gpu_augment is not None:
             raw = self._augment_on_device(raw, ni)
         return self.preprocess_batch(raw)

@@ -487,3 +487,19 @@ def test_polygon_labels_are_flagged_and_rect_datasets_refused():
 def test_refuses_what_it_does_not_implement(key):
     with pytest.raises(ValueError, match=key):
         GpuAugment(IMGSZ, {key: 0.1})
+
+
+@pytest.mark.slow
+def test_a_run_trains_with_device_augmentation_on_the_cpu(tmp_path, cache_dir):
+    """The trainer's gpu_augment path (raw batches, augmentation in the training process, batches fetched ahead,
+    the target count taken where the labels are made) end to end, on CPU tensors."""
+    import json
+
+    from tests.conftest import TINY, ddp_launch, run_dir_of
+
+    r = ddp_launch([*TINY, "train.epochs=2", "loader.gpu_augment=true", "train.cache=shared"], cwd=tmp_path)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    summary = json.loads((run_dir_of(r) / "summary.json").read_text())
+    assert summary["epochs_completed"] == 2
+    losses = summary["ranks"][0]["loss"]
+    assert losses and all(math.isfinite(v) and v > 0 for v in losses.values()), losses
