@@ -284,7 +284,7 @@ class LaunchTrainer(DetectionTrainer):
     def _wrap(self, net: nn.Module) -> nn.Module:
         """What the training step calls: the network, CUDA-graphed if asked, inside DDP or DataParallel."""
         model = net
-        if self.cfg["train"].get("cuda_graphs") and self.device.type == "cuda" and self.plan.mode != "dp":
+        if self.cfg["train"].get("cuda_graphs") and self.device.type == "cuda":  # the plan refuses it with mode=dp
             # captured before DDP wraps it, as torch requires; the network is in train mode for the capture
             net.train()
             model = GraphedDetector(net, self.plan.batch_per_rank, self.args.imgsz, self.amp_dtype if self.amp else None)
@@ -924,18 +924,12 @@ class BenchTrainer(LaunchTrainer):
                 self._log(f"bench step {n + 1}/{warmup + steps}")
         self.meter.pause()
         self.host_cpu = _host_cpu_busy(cpu_start, psutil.cpu_times()) if cpu_start is not None else 0.0
-        self.ceiling = self._ceiling(it, int(bench["ceiling_batches"]), max(steps // 2, 10))
-        self._close_train_iterator()
+        self.ceiling = self._ceiling(it, int(bench["ceiling_batches"]), max(steps // 2, 10))  # stops the loader
         self.epochs_completed = 0
 
     def _ceiling(self, it, n_batches: int, steps: int) -> float:
         """images/s of the same trainer step on `n_batches` real batches already on the device, cycled."""
-        batches = []
-        for j in range(n_batches):
-            batch = next(it)
-            if self.gpu_augment is not None:
-                batch = self._augment_on_device(batch, j)
-            batches.append(self.preprocess_batch(batch))
+        batches = [self._fetch(it, j) for j in range(n_batches)]
         # The loader's workers stop first: still prefetching, they would compete with this process for the cores
         # and the ceiling would measure the host's contention, not the step.
         self._close_train_iterator()
