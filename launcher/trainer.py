@@ -189,8 +189,20 @@ class LaunchTrainer(DetectionTrainer):
         self.cfg, self.plan, self.run_dir = cfg, plan, Path(run_dir)
         self.rank, self.local_rank, world = rank_info()
         csv = Path(run_dir) / "results.csv"
-        self._results_before = csv.read_text() if csv.exists() else None  # Ultralytics deletes it; a resume needs it
-        super().__init__(overrides=ultralytics_args(cfg, plan, run_dir))
+        # Ultralytics' constructor deletes results.csv (exists(), then unlink()): a resume restores it from here
+        self._results_before = csv.read_text() if self.rank == 0 and csv.exists() else None
+        args = ultralytics_args(cfg, plan, run_dir)
+        if self.rank != 0:
+            # Every rank running that deletion races the others for the file (the loser fails with FileNotFoundError)
+            # and may delete it before rank 0 has read it. The other ranks construct on a folder without one (it is
+            # never created: Ultralytics writes only on rank 0), then take the run folder's paths.
+            args["save_dir"] = str(Path(run_dir) / "ranks" / f"construct-rank{self.rank}")
+        super().__init__(overrides=args)
+        if self.rank != 0:
+            self.save_dir = Path(run_dir)
+            self.args.save_dir = str(run_dir)
+            self.wdir = self.save_dir / "weights"
+            self.last, self.best, self.csv = self.wdir / "last.pt", self.wdir / "best.pt", self.save_dir / "results.csv"
         self.world_size = world  # Ultralytics derives it from the device string: 1 per rank, 0 on the CPU
         self.use_ddp = plan.mode == "ddp"
         torch.set_num_threads(plan.threads_per_rank)  # Ultralytics' select_device reset it

@@ -83,3 +83,41 @@ def test_the_run_folder_holds_config_plan_logs_weights_and_summary(run):
     from ultralytics import YOLO
 
     YOLO(summary["weights"])  # the weights load with Ultralytics as they are
+
+
+def test_a_rank_other_than_0_leaves_the_runs_results_to_rank_0(run):
+    """Ultralytics' trainer deletes results.csv when it is constructed; on a resume every rank doing so raced the
+    others (one failed with FileNotFoundError, and rank 0 could lose the rows it restores). Rank 1 must not touch it
+    and must still use the run folder's paths."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from launcher import runenv
+
+    _, run_dir = run
+    before = (run_dir / "results.csv").read_text()
+    code = (
+        "import json, sys\n"
+        "from pathlib import Path\n"
+        "from omegaconf import OmegaConf\n"
+        "from launcher.plan import LaunchPlan\n"
+        "run_dir = Path(sys.argv[1])\n"
+        "cfg = OmegaConf.to_container(OmegaConf.load(run_dir / 'config.yaml'), resolve=True)\n"
+        "plan = LaunchPlan.from_dict(json.loads((run_dir / 'plan.json').read_text()))\n"
+        "from launcher.trainer import LaunchTrainer\n"
+        "t = LaunchTrainer(cfg, plan, run_dir)\n"
+        "print(json.dumps([str(t.save_dir), t.args.save_dir, str(t.last), str(t.best), str(t.csv)]))\n"
+    )
+    from omegaconf import OmegaConf
+
+    cache = Path(OmegaConf.to_container(OmegaConf.load(run_dir / "config.yaml"), resolve=True)["paths"]["cache"])
+    env = {**os.environ, **runenv.offline_environment(cache), "RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2"}
+    r = subprocess.run([sys.executable, "-c", code, str(run_dir)], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    paths = json.loads(r.stdout.strip().splitlines()[-1])
+    w = run_dir / "weights"
+    assert paths == [str(run_dir), str(run_dir), str(w / "last.pt"), str(w / "best.pt"), str(run_dir / "results.csv")]
+    assert (run_dir / "results.csv").read_text() == before
+    assert not (run_dir / "ranks" / "construct-rank1").exists()
