@@ -1,15 +1,22 @@
 """A per-rank throughput meter: steady-state images/s and the share of step time spent waiting for data.
 
-Method (../shared/notes/measurement.md): stamp the end of every optimizer step (after a CUDA synchronize, so the
-stamp is when the GPU finished, not when the host queued the work), drop the first `skip_steps` steps (prefetched
-batches, cuDNN autotuning, allocator warm-up), and report images / (t_last - t_skip). Data wait is the time from the
-end of one step until the next batch is on the device, summed over the same window. Intervals spent elsewhere
-(validation, checkpoints) are cut out with pause()/resume().
+Method (../shared/notes/measurement.md): stamp the end of every optimizer step when the GPU finished it, not when
+the host queued it; drop the first `skip_steps` steps (prefetched batches, cuDNN autotuning, allocator warm-up), and
+report images / (t_last - t_skip). Data wait is the time from the end of one step until the next batch is on the
+device, summed over the same window. Intervals spent elsewhere (validation, checkpoints) are cut out with pause().
+
+How a step's end is stamped on a GPU (`in_flight`):
+- 0: `torch.cuda.synchronize()`, then the host clock. Every step boundary then drains the GPU's queue: the GPU idles
+  while the host launches the first kernels of the next step, so the meter itself slows a host-bound step.
+- N >= 1 (the trainer's default, `train.steps_in_flight`): a CUDA event (with timing) recorded at the step's end;
+  the window is the GPU's own time between those events. The host waits only for the event N steps back, so it queues
+  the next step while the GPU still runs this one, and never runs more than N steps ahead (memory, error reporting).
 """
 
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass
 
 import torch
@@ -26,14 +33,27 @@ class MeterSummary:
 
 
 class StepMeter:
-    def __init__(self, device: torch.device, skip_steps: int = 10, sync: bool = True, clock=time.perf_counter, monitor=None):
+    def __init__(
+        self,
+        device: torch.device,
+        skip_steps: int = 10,
+        sync: bool = True,
+        clock=time.perf_counter,
+        monitor=None,
+        in_flight: int = 0,
+        event_factory=None,
+    ):
         self.device = device
         self.monitor = monitor  # a GpuMonitor sampling only while the window is open
         self.skip_steps = skip_steps
         self.sync = sync and device.type == "cuda"
         self.clock = clock
+        # stamps are CUDA events when the host may run ahead of the GPU; host clock readings otherwise
+        self.in_flight = max(0, int(in_flight)) if self.sync or event_factory else 0
+        self._event = event_factory or (lambda: torch.cuda.Event(enable_timing=True))
         self.steps = 0
-        self._last_end: float | None = None  # end of the previous step (None: the next step starts a new segment)
+        self._last_end = None  # stamp at the end of the previous step (None: the next step starts a new segment)
+        self._pending = deque()  # steps stamped but not yet accounted: (start stamp, end stamp, images, wait, measured)
         self._wait_start = 0.0
         self._wait = 0.0  # this step's wait
         self._ahead_wait = 0.0  # time spent waiting for this step's batch while it was fetched ahead (add_wait)
@@ -44,15 +64,42 @@ class StepMeter:
         # the most recent interval, for progress lines
         self._recent = [0.0, 0.0, 0]  # seconds, wait seconds, images
 
-    def _now(self) -> float:
+    def _stamp(self):
+        """Now, on the GPU's timeline: an event queued behind the work launched so far, or a synchronised clock."""
+        if self.in_flight:
+            event = self._event()
+            event.record()
+            return event
         if self.sync:
             torch.cuda.synchronize(self.device)
         return self.clock()
 
+    def _seconds(self, start, end) -> float:
+        if self.in_flight:
+            return start.elapsed_time(end) / 1000.0  # both have completed: _settle waited for `end`
+        return end - start
+
+    def _settle(self, keep: int) -> None:
+        """Account the oldest stamped steps until at most `keep` remain unfinished on the GPU, waiting for each."""
+        while len(self._pending) > keep:
+            start, end, images, wait, measured = self._pending.popleft()
+            if self.in_flight:
+                end.synchronize()
+            if not measured:
+                continue
+            dt = self._seconds(start, end)
+            self.window_s += dt
+            self.window_wait_s += wait
+            self.window_images += images
+            self.window_steps += 1
+            self._recent[0] += dt
+            self._recent[1] += wait
+            self._recent[2] += images
+
     def wait_start(self) -> None:
         """Call before fetching the next batch."""
         if self._last_end is None:  # first step of the run or after a pause: a new segment starts here
-            self._last_end = self._now()
+            self._last_end = self._stamp()
             if self.monitor is not None:
                 self.monitor.active = self.steps >= self.skip_steps
         self._wait_start = self.clock()
@@ -70,34 +117,32 @@ class StepMeter:
         self._ahead_wait += seconds
 
     def step_end(self, images: int) -> None:
-        end = self._now()
+        """Call once the step is launched: stamps its end, then lets at most `in_flight` steps run on unaccounted."""
+        end = self._stamp()
         self.steps += 1
-        if self._last_end is not None and self.steps > self.skip_steps:
-            dt = end - self._last_end
-            self.window_s += dt
-            self.window_wait_s += self._wait
-            self.window_images += images
-            self.window_steps += 1
-            self._recent[0] += dt
-            self._recent[1] += self._wait
-            self._recent[2] += images
+        if self._last_end is not None:
+            self._pending.append((self._last_end, end, images, self._wait, self.steps > self.skip_steps))
         if self.monitor is not None:
             self.monitor.active = self.steps >= self.skip_steps  # the next step is measured
         self._last_end = end
+        self._settle(self.in_flight)
 
     def pause(self) -> None:
         """Validation, checkpointing: the time until the next step is not training time."""
+        self._settle(0)
         self._last_end = None
         if self.monitor is not None:
             self.monitor.active = False
 
     def recent(self) -> tuple[float, float]:
         """(images/s, data-wait fraction) since the last call; (0, 0) before the window opens."""
+        self._settle(0)
         seconds, wait, images = self._recent
         self._recent = [0.0, 0.0, 0]
         return (images / seconds, wait / seconds) if seconds > 0 else (0.0, 0.0)
 
     def summary(self) -> MeterSummary:
+        self._settle(0)
         w = self.window_s
         return MeterSummary(
             images_per_s=self.window_images / w if w > 0 else 0.0,

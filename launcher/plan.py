@@ -26,6 +26,7 @@ CACHE_VALUES = (False, "ram", "disk", "shared")
 OPTIMIZERS = ("sgd", "adamw")
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs", "max-autotune")  # torch.compile's
 FUSED_VALUES = ("auto", True, False)
+GRAPHS_VALUES = ("auto", True, False)
 FALLBACKS = ("none", "dp")  # what mode=auto does when DDP fails to start
 MULTI_NODE_DEFAULT_PORT = 29500  # torchrun's default; every node must agree on it, so it cannot be picked at random
 MAX_AUTO_WORKERS = 16
@@ -107,6 +108,7 @@ class LaunchPlan:
     timeout_s: int
     env: dict = field(default_factory=dict)
     notes: tuple[str, ...] = ()
+    cuda_graphs: bool = False  # train.cuda_graphs resolved: the network's step replayed as CUDA graphs (graphed.py)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -280,8 +282,11 @@ def make_plan(
     cores_per_rank = max(1, cpus // nproc)
     workers_req = loader.get("workers", "auto")
     if workers_req == "auto":
-        # A GPU rank keeps 2 cores for itself (the training thread and the pin-memory thread: affinity.py)
-        reserved = 2 if device == "cuda" and cores_per_rank >= 4 else 1
+        # A GPU rank keeps a quarter of its cores, at least 2, for its training process (affinity.py): its main
+        # thread, the pin-memory thread copying every batch into page-locked memory, NCCL's and the monitor's
+        # threads. On an H200 with 16 cores, 12 workers trained 6 % faster than 14 (GPU 97 % busy against 88 %):
+        # 14 workers left the training process short of cores (docs/benchmarks/README.md, section 3).
+        reserved = max(2, cores_per_rank // 4) if device == "cuda" and cores_per_rank >= 4 else 1
         workers = min(MAX_AUTO_WORKERS, max(0, cores_per_rank - reserved))
     else:
         workers = _as_int(workers_req, "loader.workers", problems, 0) or 0
@@ -294,11 +299,6 @@ def make_plan(
         threads = max(threads, 2)  # DataParallel's host work (scatter, replicate, gather) is per GPU
     if workers * nproc > cpus:
         notes.append(f"{workers} workers x {nproc} ranks exceed the {cpus} usable cores")
-    if device == "cuda" and train.get("cuda_graphs") and loader.get("fetch_ahead", True):
-        notes.append(
-            "train.cuda_graphs with loader.fetch_ahead measured 15 % slower than with loader.fetch_ahead=false on an "
-            "H200 (docs/benchmarks/README.md, section 3)"
-        )
 
     # --- rendezvous --------------------------------------------------------------------------------------------
     port_req = dist.get("master_port", "auto")
@@ -388,6 +388,7 @@ def make_plan(
         timeout_s=timeout_s,
         env=env,
         notes=tuple(notes),
+        cuda_graphs=uses_cuda_graphs(train, device=device, mode=mode),
     )
     return plan, problems
 
@@ -405,12 +406,28 @@ def _check_extra(extra: dict) -> list[Problem]:
     return problems
 
 
+def uses_cuda_graphs(train: dict, *, device: str, mode: str) -> bool:
+    """train.cuda_graphs resolved. `auto` replays the network's step as CUDA graphs wherever it can: a CUDA rank
+    driving its own GPU (not DataParallel), the network not compiled (train.compile brings its own graphs). On an
+    H200 the graphs took yolov8s from 750 to 1,307 images/s end to end (docs/benchmarks/README.md, section 3)."""
+    value = train.get("cuda_graphs", "auto")
+    if value == "auto":
+        return device == "cuda" and mode != "dp" and train.get("compile", False) in (False, None)
+    return value is True
+
+
 def _check_step(train: dict, optim: dict, *, device: str, mode: str, hw: Hardware) -> list[Problem]:
-    """The step's speed settings: train.compile, train.cuda_graphs, optim.fused (fast_step.py, graphed.py)."""
+    """The step's speed settings: train.compile, train.cuda_graphs, train.steps_in_flight, optim.fused."""
     problems = []
     if optim.get("fused", "auto") not in FUSED_VALUES:
         problems.append(Problem(f"optim.fused={optim.get('fused')!r}: expected auto, true or false"))
-    graphs = bool(train.get("cuda_graphs"))
+    in_flight = train.get("steps_in_flight", 1)
+    if isinstance(in_flight, bool) or not isinstance(in_flight, int) or in_flight < 0:
+        problems.append(Problem(f"train.steps_in_flight={in_flight!r}: expected a whole number >= 0 (0: the host waits "
+                                "for the GPU at every step's end; 1: it queues the next step while the GPU runs this one)"))
+    if train.get("cuda_graphs", "auto") not in GRAPHS_VALUES:
+        problems.append(Problem(f"train.cuda_graphs={train.get('cuda_graphs')!r}: expected auto, true or false"))
+    graphs = train.get("cuda_graphs", "auto") is True  # asked for explicitly; `auto` gives way (uses_cuda_graphs)
     if graphs and mode == "dp":
         problems.append(Problem("train.cuda_graphs=true is not supported with mode=dp; use mode=ddp"))
     value = train.get("compile", False)
@@ -476,6 +493,7 @@ def describe(plan: LaunchPlan, model: ModelSpec | None, data: DatasetInfo | None
         f"loader          {plan.workers_per_rank} worker(s) per rank, {plan.threads_per_rank} thread(s) per rank,"
         f" {plan.cpus_per_node} usable core(s)",
         f"rendezvous      {rdzv_text}",
+        *([f"step            CUDA graphs {'on' if plan.cuda_graphs else 'off'} (train.cuda_graphs)"] if plan.device == "cuda" else []),
         f"restarts        {plan.max_restarts}; collective timeout {plan.timeout_s} s",
     ]
     if model is not None:

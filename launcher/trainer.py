@@ -294,13 +294,8 @@ class LaunchTrainer(DetectionTrainer):
         self.run_callbacks("on_pretrain_routine_end")
 
     def _wrap(self, net: nn.Module) -> nn.Module:
-        """What the training step calls: the network, CUDA-graphed if asked, inside DDP or DataParallel."""
-        model = net
-        if self.cfg["train"].get("cuda_graphs") and self.device.type == "cuda":  # the plan refuses it with mode=dp
-            # captured before DDP wraps it, as torch requires; the network is in train mode for the capture
-            net.train()
-            model = GraphedDetector(net, self.plan.batch_per_rank, self.args.imgsz, self.amp_dtype if self.amp else None)
-            self._log(f"CUDA graphs: forward and backward captured for batches of {self.plan.batch_per_rank}")
+        """What the training step calls: the network, CUDA-graphed if the plan says so, inside DDP or DataParallel."""
+        model = self._graphed(net) if self.plan.cuda_graphs and self.device.type == "cuda" else net
         if self.use_ddp:
             model = nn.parallel.DistributedDataParallel(
                 model,
@@ -317,6 +312,21 @@ class LaunchTrainer(DetectionTrainer):
             devices = list(range(self.plan.devices_per_rank)) if self.device.type == "cuda" else None
             return nn.DataParallel(model, device_ids=devices)
         return compiled(model, self.cfg["train"].get("compile", False))
+
+    def _graphed(self, net: nn.Module) -> nn.Module:
+        """The network with its training forward and backward captured as CUDA graphs (graphed.py); the plan resolved
+        train.cuda_graphs and refused mode=dp. Captured before DDP wraps it, as torch requires, in train mode."""
+        net.train()
+        try:
+            graphed = GraphedDetector(net, self.plan.batch_per_rank, self.args.imgsz, self.amp_dtype if self.amp else None)
+        except Exception as e:  # a network with host syncs or data-dependent shapes in its forward cannot be captured
+            failure = f"CUDA graph capture of the network failed ({type(e).__name__}: {e})"
+            if self.cfg["train"].get("cuda_graphs", "auto") is True:
+                raise RuntimeError(f"{failure}; train without graphs: train.cuda_graphs=false") from e
+            self._log(f"WARNING: {failure}; training eagerly (train.cuda_graphs=auto)")
+            return net
+        self._log(f"CUDA graphs: forward and backward captured for batches of {self.plan.batch_per_rank}")
+        return graphed
 
     def _restore(self, state: dict, ckpt: dict) -> None:
         """Continue where the checkpoint stopped: optimizer, scaler, EMA, position, best fitness, records."""
@@ -604,7 +614,9 @@ class LaunchTrainer(DetectionTrainer):
 
     def _start_meter(self, skip_steps: int) -> StepMeter:
         self.gpu_monitor = GpuMonitor(self._gpu_indices()) if self.device.type == "cuda" else None
-        self.meter = StepMeter(self.device, skip_steps=skip_steps, monitor=self.gpu_monitor)
+        self.meter = StepMeter(
+            self.device, skip_steps=skip_steps, monitor=self.gpu_monitor, in_flight=self.cfg["train"].get("steps_in_flight", 1)
+        )
         self.loss_scale = lrmod.loss_scale(self.plan.base_batch, self.plan.batch_per_rank)
         self.grad_clip = float(self.cfg["optim"].get("grad_clip", 10.0))
         return self.meter

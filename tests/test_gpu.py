@@ -70,6 +70,16 @@ def test_one_gpu_trains_with_every_lever_on(tmp_path, cache_dir):
     assert "CUDA graphs: forward and backward captured" in (run_dir_of(r) / "logs" / "rank0.log").read_text()
 
 
+@pytest.mark.parametrize("model", ["yolo11n", "yolo26n"])
+def test_cuda_graphs_capture_the_other_shipped_model_families(tmp_path, cache_dir, model):
+    """train.cuda_graphs=auto is the default on GPUs: the other families' networks (yolo26's end-to-end head returns
+    nested dicts) are captured too, not left to the eager fallback."""
+    r = ddp_launch([*TINY, f"model={model}", "train.epochs=1", "gpus=1"], cwd=tmp_path)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    log = (run_dir_of(r) / "logs" / "rank0.log").read_text()
+    assert "CUDA graphs: forward and backward captured" in log, log[-3000:]
+
+
 def test_fp16_amp_with_the_fused_optimizer_survives_an_overflowing_first_step():
     """GradScaler's first scale (65536) overflows fp16 on the first step; the fused kernel skips that step on the
     device. The momentum buffers it would have initialised are zeros (fast_step.py), so training stays finite."""
@@ -134,3 +144,39 @@ def test_the_training_step_never_makes_the_host_wait_for_the_gpu():
         step()
     finally:
         torch.cuda.set_sync_debug_mode(0)
+
+
+def test_a_step_in_flight_keeps_the_gpu_busy_across_step_boundaries_and_is_timed_by_the_gpu():
+    """A step that keeps the GPU busy 20 ms after 5 ms of host work: synchronising at every step's end adds the
+    host's 5 ms to each step (the GPU idles meanwhile); with one step in flight the host's work hides behind the
+    GPU's, and the events time the GPU's 20 ms, not the host's queueing."""
+    import time
+
+    from launcher.meter import StepMeter
+
+    def sleep_ms(cycles: int) -> float:  # GPU time of one spinning kernel
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.cuda._sleep(cycles)
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end)
+
+    for _ in range(5):
+        sleep_ms(10_000_000)  # clocks up from idle: the kernel spins a number of cycles, not of milliseconds
+    cycles = int(1_000_000 * 20.0 / sleep_ms(1_000_000))
+    gpu_ms = sleep_ms(cycles)  # about 20 ms
+
+    def step_ms(in_flight: int) -> float:
+        meter = StepMeter(torch.device("cuda", torch.cuda.current_device()), skip_steps=3, in_flight=in_flight)
+        for _ in range(23):
+            meter.wait_start()
+            time.sleep(0.005)  # the host's own share of a step: loading, launching
+            meter.batch_ready()
+            torch.cuda._sleep(cycles)
+            meter.step_end(64)
+        return meter.summary().step_ms
+
+    synced, in_flight = step_ms(0), step_ms(1)
+    assert in_flight == pytest.approx(gpu_ms, rel=0.1)
+    assert synced - in_flight == pytest.approx(5.0, abs=2.0)

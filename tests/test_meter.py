@@ -64,3 +64,58 @@ def test_a_loader_delay_while_fetching_ahead_counts_as_the_next_batchs_wait():
     assert s.steps_measured == 3
     assert s.data_wait == pytest.approx(0.3)
     assert s.images_per_s == pytest.approx(16.0)
+
+
+class FakeEvent:
+    """A CUDA event on a simulated GPU timeline: it completes at the GPU time the test gives when it is recorded."""
+
+    def __init__(self, gpu, log):
+        self.gpu, self.log, self.t = gpu, log, None
+
+    def record(self):
+        self.t = self.gpu.t
+        self.log.append(("record", self))
+
+    def synchronize(self):
+        self.log.append(("wait", self))
+
+    def elapsed_time(self, end):
+        return (end.t - self.t) * 1000.0  # milliseconds, as torch.cuda.Event's
+
+
+def test_with_a_step_in_flight_the_host_waits_for_the_previous_step_not_this_one():
+    """train.steps_in_flight=1: the host queues step n+1 while the GPU runs step n, so the meter may wait only for
+    step n-1's end; waiting for step n's (a synchronize per step) would drain the GPU at every step boundary."""
+    gpu, log = FakeClock(), []
+    meter = StepMeter(torch.device("cpu"), skip_steps=0, clock=FakeClock(), in_flight=1,
+                      event_factory=lambda: FakeEvent(gpu, log))
+    for step in range(4):
+        meter.wait_start()  # the first call stamps the segment's start
+        meter.batch_ready()
+        gpu.t += 0.5
+        meter.step_end(16)
+        *_, previous, this = [e for kind, e in log if kind == "record"]
+        waited = [e for kind, e in log if kind == "wait"]
+        assert this not in waited  # the step just launched is still running
+        assert step == 0 or previous in waited  # the step before has ended: the host is at most one step ahead
+    assert meter.summary().steps_measured == 4  # the summary waits for the rest
+
+
+def test_with_steps_in_flight_the_window_is_the_gpus_time_between_step_ends():
+    """The stamps are the GPU's: a host that queues its steps at once does not make the run look faster."""
+    gpu, log = FakeClock(), []
+    host = FakeClock()
+    meter = StepMeter(torch.device("cpu"), skip_steps=2, clock=host, in_flight=2,
+                      event_factory=lambda: FakeEvent(gpu, log))
+    for step in range(12):
+        meter.wait_start()
+        host.t += 0.01 if step != 5 else 0.11  # the loader kept the host waiting 0.1 s once
+        meter.batch_ready()
+        gpu.t += 0.5  # each step keeps the GPU busy 0.5 s, whatever the host's clock says
+        meter.step_end(16)
+    s = meter.summary()
+    assert s.steps_measured == 10
+    assert s.window_s == pytest.approx(5.0)
+    assert s.images_per_s == pytest.approx(32.0)
+    assert s.data_wait == pytest.approx((10 * 0.01 + 0.1) / 5.0)
+    assert [kind for kind, _ in log].count("wait") == 12  # every step's end accounted once

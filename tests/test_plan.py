@@ -7,7 +7,7 @@ import pytest
 from launcher import lr
 from launcher.data import DatasetInfo
 from launcher.hardware import Gpu, Hardware
-from launcher.plan import check_plan, make_plan
+from launcher.plan import check_plan, describe, make_plan
 from tests.conftest import compose_config
 
 CPU_BOX = Hardware(gpus=(), cpu_count=2)
@@ -105,10 +105,12 @@ def test_warmup_leaves_the_last_epoch_alone():
 
 
 # --- loader ------------------------------------------------------------------------------------------------------
-def test_auto_workers_leave_a_gpu_rank_two_cores_and_are_capped_at_16():
+def test_auto_workers_leave_a_gpu_rank_a_quarter_of_its_cores_and_are_capped_at_16():
     plan, _ = plan_for(["gpus=8"], hw=GPU_BOX)
-    assert plan.workers_per_rank == 14  # 128 cores / 8 ranks - 2 (the training thread, the pin-memory thread)
-    assert plan.threads_per_rank == 2
+    assert plan.workers_per_rank == 12  # 128 cores / 8 ranks - 4 (the training process's threads, measured)
+    assert plan.threads_per_rank == 4
+    plan, _ = plan_for(["gpus=4"], hw=Hardware(gpus=GPU_BOX.gpus[:4], cpu_count=24, nccl_available=True))
+    assert plan.workers_per_rank == 4  # 6 cores per rank: at least 2 stay with the training process
     plan, _ = plan_for(["gpus=1"], hw=GPU_BOX)
     assert plan.workers_per_rank == 16
     plan, _ = plan_for(["gpus=0", "nproc=2"], hw=CPU_BOX)
@@ -175,6 +177,9 @@ def test_dry_run_turns_machine_problems_into_warnings_but_not_config_errors():
         (["train.compile=true", "mode=dp"], "train.compile is not supported with mode=dp"),
         (["train.cuda_graphs=true", "mode=dp"], "train.cuda_graphs=true is not supported with mode=dp"),
         (["optim.fused=maybe"], "optim.fused='maybe': expected auto, true or false"),
+        (["train.cuda_graphs=always"], "train.cuda_graphs='always': expected auto, true or false"),
+        (["train.steps_in_flight=-1"], "train.steps_in_flight=-1: expected a whole number >= 0"),
+        (["train.steps_in_flight=two"], "train.steps_in_flight='two': expected a whole number >= 0"),
     ],
 )
 def test_bad_config_values_are_named(overrides, expected):
@@ -199,8 +204,14 @@ def test_compile_on_gpus_without_triton_is_a_machine_problem():
     assert not problems
 
 
-def test_cuda_graphs_with_fetch_ahead_carries_the_measured_warning():
-    plan, _ = plan_for(["gpus=1", "train.cuda_graphs=true"])
-    assert any("15 % slower" in n for n in plan.notes)
-    plan, _ = plan_for(["gpus=1", "train.cuda_graphs=true", "loader.fetch_ahead=false"])
-    assert not any("fetch_ahead" in n for n in plan.notes)
+def test_cuda_graphs_are_on_by_default_wherever_they_can_be_and_off_where_they_cannot():
+    assert plan_for(["gpus=1"])[0].cuda_graphs
+    assert plan_for(["gpus=2", "mode=ddp"])[0].cuda_graphs
+    assert not plan_for(["gpus=2", "mode=dp"])[0].cuda_graphs  # DataParallel replicates the network every step
+    assert not plan_for(["gpus=0"], hw=CPU_BOX)[0].cuda_graphs
+    with_triton = Hardware(gpus=GPU_BOX.gpus, cpu_count=128, nccl_available=True, triton_available=True)
+    plan, problems = plan_for(["gpus=1", "train.compile=reduce-overhead"], hw=with_triton)
+    assert not plan.cuda_graphs and not problems  # torch.compile brings its own graphs
+    plan, _ = plan_for(["gpus=1", "train.cuda_graphs=false"])
+    assert not plan.cuda_graphs
+    assert "step            CUDA graphs on" in describe(plan_for(["gpus=1"])[0], None, None)

@@ -2,7 +2,7 @@
 
 `YOLO(model).train(...)` with Ultralytics' default workers and cache, one device, the same model, batch, image
 size, data, optimizer and seed as the other cells. Callbacks stamp its steps exactly as ddp-launch's loop does
-(CUDA-synchronised, warm-up dropped, epoch-end work such as checkpoint writing cut out of the window), so the
+(step ends stamped on the GPU, warm-up dropped, epoch-end work such as checkpoint writing cut out of the window), so the
 figures compare. Three changes from a user's run, all outside the measured work: no validation (val=False, as in
 the other cells), no AMP check (it downloads weights; offline it fails and leaves AMP on, which is what happens
 here directly), and results.csv read without polars at epoch ends (the GPU machines lack polars).
@@ -45,7 +45,8 @@ def run(cell_dir: Path) -> dict:
     on_gpu = torch.cuda.is_available() and cfg["gpus"] != 0
     device = torch.device("cuda", 0) if on_gpu else torch.device("cpu")
     monitor = GpuMonitor([0]) if on_gpu else None
-    meter = StepMeter(device, skip_steps=warmup, monitor=monitor)
+    # stamped as ddp-launch's cells are (train.steps_in_flight), so the meter costs both sides the same
+    meter = StepMeter(device, skip_steps=warmup, monitor=monitor, in_flight=train.get("steps_in_flight", 1))
     state = {"n": 0, "cpu": None, "cpu_end": None}
 
     def epoch_start(trainer):

@@ -90,7 +90,10 @@ def run_bench(cfg: dict, run_dir: Path, base_dir: Path, command: str) -> int:
         c["verdict"] = report.verdict(c)
     out = {
         "command": command,
-        "settings": {k: b.get(k) for k in ("sizes", "modes", "warmup_steps", "steps", "ceiling_batches", "baseline", "variants")},
+        "settings": {
+            **{k: b.get(k) for k in ("sizes", "modes", "warmup_steps", "steps", "ceiling_batches", "baseline", "variants")},
+            "steps_in_flight": cfg["train"].get("steps_in_flight", 1),
+        },
         "model": model.cfg or model.weights,
         "data": {"name": data.name, "train_images": data.train_images, "path": data.spec["path"]},
         "imgsz": cfg["train"]["imgsz"],

@@ -114,6 +114,14 @@ def _fmt(v, spec: str, scale: float = 1.0, suffix: str = "") -> str:
     return "-" if v is None else f"{v * scale:{spec}}{suffix}"
 
 
+def _stamps(in_flight: int) -> str:
+    """How the meter stamped step ends (meter.py), as the report's footnote says it."""
+    if not in_flight:
+        return "with CUDA-synchronised stamps"
+    return (f"with CUDA-event stamps ({in_flight} step(s) in flight: the window is the GPU's time between step ends, "
+            "and the host may queue that many steps ahead)")
+
+
 def markdown(report: dict) -> str:
     lines = [
         "# ddp-bench",
@@ -152,8 +160,8 @@ def markdown(report: dict) -> str:
     lines += [
         "",
         "Speedup is against size 1 of the same mode; efficiency = speedup / size. Steady state: "
-        f"{report['settings']['warmup_steps']} warm-up steps dropped, {report['settings']['steps']} steps measured with "
-        "CUDA-synchronised stamps; GPU busy is NVML utilisation over the measured window; the data-free ceiling is the "
+        f"{report['settings']['warmup_steps']} warm-up steps dropped, {report['settings']['steps']} steps measured "
+        f"{_stamps(report['settings'].get('steps_in_flight', 0))}; GPU busy is NVML utilisation over the measured window; the data-free ceiling is the "
         "same trainer step on real batches held on the device.",
         "",
         f"Environment: {', '.join(env['gpus']) or 'no GPU'}; driver {env.get('driver')}; torch {env['torch']} "
