@@ -54,6 +54,18 @@ def bind_process(cores: Sequence[int]) -> None:
     os.sched_setaffinity(0, target)
 
 
+def core_list(cores) -> str:
+    """(0, 1, 2, 5) -> '0-2,5' (the cpuset notation)."""
+    runs, start = [], None
+    for i, c in enumerate(cores):
+        if start is None:
+            start = c
+        if i + 1 == len(cores) or cores[i + 1] != c + 1:
+            runs.append(f"{start}-{c}" if c != start else str(c))
+            start = None
+    return ",".join(runs)
+
+
 def available_cores() -> list[int]:
     return sorted(os.sched_getaffinity(0))
 

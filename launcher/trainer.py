@@ -392,7 +392,8 @@ class LaunchTrainer(DetectionTrainer):
         if split is None:
             return None
         affinity.bind_process(split.main)
-        self._log(f"cores: training process on {_core_list(split.main)}, loader workers on {_core_list(split.workers)}")
+        main, workers = affinity.core_list(split.main), affinity.core_list(split.workers)
+        self._log(f"cores: training process on {main}, loader workers on {workers}")
         return split
 
     def _worker_init(self, inner):
@@ -1038,18 +1039,6 @@ def _teardown(trainer: LaunchTrainer) -> None:
     trainer.stop_signal.restore()
     if dist.is_initialized():
         dist.destroy_process_group()
-
-
-def _core_list(cores) -> str:
-    """(0, 1, 2, 5) -> '0-2,5' (the cpuset notation)."""
-    runs, start = [], None
-    for i, c in enumerate(cores):
-        if start is None:
-            start = c
-        if i + 1 == len(cores) or cores[i + 1] != c + 1:
-            runs.append(f"{start}-{c}" if c != start else str(c))
-            start = None
-    return ",".join(runs)
 
 
 def _val_worker_init(worker_id: int) -> None:

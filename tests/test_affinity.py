@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from launcher.affinity import BindWorker, split_cores
+from launcher.affinity import BindWorker, core_list, split_cores
 
 
 def test_ranks_get_disjoint_blocks_and_the_training_process_keeps_its_cores():
@@ -49,3 +49,9 @@ def test_a_loader_worker_runs_on_the_workers_cores_only():
     last = max(os.sched_getaffinity(0))
     loader = torch.utils.data.DataLoader(_Affinity(), num_workers=1, worker_init_fn=BindWorker([last]), batch_size=None)
     assert [t.tolist() for t in loader] == [[last], [last]]
+
+
+def test_the_log_names_core_sets_in_cpuset_notation():
+    assert core_list((0, 1, 2, 3)) == "0-3"
+    assert core_list((0, 1, 2, 5, 7, 8)) == "0-2,5,7-8"
+    assert core_list((4,)) == "4"
