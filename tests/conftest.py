@@ -12,7 +12,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from launcher.cli import conf_dir
+from launcher.entry import conf_dir
 
 REPO = Path(__file__).resolve().parent.parent
 CONF = Path(conf_dir())

@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from launcher.affinity import BindWorker, core_list, split_cores
+from launcher.rank.data.affinity import BindWorker, core_list, split_cores
 
 
 def test_ranks_get_disjoint_blocks_and_the_training_process_keeps_its_cores():

@@ -7,7 +7,7 @@ import socket
 import pytest
 import yaml
 
-from launcher.cli import launch
+from launcher.launch.start import start as launch
 from launcher.problems import PlanError
 from tests.conftest import compose_config, ddp_launch
 
@@ -33,10 +33,6 @@ def data_yaml(tmp_path):
         return str(f)
 
     return write
-
-
-def test_gpus_without_cuda_suggests_gpus_0(tmp_path, cache_dir):
-    assert "train on the CPU with gpus=0" in refused(["gpus=2"], tmp_path)
 
 
 def test_batch_below_one(tmp_path, cache_dir):

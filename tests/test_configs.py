@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from launcher.cli import launch
+from launcher.launch.start import start as launch
 from launcher.problems import PlanError
 from tests.conftest import CONF, compose_config
 

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from launcher import lr
+from launcher.plan import lr
 
 pytestmark = pytest.mark.dist
 
@@ -47,10 +47,20 @@ def shard(batch: dict, rank: int, world: int) -> dict:
     }
 
 
-def one_step(model, batch, local_batch):
-    from launcher.trainer import prepare_criterion, train_step
+def with_training_loss(model, sync_free: bool = True):
+    """The model with the criterion ddp-launch trains with (the global normaliser, the sync-free parts)."""
+    from launcher.rank.step.wrap import unwrap
+    from launcher.rank.ultralytics.loss import training_criterion
 
-    prepare_criterion(model)
+    net = unwrap(model)
+    net.criterion, _ = training_criterion(net, sync_free=sync_free)
+    return model
+
+
+def one_step(model, batch, local_batch):
+    from launcher.rank.step.train_step import train_step
+
+    with_training_loss(model)
     model.train()
     for m in model.modules():
         if isinstance(m, torch.nn.BatchNorm2d):

@@ -1,26 +1,34 @@
-"""Two DDP ranks on the CPU (gloo), end to end through the real `ddp-launch` and torchrun."""
+"""Two DDP ranks on the CPU (gloo), end to end through the real `ddp-launch` and torchrun: the README's command for
+it, with more epochs; then a run that starts from its weights, with AdamW and the cosine schedule."""
 
 from __future__ import annotations
 
 import csv
 import json
+import math
+import re
+import shlex
 
 import pytest
+import torch
 
 from tests.conftest import TINY, ddp_launch, run_dir_of
+from tests.test_readme import readme_commands
 
 pytestmark = [pytest.mark.slow, pytest.mark.dist]
 
-EPOCHS, VAL_INTERVAL = 4, 3
+EPOCHS, VAL_INTERVAL, SAVE_PERIOD = 4, 3, 2
+README_COMMAND = next(c for c in readme_commands("ddp-launch") if "nproc=2" in c and "launcher=" not in c)
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory, cache_dir):
     cwd = tmp_path_factory.mktemp("e2e")
-    args = ["gpus=0", "nproc=2", f"train.epochs={EPOCHS}", f"train.val_interval={VAL_INTERVAL}", "debug.record_samples=true"]
+    args = [f"train.epochs={EPOCHS}", f"train.val_interval={VAL_INTERVAL}", f"train.save_period={SAVE_PERIOD}",
+            "debug.record_samples=true"]
     # a short run that still learns: a brisk lr, one epoch of warmup, mosaic throughout (no distribution change)
     learn = ["optim.base_lr=0.04", "optim.warmup_epochs=1", "train.close_mosaic=0"]
-    result = ddp_launch([*args, *TINY, *learn], cwd=cwd)
+    result = ddp_launch([*shlex.split(README_COMMAND)[1:], *args, *TINY, *learn], cwd=cwd)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     return result, run_dir_of(result)
 
@@ -36,7 +44,7 @@ def test_both_ranks_finish_with_identical_weights(run):
 def test_each_epoch_the_ranks_train_on_disjoint_shards_covering_the_data(run):
     _, run_dir = run
     samples = [json.loads((run_dir / "ranks" / f"rank{r}.json").read_text())["samples"] for r in (0, 1)]
-    train_images = {p.name for p in (json.loads((run_dir / "summary.json").read_text()) and _train_dir(run_dir)).iterdir()}
+    train_images = {p.name for p in _train_dir(run_dir).iterdir()}
     orders = []
     for epoch in map(str, range(EPOCHS)):
         a, b = samples[0][epoch], samples[1][epoch]
@@ -69,10 +77,20 @@ def test_validation_ran_at_the_interval_and_after_the_last_epoch(run):
     assert measured == [False, False, True, True]
 
 
+def test_save_period_keeps_a_checkpoint_every_n_epochs(run):
+    _, run_dir = run
+    kept = sorted(p.name for p in (run_dir / "weights").glob("epoch*.pt"))
+    assert kept == ["epoch0.pt", "epoch2.pt"]  # Ultralytics' numbering: the 0-based epoch, every SAVE_PERIOD
+    ckpt = torch.load(run_dir / "weights" / "epoch2.pt", map_location="cpu", weights_only=False)
+    assert ckpt["epoch"] == 2 and ckpt["ddp_launch_state"]["train"]["position"] == (3, 0)
+
+
 def test_the_run_folder_holds_config_plan_logs_weights_and_summary(run):
     result, run_dir = run
-    for name in ("config.yaml", "plan.json", "data.yaml", "logs/rank0.log", "logs/rank1.log", "weights/best.pt", "weights/last.pt"):
+    for name in ("config.yaml", "plan.json", "data.yaml", "args.yaml", "logs/rank0.log", "logs/rank1.log",
+                 "weights/best.pt", "weights/last.pt"):
         assert (run_dir / name).is_file(), name
+    assert not (run_dir / "weights" / "last.prev.pt").exists()  # removed once the run finished
     summary = json.loads((run_dir / "summary.json").read_text())
     for key in ("map50", "map50_95", "epochs_completed", "world_size", "global_batch", "lr0", "images_per_s", "weights"):
         assert key in summary
@@ -82,42 +100,30 @@ def test_the_run_folder_holds_config_plan_logs_weights_and_summary(run):
     assert "[rank 1]" not in result.stdout and "[rank 1] epoch 4/4" in (run_dir / "logs/rank1.log").read_text()
     from ultralytics import YOLO
 
+    final = torch.load(summary["weights"], map_location="cpu", weights_only=False)
+    assert final["optimizer"] is None and final.get("ddp_launch_state") is None  # the final weights only
     YOLO(summary["weights"])  # the weights load with Ultralytics as they are
 
 
-def test_a_rank_other_than_0_leaves_the_runs_results_to_rank_0(run):
-    """Ultralytics' trainer deletes results.csv when it is constructed; on a resume every rank doing so raced the
-    others (one failed with FileNotFoundError, and rank 0 could lose the rows it restores). Rank 1 must not touch it
-    and must still use the run folder's paths."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    from launcher import runenv
-
-    _, run_dir = run
-    before = (run_dir / "results.csv").read_text()
-    code = (
-        "import json, sys\n"
-        "from pathlib import Path\n"
-        "from omegaconf import OmegaConf\n"
-        "from launcher.plan import LaunchPlan\n"
-        "run_dir = Path(sys.argv[1])\n"
-        "cfg = OmegaConf.to_container(OmegaConf.load(run_dir / 'config.yaml'), resolve=True)\n"
-        "plan = LaunchPlan.from_dict(json.loads((run_dir / 'plan.json').read_text()))\n"
-        "from launcher.trainer import LaunchTrainer\n"
-        "t = LaunchTrainer(cfg, plan, run_dir)\n"
-        "print(json.dumps([str(t.save_dir), t.args.save_dir, str(t.last), str(t.best), str(t.csv)]))\n"
-    )
-    from omegaconf import OmegaConf
-
-    cache = Path(OmegaConf.to_container(OmegaConf.load(run_dir / "config.yaml"), resolve=True)["paths"]["cache"])
-    env = {**os.environ, **runenv.offline_environment(cache), "RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2"}
-    r = subprocess.run([sys.executable, "-c", code, str(run_dir)], capture_output=True, text=True, env=env, timeout=300)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
-    paths = json.loads(r.stdout.strip().splitlines()[-1])
-    w = run_dir / "weights"
-    assert paths == [str(run_dir), str(run_dir), str(w / "last.pt"), str(w / "best.pt"), str(run_dir / "results.csv")]
-    assert (run_dir / "results.csv").read_text() == before
-    assert not (run_dir / "ranks" / "construct-rank1").exists()
+def test_a_run_from_model_weights_with_adamw_follows_the_cosine_schedule(run, tmp_path):
+    """model=checkpoint starts from the weights (Ultralytics' transfer), not from scratch; AdamW trains; with
+    optim.cos_lr and no warmup every epoch's lr is lr0 x the cosine factor of Ultralytics' one-cycle schedule."""
+    _, first = run
+    weights = json.loads((first / "summary.json").read_text())["weights"]
+    args = ["model=checkpoint", f"model.weights={weights}", "optim.name=adamw", "optim.cos_lr=true",
+            "optim.warmup_epochs=0", "optim.base_lr=0.002", "train.epochs=3", *TINY]
+    r = ddp_launch(args, cwd=tmp_path)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    run_dir = run_dir_of(r)
+    log = (run_dir / "logs" / "rank0.log").read_text()
+    transferred = re.search(r"Transferred (\d+)/(\d+) items from pretrained weights", log)
+    assert transferred and transferred[1] == transferred[2], log[-2000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["loss_finite"] and summary["epochs_completed"] == 3
+    assert "optimizer: AdamW" in (run_dir / "args.yaml").read_text()
+    rows = list(csv.DictReader(open(run_dir / "results.csv")))
+    lrf = 0.01
+    cosine = [((1 - math.cos(e * math.pi / 3)) / 2) * (lrf - 1) + 1 for e in range(3)]
+    assert [float(r["lr/pg0"]) for r in rows] == pytest.approx([summary["lr0"] * f for f in cosine], rel=1e-4)
+    scratch = list(csv.DictReader(open(first / "results.csv")))
+    assert float(rows[0]["train/box_loss"]) < float(scratch[0]["train/box_loss"])  # it did not start from scratch

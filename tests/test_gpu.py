@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.conftest import TINY, ddp_launch, run_dir_of
-from tests.test_ddp_equivalence import make_model_and_batch
+from tests.test_ddp_equivalence import make_model_and_batch, with_training_loss
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -18,34 +18,28 @@ def _on_cuda(batch: dict) -> dict:
 
 
 def test_dataparallel_loss_on_gathered_predictions_equals_the_single_gpu_loss():
-    from ultralytics.utils.torch_utils import unwrap_model
-
-    from launcher.trainer import prepare_criterion
-
     model, batch = make_model_and_batch()
     model, batch = model.cuda(), _on_cuda(batch)
-    prepare_criterion(model)
-    model.train()
+    with_training_loss(model).train()
     for m in model.modules():
         if isinstance(m, torch.nn.BatchNorm2d):
             m.eval()  # per-replica BatchNorm statistics would differ from the whole batch's
     single, _ = model.loss(batch, model(batch["img"]))
     dp = torch.nn.DataParallel(model)  # every visible GPU: the images are scattered, the predictions gathered
-    dp_loss, _ = unwrap_model(dp).loss(batch, dp(batch["img"]))
+    dp_loss, _ = model.loss(batch, dp(batch["img"]))
     torch.testing.assert_close(dp_loss, single, rtol=1e-4, atol=1e-4)
 
 
 def test_a_cuda_graph_step_takes_the_same_step_as_the_eager_one():
-    from launcher import lr
-    from launcher.graphed import GraphedDetector
-    from launcher.trainer import prepare_criterion, train_step
+    from launcher.plan import lr
+    from launcher.rank.step.graphed import GraphedDetector
+    from launcher.rank.step.train_step import train_step
 
     results = []
     for graphed in (False, False, True):  # two eager runs: how far cuDNN's own choices move the weights
         model, batch = make_model_and_batch()
         model, batch = model.cuda(), _on_cuda(batch)
-        prepare_criterion(model)
-        model.train()
+        with_training_loss(model).train()
         net = GraphedDetector(model, batch["img"].shape[0], batch["img"].shape[-1], None) if graphed else model
         opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, nesterov=True)
         scaler = torch.amp.GradScaler("cuda", enabled=False)
@@ -82,14 +76,14 @@ def test_cuda_graphs_capture_the_other_shipped_model_families(tmp_path, cache_di
 
 def test_fp16_amp_with_the_fused_optimizer_survives_an_overflowing_first_step():
     """GradScaler's first scale (65536) overflows fp16 on the first step; the fused kernel skips that step on the
-    device. The momentum buffers it would have initialised are zeros (fast_step.py), so training stays finite."""
-    from launcher import lr
-    from launcher.fast_step import fused_optimizer
-    from launcher.trainer import prepare_criterion, train_step
+    device. The momentum buffers it would have initialised are zeros (rank/step/optimizer.py), so training stays finite."""
+    from launcher.plan import lr
+    from launcher.rank.step.optimizer import fused_optimizer
+    from launcher.rank.step.train_step import train_step
 
     model, batch = make_model_and_batch()
     model, batch = model.cuda(), _on_cuda(batch)
-    prepare_criterion(model)
+    with_training_loss(model)
     model.train()
     plain = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.937, nesterov=True)
     opt = fused_optimizer(plain, "auto", torch.device("cuda"))
@@ -115,18 +109,18 @@ def test_one_gpu_trains_with_a_compiled_network(tmp_path, cache_dir):
 
 def test_the_training_step_never_makes_the_host_wait_for_the_gpu():
     """Forward, the sync-free loss, backward, unscale, clip, the fused step and the EMA: with the batch's target count
-    known to the host, CUDA's sync debug mode finds no synchronisation (fast_loss.py, fast_step.py)."""
+    known to the host, CUDA's sync debug mode finds no synchronisation (rank/ultralytics/loss.py, rank/step/optimizer.py)."""
     from ultralytics.utils.torch_utils import ModelEMA
 
-    from launcher import lr
-    from launcher.fast_loss import MAX_TARGETS, max_targets_per_image
-    from launcher.fast_step import fused_optimizer
-    from launcher.trainer import prepare_criterion, train_step
+    from launcher.plan import lr
+    from launcher.rank.data.pipeline import MAX_TARGETS, max_targets_per_image
+    from launcher.rank.step.optimizer import fused_optimizer
+    from launcher.rank.step.train_step import train_step
 
     model, batch = make_model_and_batch()
     max_targets = max_targets_per_image(batch["batch_idx"], len(batch["img"]))
     model, batch = model.cuda(), {**_on_cuda(batch), MAX_TARGETS: max_targets}
-    prepare_criterion(model)
+    with_training_loss(model)
     model.train()
     opt = fused_optimizer(torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, nesterov=True), "auto", batch["img"].device)
     scaler, ema = torch.amp.GradScaler("cuda"), ModelEMA(model)
@@ -152,7 +146,7 @@ def test_a_step_in_flight_keeps_the_gpu_busy_across_step_boundaries_and_is_timed
     GPU's, and the events time the GPU's 20 ms, not the host's queueing."""
     import time
 
-    from launcher.meter import StepMeter
+    from launcher.rank.metrics.meter import StepMeter
 
     def sleep_ms(cycles: int) -> float:  # GPU time of one spinning kernel
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -170,11 +164,10 @@ def test_a_step_in_flight_keeps_the_gpu_busy_across_step_boundaries_and_is_timed
     def step_ms(in_flight: int) -> float:
         meter = StepMeter(torch.device("cuda", torch.cuda.current_device()), skip_steps=3, in_flight=in_flight)
         for _ in range(23):
-            meter.wait_start()
+            meter.begin_step()
             time.sleep(0.005)  # the host's own share of a step: loading, launching
-            meter.batch_ready()
             torch.cuda._sleep(cycles)
-            meter.step_end(64)
+            meter.end_step(64, 0.0)
         return meter.summary().step_ms
 
     synced, in_flight = step_ms(0), step_ms(1)

@@ -1,4 +1,4 @@
-"""GPU-side augmentation (launcher/gpu_augment.py, launcher/raw_loader.py) against Ultralytics 8.4.190's own pipeline.
+"""GPU-side augmentation (rank/data/gpu_augment.py, rank/data/raw_batches.py) against Ultralytics 8.4.190's own pipeline.
 
 All on CPU tensors, on a small generated dataset: the strongest check feeds Ultralytics' Mosaic, RandomPerspective,
 RandomHSV, RandomFlip and Format the random draws GpuAugment made and compares images and boxes; the others check
@@ -14,9 +14,10 @@ import numpy as np
 import pytest
 import torch
 
-from launcher import shapes
-from launcher.gpu_augment import GpuAugment, RawBatch, box_candidates, hsv_augment
-from launcher.raw_loader import RawTrainDataset, build_raw_dataset
+from launcher.inputs import shapes
+from launcher.rank.data.gpu_augment import GpuAugment, RawBatch, box_candidates
+from launcher.rank.data.hsv import hsv_augment
+from launcher.rank.data.raw_batches import RawTrainDataset
 
 IMGSZ = 64
 STRONG = dict(degrees=30.0, translate=0.2, scale=0.5, shear=10.0, fliplr=0.5, flipud=0.5)
@@ -45,8 +46,9 @@ def hyp(ul, imgsz=IMGSZ, **overrides):
 
 
 def raw_dataset(ul, data, seed=0, imgsz=IMGSZ, **kw) -> RawTrainDataset:
-    args = hyp(ul, imgsz)
-    return RawTrainDataset(build_raw_dataset(args, data["train"], 8, data), seed, **kw)
+    from launcher.rank.ultralytics.datasets import raw_train_dataset
+
+    return RawTrainDataset(raw_train_dataset(hyp(ul, imgsz), data, 8), seed, **kw)
 
 
 def generator(seed: int) -> torch.Generator:
@@ -333,7 +335,7 @@ def test_random_choices_follow_strong_settings(ul):
 def ultralytics_dataset(ul, data, args):
     from ultralytics.data.build import build_yolo_dataset
 
-    from launcher.sampler import EpochSeededDataset
+    from launcher.rank.data.sampler import EpochSeededDataset
 
     return EpochSeededDataset(build_yolo_dataset(args, data["train"], 8, data, mode="train"), 0)
 
@@ -425,7 +427,7 @@ def test_mosaic_partners_are_uniform_and_a_function_of_seed_epoch_and_index(ul, 
 
 
 def test_a_raw_batch_is_the_same_whatever_the_number_of_workers(ul, data):
-    from launcher.sampler import EpochBatchSampler
+    from launcher.rank.data.sampler import EpochBatchSampler
 
     raw_ds = raw_dataset(ul, data)
 

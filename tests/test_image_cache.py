@@ -25,9 +25,12 @@ import torch
 from ultralytics.cfg import get_cfg
 from ultralytics.data.dataset import YOLODataset
 
-from launcher import image_cache
-from launcher.image_cache import CacheError, ImageCache, attach_cache, ensure_cache, load_resized, remove_unused
-from launcher.shapes import CLASSES, ShapesSpec, ensure_dataset
+from launcher.rank.data import image_cache
+from launcher.rank.data.image_cache import CacheError, ImageCache, remove_unused
+from launcher.rank.ultralytics import datasets
+from launcher.rank.ultralytics.datasets import attach_cache, load_resized
+from launcher.rank.ultralytics.datasets import ensure_split_cache as ensure_cache
+from launcher.inputs.shapes import CLASSES, ShapesSpec, ensure_dataset
 
 
 # --- data and helpers -----------------------------------------------------------------------------------------------
@@ -123,7 +126,7 @@ def test_training_and_validation_pipelines_run_on_the_read_only_map(small, tmp_p
     hyp = {"mosaic": 1.0, "mixup": 1.0, "copy_paste": 1.0, "copy_paste_mode": "mixup"}
     train = yolo_dataset(small, "train", 64, augment=True, **hyp)
     attach_cache(train, cache)
-    assert not any(m.buffer_enabled for m in image_cache._mosaics(train.transforms))
+    assert not any(m.buffer_enabled for m in datasets._mosaics(train.transforms))
     for i in range(len(train)):
         assert train[i]["img"].shape == (3, 64, 64)  # an empty mosaic buffer would raise here
     assert train.buffer == []
@@ -243,7 +246,7 @@ def test_two_ranks_build_once_and_share_one_copy(photos, shm_dir, tmp_path, reco
 @pytest.mark.dist
 def test_ultralytics_ram_cache_holds_a_copy_per_rank(photos, record_property):
     """The baseline the shared cache replaces: N ranks, N private copies."""
-    files = image_cache.split_images(str(photos / "images" / "train"))
+    files = datasets.split_images(str(photos / "images" / "train"))
     size_kib = sum(load_resized(f, 640)[0].nbytes for f in files) / 1024
     before = private_kib()
     alone = yolo_dataset(photos, "train", 640, augment=True, cache="ram")  # also writes the labels' *.cache once

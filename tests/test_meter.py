@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from launcher.meter import StepMeter
+from launcher.rank.metrics.meter import StepMeter
 
 
 class FakeClock:
@@ -18,11 +18,10 @@ class FakeClock:
 
 def run_steps(meter, clock, n, wait, compute, images=16):
     for _ in range(n):
-        meter.wait_start()
-        clock.t += wait
-        meter.batch_ready()
-        clock.t += compute
-        meter.step_end(images)
+        meter.begin_step()
+        clock.t += wait  # the host waits for the batch...
+        clock.t += compute  # ...then the step runs
+        meter.end_step(images, wait)
 
 
 def test_warm_up_steps_are_excluded_from_the_window():
@@ -45,24 +44,6 @@ def test_pauses_do_not_count_as_training_time():
     run_steps(meter, clock, 5, wait=0.0, compute=1.0)
     s = meter.summary()
     assert s.window_s == pytest.approx(10.0)  # ten 1 s steps; the 100 s pause is not in the window
-    assert s.images_per_s == pytest.approx(16.0)
-
-
-def test_a_loader_delay_while_fetching_ahead_counts_as_the_next_batchs_wait():
-    """With the next batch fetched during the current step (loader.fetch_ahead), the host finds it ready at once;
-    the time the loader kept it waiting then is that batch's data wait, not lost."""
-    clock = FakeClock()
-    meter = StepMeter(torch.device("cpu"), skip_steps=1, clock=clock)
-    for step in range(4):
-        meter.wait_start()
-        meter.batch_ready()  # fetched ahead (or, for the first, the skipped step): ready at once
-        clock.t += 1.0  # the step, during which the next batch is fetched...
-        if step < 3:
-            meter.add_wait(0.3)  # ...and the loader made the host wait 0.3 s for it
-        meter.step_end(16)
-    s = meter.summary()
-    assert s.steps_measured == 3
-    assert s.data_wait == pytest.approx(0.3)
     assert s.images_per_s == pytest.approx(16.0)
 
 
@@ -90,10 +71,9 @@ def test_with_a_step_in_flight_the_host_waits_for_the_previous_step_not_this_one
     meter = StepMeter(torch.device("cpu"), skip_steps=0, clock=FakeClock(), in_flight=1,
                       event_factory=lambda: FakeEvent(gpu, log))
     for step in range(4):
-        meter.wait_start()  # the first call stamps the segment's start
-        meter.batch_ready()
+        meter.begin_step()  # the first call stamps the segment's start
         gpu.t += 0.5
-        meter.step_end(16)
+        meter.end_step(16, 0.0)
         *_, previous, this = [e for kind, e in log if kind == "record"]
         waited = [e for kind, e in log if kind == "wait"]
         assert this not in waited  # the step just launched is still running
@@ -108,11 +88,11 @@ def test_with_steps_in_flight_the_window_is_the_gpus_time_between_step_ends():
     meter = StepMeter(torch.device("cpu"), skip_steps=2, clock=host, in_flight=2,
                       event_factory=lambda: FakeEvent(gpu, log))
     for step in range(12):
-        meter.wait_start()
-        host.t += 0.01 if step != 5 else 0.11  # the loader kept the host waiting 0.1 s once
-        meter.batch_ready()
+        meter.begin_step()
+        wait = 0.01 if step != 5 else 0.11  # the loader kept the host waiting 0.1 s once
+        host.t += wait
         gpu.t += 0.5  # each step keeps the GPU busy 0.5 s, whatever the host's clock says
-        meter.step_end(16)
+        meter.end_step(16, wait)
     s = meter.summary()
     assert s.steps_measured == 10
     assert s.window_s == pytest.approx(5.0)

@@ -18,4 +18,4 @@ def test_the_wheel_ships_every_config(tmp_path):
     names = set(zipfile.ZipFile(wheel).namelist())
     expected = {f"launcher/conf/{p.relative_to(CONF).as_posix()}" for p in CONF.rglob("*.yaml")}
     assert expected and expected <= names, sorted(expected - names)
-    assert "launcher/worker.py" in names
+    assert "launcher/rank/worker.py" in names and "launcher/rank/ultralytics/build.py" in names

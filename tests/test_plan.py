@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from launcher import lr
-from launcher.data import DatasetInfo
-from launcher.hardware import Gpu, Hardware
+from launcher.plan import lr
+from launcher.inputs.data import DatasetInfo
+from launcher.machine.hardware import Gpu, Hardware
 from launcher.plan import check_plan, describe, make_plan
 from tests.conftest import compose_config
 
@@ -38,7 +38,8 @@ def test_auto_on_a_cpu_machine_is_one_process_without_a_process_group():
     plan, problems = plan_for(["gpus=auto"], hw=CPU_BOX)
     assert not problems
     assert (plan.mode, plan.backend, plan.device, plan.world_size) == ("single", None, "cpu", 1)
-    assert plan.rendezvous.kind == "none"
+    assert plan.rendezvous.kind == "standalone"  # torchrun still supervises the one process (logs, signals, restarts)
+    assert "one process under torchrun, no process group" in describe(plan, None, None)
 
 
 def test_two_cpu_ranks_use_gloo():
@@ -215,3 +216,13 @@ def test_cuda_graphs_are_on_by_default_wherever_they_can_be_and_off_where_they_c
     plan, _ = plan_for(["gpus=1", "train.cuda_graphs=false"])
     assert not plan.cuda_graphs
     assert "step            CUDA graphs on" in describe(plan_for(["gpus=1"])[0], None, None)
+
+
+# --- the Ultralytics release ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("installed,expected", [("8.3.0", "ultralytics 8.3.0 is installed"), (None, "ultralytics is not installed")])
+def test_another_ultralytics_release_is_refused_when_the_plan_is_made(installed, expected):
+    hw = Hardware(gpus=GPU_BOX.gpus, cpu_count=128, nccl_available=True, ultralytics_version=installed)
+    _, problems = plan_for(["gpus=1"], hw=hw)
+    (problem,) = [p for p in problems if "ultralytics" in p.message]
+    assert expected in problem.message and "pip install 'ultralytics==8.4.190'" in problem.message
+    assert problem.environment  # a dry run still shows the plan, which may be meant for another machine

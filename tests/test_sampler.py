@@ -6,7 +6,7 @@ import random
 
 import numpy as np
 
-from launcher.sampler import EpochBatchSampler, EpochSeededDataset, epoch_indices
+from launcher.rank.data.sampler import EpochBatchSampler, EpochSeededDataset, epoch_indices
 
 
 def take(sampler: EpochBatchSampler, n_batches: int) -> list[list[tuple[int, int]]]:

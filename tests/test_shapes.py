@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import yaml
 
-from launcher import shapes
+from launcher.inputs import shapes
 
 
 def test_generation_is_deterministic_and_cached(tmp_path):

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from launcher import slurm
+from launcher.launch.environments import slurm
 from launcher.plan import make_plan
 from tests.conftest import TINY, compose_config, ddp_launch
 from tests.test_readme import readme_commands
@@ -133,7 +133,7 @@ def test_hostile_values_reach_sbatch_srun_and_the_job_exactly(tmp_path, cluster)
     assert job_field(job_id, "JobName", cluster) == HOSTILE
     assert job_field(job_id, "Comment", cluster).rstrip(" ") == HOSTILE  # scontrol pads this line with a blank
     assert (run_dir / "slurm.out").is_file()  # --output: the folder's % and #, quotes and blanks, read literally
-    assert argv_file.read_text().split("\0")[:-1] == ["-m", "launcher.job", str(run_dir)]
+    assert argv_file.read_text().split("\0")[:-1] == ["-m", "launcher.launch.environments.slurm_job", str(run_dir)]
     assert not list(tmp_path.rglob("PWNED"))
 
 

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from launcher import job, runenv, slurm
+from launcher.launch.environments import slurm
+from launcher.launch.environments import slurm_job as job
 from launcher.plan import make_plan
 from launcher.problems import PlanError
 from tests.conftest import REPO, compose_config, ddp_launch
@@ -97,8 +98,7 @@ def test_the_example_scripts_in_slurm_are_what_their_commands_write():
         args = shlex.split(command)[1:]
         run_dir = next(a.split("=", 1)[1] for a in args if a.startswith("hydra.run.dir="))
         cfg, plan = slurm_plan([a for a in args if not a.startswith(("hydra.", "launcher="))])
-        env = {**runenv.offline_environment(Path(cfg["paths"]["cache"])), **plan.env}
-        text = slurm.sbatch_script(cfg["slurm"], plan, Path(run_dir), env, slurm.script_python(cfg["slurm"]))
+        text = slurm.sbatch_script(cfg["slurm"], plan, Path(run_dir), plan.env, slurm.script_python(cfg["slurm"]))
         if os.environ.get("DDP_LAUNCH_UPDATE_GOLDEN"):
             (REPO / "slurm" / name).write_text(text)
         assert text == (REPO / "slurm" / name).read_text(), name
@@ -138,7 +138,7 @@ def test_a_hostile_job_name_and_run_folder_stay_inert_when_the_script_runs(tmp_p
     assert result.returncode == 0, result.stderr
     assert not list(tmp_path.rglob("PWNED")) and not (run_dir / "PWNED").exists()
     argv = args_file.read_text().split("\0")[:-1]
-    assert argv[-4:] == [PYTHON, "-m", "launcher.job", str(run_dir)]
+    assert argv[-4:] == [PYTHON, "-m", "launcher.launch.environments.slurm_job", str(run_dir)]
     assert env_file.read_text() == env["YOLO_CONFIG_DIR"]
 
 
@@ -218,14 +218,14 @@ def test_each_node_of_a_two_node_job_joins_one_rendezvous_that_node_0_serves():
     assert node0 == [
         PYTHON, "-m", "torch.distributed.run",
         "--nnodes", "2",
-        "--nproc-per-node", "4",
         "--rdzv-backend", "c10d",
         "--rdzv-endpoint", "gpu07:24242",
         "--rdzv-conf", "is_host=1",
         "--rdzv-id", "4242",
+        "--nproc-per-node", "4",
         "--max-restarts", "0",
         "--monitor-interval", "1",
-        "--module", "launcher.worker", "/r",
+        "--module", "launcher.rank.worker", "/r",
     ]  # fmt: skip
     assert node1 == [w.replace("is_host=1", "is_host=0") for w in node0]  # same endpoint and id; node 1 connects
 

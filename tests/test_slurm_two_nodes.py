@@ -11,8 +11,8 @@ import sys
 
 import pytest
 
-from launcher import job
-from launcher.ports import port_is_free
+from launcher.launch.environments import slurm_job as job
+from launcher.machine.ports import port_is_free
 from tests.conftest import TINY, ddp_launch
 
 pytestmark = [pytest.mark.slow, pytest.mark.dist]
@@ -40,7 +40,7 @@ def test_two_nodes_meet_at_node_0s_rendezvous_and_train_together(tmp_path, cache
     }
     nodes = [
         subprocess.Popen(
-            [sys.executable, "-m", "launcher.job", str(run_dir)],
+            [sys.executable, "-m", "launcher.launch.environments.slurm_job", str(run_dir)],
             env={**env, "SLURM_NODEID": str(n)},
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,

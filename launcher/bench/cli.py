@@ -8,7 +8,6 @@ bench.steps` steps and then times the same step on batches already on the device
 from __future__ import annotations
 
 import copy
-import json
 import os
 import subprocess
 import sys
@@ -18,14 +17,21 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from launcher import data as datamod
-from launcher import hardware, runenv, torchrun
 from launcher.bench import report
 from launcher.bench.cells import Cell, plan_cells
-from launcher.cli import conf_dir, exit_with, say, write_run_folder
-from launcher.models import resolve_model
+from launcher.entry import Jobs, conf_dir
+from launcher.inputs.data import resolve_data
+from launcher.inputs.models import resolve_model
+from launcher.launch import torchrun
+from launcher.launch.logs import LogStreamer, say
+from launcher.launch.ultralytics_home import prepare_ultralytics_home
+from launcher.machine import hardware
 from launcher.plan import check_plan, describe, make_plan
+from launcher.plan.environment import offline_environment
 from launcher.problems import PlanError, Problem, config_problems
+from launcher.run_folder import RunFolder
+
+BASELINE_MODULE = "launcher.rank.ultralytics.baseline"
 
 
 def progress_line(line: str) -> bool:
@@ -47,7 +53,7 @@ def run_bench(cfg: dict, run_dir: Path, base_dir: Path, command: str) -> int:
     if problems or model_msgs:
         raise PlanError(config_problems(problems + model_msgs))
     dry_run = bool(cfg.get("dry_run"))
-    data, data_problems = datamod.resolve_data(cfg["data"], base_dir, generate=not dry_run)
+    data, data_problems = resolve_data(cfg["data"], base_dir, generate=not dry_run)
     errors, warnings = check_plan(data_problems, dry_run=dry_run)
     if errors:
         raise PlanError(errors)
@@ -132,21 +138,21 @@ def run_cell(cell: Cell, cfg: dict, cell_dir: Path, hw, model, data, on_gpu: boo
     errors, _ = check_plan(problems, dry_run=False)
     if errors:
         return {"mode": cell.mode, "size": cell.size, "error": "; ".join(p.message for p in errors)}
+    folder = RunFolder(cell_dir)
+    folder.create(ccfg, plan, model, data)
     cache = Path(cfg["paths"]["cache"]).expanduser()
-    env = {**runenv.offline_environment(cache), **plan.env}
-    cmd = torchrun.torchrun_command(plan, cell_dir)
-    write_run_folder(cell_dir, ccfg, plan, model, data, env, cmd)
+    prepare_ultralytics_home(cache)
     if cell.mode == "ultralytics":
-        code, signum = run_baseline(cell_dir, runenv.offline_environment(cache))
+        code, signum = run_baseline(cell_dir, offline_environment(cache))
     else:
-        code, signum = torchrun.run_torchrun(cmd, env, [cell_dir / "logs" / "rank0.log"], prefix=False, keep=progress_line)
+        cmd = torchrun.torchrun_command(plan, cell_dir, torchrun.rendezvous_args(plan))
+        code, signum = torchrun.run_torchrun(cmd, plan.env, [folder.rank_log(0)], prefix=False, keep=progress_line)
     if signum is not None:
         say(f"ddp-bench: stopped by signal {signum}; cells so far are in {cell_dir.parent}")
         return 128 + signum
-    result_file = cell_dir / "cell.json"
-    if code != 0 or not result_file.exists():
-        return {"mode": cell.mode, "size": cell.size, "error": f"exit code {code}; see {cell_dir / 'logs'}"}
-    measured = json.loads(result_file.read_text())
+    measured = folder.read_json("cell.json")
+    if code != 0 or measured is None:
+        return {"mode": cell.mode, "size": cell.size, "error": f"exit code {code}; see {folder.logs}"}
     return report.aggregate(cell.mode, cell.size, measured["ranks"])
 
 
@@ -154,11 +160,11 @@ def run_baseline(cell_dir: Path, env: dict) -> tuple[int, int | None]:
     """Ultralytics' own trainer in a fresh process (it must import Ultralytics with its own view of the world)."""
     log = cell_dir / "logs" / "rank0.log"
     log.parent.mkdir(parents=True, exist_ok=True)
-    streamer = torchrun.LogStreamer([log], prefix=False, keep=progress_line)
+    streamer = LogStreamer([log], prefix=False, keep=progress_line)
     streamer.start()
     with open(log, "ab") as out:
         proc = subprocess.run(
-            [sys.executable, "-m", "launcher.bench.baseline", str(cell_dir)],
+            [sys.executable, "-m", BASELINE_MODULE, str(cell_dir)],
             env={**os.environ, **env, "PYTHONUNBUFFERED": "1"},
             stdout=out,
             stderr=subprocess.STDOUT,
@@ -167,16 +173,20 @@ def run_baseline(cell_dir: Path, env: dict) -> tuple[int, int | None]:
     return proc.returncode, None
 
 
+jobs = Jobs()
+
+
 @hydra.main(version_base="1.3", config_path=conf_dir(), config_name="bench")
-def _hydra_entry(cfg: DictConfig) -> None:
+def _hydra_entry(cfg: DictConfig) -> int:
     run_dir = Path(HydraConfig.get().runtime.output_dir).resolve()
     resolved = OmegaConf.to_container(cfg, resolve=True)
     command = "ddp-bench " + " ".join(HydraConfig.get().overrides.task)
-    exit_with(lambda: run_bench(resolved, run_dir, Path(os.getcwd()), command.strip()))
+    return jobs.run(lambda: run_bench(resolved, run_dir, Path(os.getcwd()), command.strip()))
 
 
 def main() -> None:
     _hydra_entry()
+    jobs.exit()
 
 
 if __name__ == "__main__":

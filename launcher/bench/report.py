@@ -7,6 +7,8 @@ import math
 import platform
 from pathlib import Path
 
+from launcher.machine.hardware import detect
+
 INPUT_BOUND = 0.10  # data wait above this share of step time: starved
 PIPELINE_OK = 0.90  # end-to-end at or above this share of the data-free ceiling: the pipeline keeps up
 GPU_BUSY = 85.0  # percent: below this with data ready, the step itself is host- or launch-bound
@@ -96,15 +98,8 @@ def environment() -> dict:
         "gpus": [],
         "driver": None,
     }
-    try:
-        import ultralytics
-
-        env["ultralytics"] = ultralytics.__version__
-    except ImportError:
-        pass
-    from launcher.hardware import detect
-
     hw = detect()
+    env["ultralytics"] = hw.ultralytics_version
     env["gpus"] = [g.name for g in hw.gpus]
     env["driver"] = hw.driver or None
     return env

@@ -1,0 +1,168 @@
+"""Find the dataset, check it before any rank starts, and write the data YAML the ranks train on.
+
+Every dataset ends up as `<run>/data.yaml` with an absolute `path`, absolute splits, and no `download:` key, so
+Ultralytics has nothing to guess and nothing to fetch. A missing dataset is an error that names the path and the
+key to set; a `download:` script runs only when the user sets data.allow_download=true.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from launcher.inputs import shapes, ultralytics_files
+from launcher.problems import Problem
+
+IMAGE_SUFFIXES = {".bmp", ".dng", ".jpeg", ".jpg", ".mpo", ".png", ".tif", ".tiff", ".webp", ".pfm", ".heic"}
+
+
+@dataclass(frozen=True)
+class DatasetInfo:
+    name: str
+    source: str  # the YAML it came from (or the synthetic spec)
+    spec: dict  # the data YAML the ranks get
+    train_images: int | None  # None when unknown (not generated yet, or missing in a dry run)
+    val_images: int | None
+    note: str = ""
+
+
+def count_images(entries: list[str]) -> int:
+    total = 0
+    for entry in entries:
+        p = Path(entry)
+        if p.is_dir():
+            total += sum(1 for f in p.rglob("*") if f.suffix.lower() in IMAGE_SUFFIXES)
+        elif p.is_file() and p.suffix == ".txt":
+            total += sum(1 for line in p.read_text().splitlines() if line.strip())
+    return total
+
+
+def _as_list(value) -> list[str]:
+    return [str(v) for v in value] if isinstance(value, (list, tuple)) else [str(value)]
+
+
+def _check_yaml(raw, source: str) -> list[str]:
+    """Structural checks of a data YAML (what Ultralytics would reject mid-start, said up front)."""
+    if not isinstance(raw, dict):
+        return [f"{source}: a data YAML must be a mapping with train, val and names"]
+    problems = []
+    for key in ("train", "val"):
+        if not raw.get(key):
+            problems.append(f"{source}: '{key}:' is missing; train, val and names are required")
+    names, nc = raw.get("names"), raw.get("nc")
+    if names is None:
+        problems.append(f"{source}: 'names:' is missing (a list or a mapping of class index to name)")
+    elif not isinstance(names, (list, dict)) or not names:
+        problems.append(f"{source}: 'names:' must be a non-empty list or mapping")
+    elif isinstance(names, dict) and sorted(names) != list(range(len(names))):
+        problems.append(f"{source}: 'names:' keys must be 0..{len(names) - 1}")
+    elif nc is not None and nc != len(names):
+        problems.append(f"{source}: 'nc: {nc}' does not match the {len(names)} entries of 'names:'")
+    return problems
+
+
+def _from_yaml(
+    name: str, yaml_path: Path, root: str | None, allow_download: bool, count: bool
+) -> tuple[DatasetInfo | None, list[Problem]]:
+    source = str(yaml_path)
+    try:
+        raw = yaml.safe_load(yaml_path.read_text())
+    except yaml.YAMLError as e:
+        return None, [Problem(f"{source}: not valid YAML ({e})")]
+    problems = [Problem(m) for m in _check_yaml(raw, source)]
+    if problems:
+        return None, problems
+
+    if root:
+        base = Path(root).expanduser()
+    elif raw.get("path"):
+        base = Path(str(raw["path"])).expanduser()
+        base = base if base.is_absolute() else yaml_path.parent / base
+    else:
+        base = yaml_path.parent
+    base = base.resolve()
+
+    names = raw["names"]
+    names = {i: str(n) for i, n in enumerate(names)} if isinstance(names, list) else {int(k): str(v) for k, v in names.items()}
+    spec = {"path": str(base), "names": names}
+    missing = []
+    for split in ("train", "val", "test"):
+        if not raw.get(split):
+            continue
+        entries = [str((base / e).resolve()) for e in _as_list(raw[split])]
+        spec[split] = entries if isinstance(raw[split], (list, tuple)) else entries[0]
+        if split != "test":
+            missing += [e for e in entries if not Path(e).exists()]
+    for key in ("channels", "kpt_shape", "flip_idx"):
+        if key in raw:
+            spec[key] = raw[key]
+
+    if missing:
+        has_script = bool(raw.get("download"))
+        if has_script and allow_download:
+            spec["download"] = raw["download"]
+            return DatasetInfo(name, source, spec, None, None, note="missing; Ultralytics will download it"), []
+        where = "data.root=/path/to/" + (base.name or "dataset")
+        msg = (
+            f"dataset '{name}' not found: {', '.join(missing)} does not exist. "
+            f"Put the dataset there, or point to it with {where}"
+            + (" (or fix data.path)" if name == "custom" else "")
+            + ". ddp-launch never downloads datasets"
+        )
+        if has_script:
+            msg += f" ({source} has a download: script; set data.allow_download=true to run it)"
+        return None, [Problem(msg, environment=True)]
+
+    train_n = count_images(_as_list(spec["train"])) if count else None
+    val_n = count_images(_as_list(spec["val"])) if count else None
+    if count and train_n == 0:
+        return None, [Problem(f"dataset '{name}': no images under {spec['train']}", environment=True)]
+    return DatasetInfo(name, source, spec, train_n, val_n), []
+
+
+def resolve_data(data_cfg: dict, base_dir: Path, *, generate: bool = True) -> tuple[DatasetInfo | None, list[Problem]]:
+    """Resolve `data.*` to a DatasetInfo. `generate=False` (a dry run) never writes the synthetic dataset."""
+    name = str(data_cfg.get("name", "data"))
+    kind = data_cfg.get("kind", "yaml")
+    allow = bool(data_cfg.get("allow_download", False))
+    if kind == "synthetic":
+        spec = shapes.ShapesSpec.from_config(data_cfg.get("synthetic") or {})
+        bad = spec.problems()
+        if bad:
+            return None, [Problem(m) for m in bad]
+        root = Path(str(data_cfg["root"])).expanduser()
+        folder = shapes.dataset_dir(root, spec)
+        if generate:
+            yaml_path = shapes.ensure_dataset(root, spec)
+        elif (folder / shapes.MARKER).is_file():
+            yaml_path = folder / shapes.MARKER
+        else:
+            names = dict(enumerate(shapes.CLASSES))
+            pending = {"path": str(folder), "train": str(folder / "images/train"), "val": str(folder / "images/val"), "names": names}
+            return DatasetInfo(name, f"synthetic {spec}", pending, spec.train_images, spec.val_images, note="generated at the first real run"), []
+        return _from_yaml(name, yaml_path, None, allow, count=True)
+
+    if kind == "builtin":
+        builtin = str(data_cfg.get("builtin"))
+        yaml_path = ultralytics_files.dataset_yaml(builtin)
+        if yaml_path is None:
+            return None, [Problem(f"data.builtin={builtin!r}: Ultralytics ships no dataset YAML of that name")]
+        if not data_cfg.get("root"):
+            return None, [Problem(f"data '{name}': set data.root to the folder that holds the dataset")]
+        return _from_yaml(name, yaml_path, str(data_cfg["root"]), allow, count=True)
+
+    path = data_cfg.get("path")
+    if path in (None, "", "???"):
+        return None, [Problem("data=custom needs data.path=/abs/path/to/data.yaml (an Ultralytics data YAML)")]
+    yaml_path = Path(str(path)).expanduser()
+    yaml_path = yaml_path if yaml_path.is_absolute() else base_dir / yaml_path
+    if not yaml_path.is_file():
+        return None, [Problem(f"data.path={path!r}: no such file ({yaml_path})", environment=True)]
+    return _from_yaml(name, yaml_path, data_cfg.get("root"), allow, count=True)
+
+
+def write_data_yaml(info: DatasetInfo, path: Path) -> Path:
+    path.write_text(yaml.safe_dump(info.spec, sort_keys=False))
+    return path

@@ -1,0 +1,92 @@
+"""The Ultralytics release, read from its files without importing it: its version, model YAMLs, dataset YAMLs and
+default.yaml.
+
+The launcher process validates the plan before any rank starts; importing `ultralytics` there would cost seconds,
+reset torch's thread counts, and run its network probe. Its package metadata and shipped YAMLs are all it needs.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+import importlib.util
+import re
+from pathlib import Path
+
+import yaml
+
+# The release whose internals launcher/rank/ultralytics/ is written against (and pyproject.toml pins).
+SUPPORTED_VERSION = "8.4.190"
+
+
+def installed_version() -> str | None:
+    """The installed Ultralytics version from its package metadata; None when it is not installed."""
+    try:
+        return importlib.metadata.version("ultralytics")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def version_problem(installed: str | None) -> str | None:
+    """Why this Ultralytics cannot run the ranks, or None when it is the supported release."""
+    if installed == SUPPORTED_VERSION:
+        return None
+    found = f"ultralytics {installed} is installed" if installed else "ultralytics is not installed"
+    return (
+        f"{found}; ddp-launch drives Ultralytics' trainer internals and supports exactly {SUPPORTED_VERSION}: "
+        f"pip install 'ultralytics=={SUPPORTED_VERSION}' (or reinstall ddp-launch, which pins it)"
+    )
+
+
+@functools.cache
+def package_dir() -> Path:
+    spec = importlib.util.find_spec("ultralytics")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModuleNotFoundError(version_problem(None))
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+@functools.cache
+def model_yamls() -> dict[str, Path]:
+    """Every model YAML Ultralytics ships, by file name (yolov8.yaml, yolo11.yaml, ...)."""
+    return {p.name: p for p in sorted((package_dir() / "cfg" / "models").rglob("*.yaml"))}
+
+
+def unified_model_name(name: str) -> str:
+    """yolov8s.yaml -> yolov8.yaml: the scale letter picks a row of the family YAML (Ultralytics' own rule)."""
+    return re.sub(r"(\d+)([nslmx])(.+)?$", r"\1\3", name)
+
+
+def find_model_yaml(name: str) -> Path | None:
+    yamls = model_yamls()
+    return yamls.get(name) or yamls.get(unified_model_name(name))
+
+
+def detection_model_names() -> list[str]:
+    """Names a user can pass as model.cfg: every scale of every detection family (no -cls, -seg, -pose, ...)."""
+    names = []
+    for fname, path in model_yamls().items():
+        stem = fname[: -len(".yaml")]
+        if any(t in stem for t in ("-cls", "-seg", "-pose", "-obb", "-depth", "-sem", "yoloe", "rtdetr", "world")):
+            continue
+        try:
+            scales = (yaml.safe_load(path.read_text()) or {}).get("scales") or {}
+        except yaml.YAMLError:
+            continue
+        base = re.match(r"(.*?\d+)(.*)$", stem)
+        if scales and base:
+            names.extend(f"{base[1]}{s}{base[2]}.yaml" for s in scales)
+        else:
+            names.append(fname)
+    return sorted(names)
+
+
+def dataset_yaml(name: str) -> Path | None:
+    path = package_dir() / "cfg" / "datasets" / name
+    return path if path.is_file() else None
+
+
+@functools.cache
+def default_train_args() -> dict:
+    """Ultralytics' default.yaml: every argument its trainer accepts."""
+    return yaml.safe_load((package_dir() / "cfg" / "default.yaml").read_text())

@@ -1,0 +1,76 @@
+"""launcher=local: torchrun on this machine (one node, or one node of a multi-node job started by hand on each).
+
+The launcher writes RUN_DIR/torchrun.sh (the exact command), runs it with rank 0's log on the console (every rank's
+with dist.debug=true), and reports the outcome. With mode=auto and dist.fallback=dp, a DDP run whose process group
+never came up is started again as one DataParallel process.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from launcher.inputs.data import resolve_data
+from launcher.launch import torchrun
+from launcher.launch.logs import say
+from launcher.launch.outcome import report
+from launcher.machine import hardware
+from launcher.plan import check_plan, make_plan
+from launcher.plan.plan import LaunchPlan
+from launcher.problems import Problem
+from launcher.run_folder import RunFolder
+
+
+class LocalEnvironment:
+    name = "local"
+
+    def planning_config(self, cfg: dict) -> dict:
+        return cfg
+
+    def hardware(self, cfg: dict) -> hardware.Hardware:
+        return hardware.detect()
+
+    def problems(self, cfg: dict, run_dir: Path) -> list[Problem]:
+        return []
+
+    def dry_run_text(self, cfg: dict, plan: LaunchPlan, run_dir: Path) -> str:
+        cmd = torchrun.torchrun_command(plan, run_dir, torchrun.rendezvous_args(plan))
+        return "torchrun command (with this environment on top of yours):\n" + torchrun.format_command(cmd, plan.env)
+
+    def start(self, cfg: dict, plan: LaunchPlan, folder: RunFolder) -> int:
+        cmd = torchrun.torchrun_command(plan, folder.path, torchrun.rendezvous_args(plan))
+        (folder.path / "torchrun.sh").write_text(
+            "#!/bin/sh\n# what ddp-launch ran\nexec " + torchrun.format_command(cmd, plan.env) + "\n"
+        )
+        code = self.run(cfg, plan, folder)
+        fallback = self._dp_fallback(cfg, plan, folder) if code != 0 else None
+        if fallback is not None:
+            say(
+                f"\nWARNING: DDP could not start ({plan.backend} process group, see above); dist.fallback=dp: "
+                f"retrying with DataParallel on {fallback.devices_per_rank} device(s) in one process"
+            )
+            folder.write_plan(fallback, keep_as="plan.ddp-failed.json")
+            code = self.run(cfg, fallback, folder)
+        return code
+
+    def resume(self, cfg: dict, plan: LaunchPlan, folder: RunFolder) -> int:
+        return self.run(cfg, plan, folder)
+
+    def run(self, cfg: dict, plan: LaunchPlan, folder: RunFolder) -> int:
+        """Start torchrun for a planned run folder, stream rank 0 (or every rank), and report the outcome."""
+        first_rank = plan.node_rank * plan.nproc_per_node
+        shown = range(first_rank, first_rank + plan.nproc_per_node) if cfg["dist"]["debug"] else [first_rank]
+        say(f"\nstarting {plan.nproc_per_node} rank(s); logs in {folder.logs}\n")
+        cmd = torchrun.torchrun_command(plan, folder.path, torchrun.rendezvous_args(plan))
+        code, signum = torchrun.run_torchrun(cmd, plan.env, [folder.rank_log(r) for r in shown], prefix=len(shown) > 1)
+        return report(folder, code, signum, plan.node_rank)
+
+    def _dp_fallback(self, cfg: dict, plan: LaunchPlan, folder: RunFolder) -> LaunchPlan | None:
+        """The DataParallel plan to retry with: mode=auto, dist.fallback=dp, and a rank reported that its process
+        group never came up. None otherwise, or when DataParallel cannot run here either."""
+        if cfg["mode"] != "auto" or cfg["dist"].get("fallback") != "dp" or plan.mode != "ddp":
+            return None
+        if not any(r.get("phase") == "init" for r in folder.failures()):
+            return None
+        data, _ = resolve_data({"name": cfg["data"]["name"], "path": str(folder.data_file)}, folder.path)
+        dp_plan, problems = make_plan({**cfg, "mode": "dp", "nproc": None}, self.hardware(cfg), data)
+        return None if check_plan(problems, dry_run=False)[0] else dp_plan

@@ -1,0 +1,47 @@
+"""How a run ends, as the launcher says it: the result, or what stopped it, and which rank failed first."""
+
+from __future__ import annotations
+
+import signal
+
+from launcher.launch.logs import say
+from launcher.run_folder import RunFolder
+
+
+def report(folder: RunFolder, code: int, signum: int | None, node_rank: int) -> int:
+    """Print the outcome of torchrun on this node; a failed or stopped run gets its summary.json. Returns the
+    launcher's exit code: 0, torchrun's code, or 128 + the signal that stopped it."""
+    summary = folder.summary() or {}
+    finished = summary.get("status") == "finished"
+    if signum is not None and not finished:
+        detail = f"stopped by {signal.Signals(signum).name}; the last checkpoint is in {folder.weights}"
+        say(f"\nddp-launch: {detail}. Continue with: ddp-launch resume={folder}")
+        folder.write_outcome("stopped", 128 + signum, detail)
+        return 128 + signum
+    if code != 0 and not finished:
+        detail = f"training failed (torchrun exit code {code}); rank logs in {folder.logs}"
+        say(f"\nddp-launch: {detail}")
+        for i, fail in enumerate(folder.write_outcome("failed", code, detail)):
+            say(f"  {'root cause' if i == 0 else 'then'}: rank {fail['rank']}: {fail['error']}")
+        return code
+    if not finished:
+        if node_rank != 0:
+            say("\nddp-launch: this node's ranks finished; rank 0 writes the summary on node 0")
+            return 0
+        say(f"\nddp-launch: the ranks exited without writing {folder.summary_file}")
+        return 1
+    s = summary
+    say(
+        f"\ndone: {s['epochs_completed']} epoch(s) on {s['world_size']} rank(s), global batch {s['global_batch']}, "
+        f"lr0 {s['lr0']:.6g}, {s['images_per_s']:.1f} images/s (steady state)"
+    )
+    say(f"mAP50 {s['map50']:.4f}  mAP50-95 {s['map50_95']:.4f}")
+    say(f"weights     {s['weights']}")
+    say(f"run folder  {folder}")
+    return 0
+
+
+def say_finished(folder: RunFolder) -> None:
+    s = folder.summary() or {}
+    say(f"{folder} already finished: {s.get('epochs_completed')} epoch(s), mAP50 {s.get('map50', 0.0):.4f}; nothing to resume")
+    say(f"weights     {s.get('weights')}")

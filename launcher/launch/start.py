@@ -1,0 +1,137 @@
+"""From a composed config to running ranks: plan, validate, print, write the run folder, start; and resume.
+
+Nothing starts before the whole plan is valid: config problems first (no dataset is generated for a plan that
+cannot run), then the dataset, then the full plan. A dry run prints the plan and what would run, and writes nothing.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from launcher.inputs.data import resolve_data
+from launcher.inputs.models import resolve_model
+from launcher.launch import environments
+from launcher.launch.logs import say
+from launcher.launch.outcome import say_finished
+from launcher.launch.ultralytics_home import prepare_ultralytics_home
+from launcher.machine.ports import port_is_free
+from launcher.plan import check_plan, describe, make_plan
+from launcher.problems import PlanError, Problem, config_problems
+from launcher.run_folder import RunFolder
+
+# What `ddp-launch resume=RUN_DIR` may change: where and on how many ranks the run continues. Everything else is
+# the run's own config (a different epoch count or learning rate is another run).
+RESUME_KEYS = ("gpus", "nproc", "nnodes", "node_rank", "mode", "dist.master_addr", "dist.master_port",
+               "dist.timeout_s", "dist.max_restarts")
+
+
+def start(cfg: dict, run_dir: Path, base_dir: Path) -> int:
+    """Plan the composed config, then start it (or print it: dry_run=true). Returns the exit code; PlanError when
+    the plan cannot run, before anything is written."""
+    dry_run = bool(cfg.get("dry_run"))
+    env = environments.get(cfg["launcher"]["name"])
+    cfg = env.planning_config(cfg)
+    errors, _ = check_plan(env.problems(cfg, run_dir), dry_run=dry_run)
+    if errors:
+        raise PlanError(errors)
+    hw = env.hardware(cfg)
+
+    # Config problems first: no point generating a dataset for a plan that cannot run.
+    model, model_msgs = resolve_model(cfg["model"], base_dir)
+    _, early = make_plan(cfg, hw)
+    errors, _ = check_plan(early + config_problems(model_msgs), dry_run=True)
+    if errors:
+        raise PlanError(errors + [p for p in early if p.environment and not dry_run])
+
+    data, data_problems = resolve_data(cfg["data"], base_dir, generate=not dry_run)
+    plan, problems = make_plan(cfg, hw, data, port_is_free=port_is_free)
+    errors, warnings = check_plan(problems + config_problems(model_msgs) + data_problems, dry_run=dry_run)
+
+    say("ddp-launch plan")
+    say(describe(plan, model, data))
+    say(f"run folder      {run_dir}")
+    for w in warnings:
+        say(f"WARNING: {w.message} (a real run would refuse)")
+    if errors:
+        raise PlanError(errors)
+    if dry_run:
+        say("\n" + env.dry_run_text(cfg, plan, run_dir))
+        say("\ndry run: nothing started")
+        return 0
+
+    assert data is not None and model is not None
+    folder = RunFolder(run_dir)
+    folder.create(cfg, plan, model, data)
+    prepare_ultralytics_home(Path(cfg["paths"]["cache"]).expanduser())
+    return env.start(cfg, plan, folder)
+
+
+def resume(run_dir: Path, overrides: dict, fresh_dir: Path | None = None) -> int:
+    """`ddp-launch resume=RUN_DIR`: continue a stopped run with its own config and plan, in its own folder.
+
+    `overrides` ({key: value} as given on the command line) may only move the run (RESUME_KEYS): the plan is then
+    made again for the new topology (global batch, lr0 and warmup follow the plan's rules) and the ranks restart
+    the interrupted epoch. `fresh_dir`, the folder Hydra made for this invocation, is removed when it is empty."""
+    folder = RunFolder(Path(run_dir).expanduser().resolve())
+    if fresh_dir is not None and fresh_dir != folder.path and fresh_dir.is_dir():
+        if not any(p for p in fresh_dir.iterdir() if p.name != ".hydra"):
+            import shutil
+
+            shutil.rmtree(fresh_dir)
+    cfg, plan = folder.load()
+    overrides = {k: v for k, v in overrides.items() if _select(cfg, k) != v}  # what really changes
+    refused = sorted(k for k in overrides if k not in RESUME_KEYS)
+    if refused:
+        raise PlanError([
+            Problem(f"resume={folder.path} continues the run with its own config; {', '.join(refused)} cannot change. "
+                    f"Only where it runs may: {', '.join(RESUME_KEYS)}. Start a new run to change the rest")
+        ])
+    if folder.finished():
+        say_finished(folder)
+        return 0
+    env = environments.get(cfg["launcher"]["name"])
+    if overrides and env.name == "slurm":
+        raise PlanError([Problem(f"resume={folder.path} resubmits the run's own job.sbatch; {', '.join(overrides)} "
+                                 "cannot change a SLURM run's allocation")])
+    if overrides:
+        cfg, plan = _replan(cfg, overrides, env, folder)
+    prepare_ultralytics_home(Path(cfg["paths"]["cache"]).expanduser())
+    say(f"resuming {folder.path} with its own config (world size {plan.world_size}, global batch {plan.global_batch})")
+    return env.resume(cfg, plan, folder)
+
+
+def _select(cfg: dict, key: str):
+    node = cfg
+    for part in key.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return None
+        node = node[part]
+    return node
+
+
+def _replan(cfg: dict, overrides: dict, env, folder: RunFolder):
+    """The run's config with the topology overrides, planned for this machine; written back to the run folder (the
+    replaced config and plan kept as config.prev.yaml and plan.prev.json)."""
+    import copy
+    import os
+
+    from omegaconf import OmegaConf
+
+    moved = copy.deepcopy(cfg)
+    for key, value in overrides.items():
+        node = moved
+        *parents, leaf = key.split(".")
+        for p in parents:
+            node = node[p]
+        node[leaf] = value
+    moved = env.planning_config(moved)
+    data, data_problems = resolve_data({"name": moved["data"]["name"], "path": str(folder.data_file)}, folder.path)
+    plan, problems = make_plan(moved, env.hardware(moved), data, port_is_free=port_is_free)
+    errors, _ = check_plan(problems + data_problems, dry_run=False)
+    if errors:
+        raise PlanError(errors)
+    os.replace(folder.config_file, folder.path / "config.prev.yaml")
+    OmegaConf.save(OmegaConf.create(moved), folder.config_file)
+    folder.write_plan(plan, keep_as="plan.prev.json")
+    say(describe(plan, None, data))
+    return moved, plan

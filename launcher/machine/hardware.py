@@ -1,0 +1,144 @@
+"""What this node has: visible GPUs (through NVML), CPU cores, the process-group backends torch offers, and the
+installed Ultralytics release.
+
+Discovery happens once, in the launcher process, before any rank starts; the plan is a pure function of the
+result, so tests build `Hardware(...)` by hand instead of patching NVML.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass, field
+
+from launcher.inputs.ultralytics_files import SUPPORTED_VERSION, installed_version
+
+
+@dataclass(frozen=True)
+class Gpu:
+    index: int  # CUDA index as the ranks will see it (after CUDA_VISIBLE_DEVICES)
+    name: str
+    memory_gib: float
+    uuid: str = ""
+
+
+@dataclass(frozen=True)
+class Hardware:
+    gpus: tuple[Gpu, ...] = ()
+    cpu_count: int = 1
+    nccl_available: bool = False
+    triton_available: bool = False  # torch.compile's GPU code generator (train.compile on CUDA)
+    driver: str = ""
+    notes: tuple[str, ...] = field(default=())  # why GPU discovery found nothing (NVML, torch.cuda)
+    ultralytics_version: str | None = SUPPORTED_VERSION  # the installed release (its package metadata)
+
+    @property
+    def gpu_count(self) -> int:
+        return len(self.gpus)
+
+    def describe_gpus(self) -> str:
+        if not self.gpus:
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+            hints = ([f"CUDA_VISIBLE_DEVICES={visible!r}"] if visible is not None else []) + list(self.notes)
+            return "no GPU is visible" + (f" ({'; '.join(hints)})" if hints else "")
+        return ", ".join(f"cuda:{g.index} {g.name} ({g.memory_gib:.0f} GiB)" for g in self.gpus)
+
+
+def usable_cpu_count() -> int:
+    """Cores this process may run on: the affinity mask (what taskset, cgroups and SLURM grant), not the machine."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def _visible_selection(total: int) -> list[int | str] | None:
+    """Parse CUDA_VISIBLE_DEVICES into NVML indices or UUID prefixes; None means every device is visible."""
+    raw = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if raw is None:
+        return None
+    chosen: list[int | str] = []
+    for item in (x.strip() for x in raw.split(",")):
+        if not item:
+            continue
+        if item.isdigit():
+            if int(item) >= total:
+                break  # CUDA stops at the first invalid entry
+            chosen.append(int(item))
+        elif item.startswith(("GPU-", "MIG-")):
+            chosen.append(item)
+        else:
+            break  # "-1", "none" and other invalid entries hide everything after them
+    return chosen
+
+
+def _gpus_from_nvml() -> tuple[tuple[Gpu, ...], str]:
+    import pynvml  # nvidia-ml-py
+
+    pynvml.nvmlInit()
+    try:
+        total = pynvml.nvmlDeviceGetCount()
+        driver = pynvml.nvmlSystemGetDriverVersion()
+        driver = driver.decode() if isinstance(driver, bytes) else driver
+        handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(total)]
+        uuids = []
+        for h in handles:
+            u = pynvml.nvmlDeviceGetUUID(h)
+            uuids.append(u.decode() if isinstance(u, bytes) else u)
+        selection = _visible_selection(total)
+        if selection is None:
+            order = list(range(total))
+        else:
+            order = []
+            for item in selection:
+                if isinstance(item, int):
+                    order.append(item)
+                else:
+                    match = [i for i, u in enumerate(uuids) if u.startswith(item)]
+                    if len(match) != 1:
+                        break
+                    order.append(match[0])
+        gpus = []
+        for cuda_index, nvml_index in enumerate(order):
+            h = handles[nvml_index]
+            name = pynvml.nvmlDeviceGetName(h)
+            name = name.decode() if isinstance(name, bytes) else name
+            mem = pynvml.nvmlDeviceGetMemoryInfo(h).total / 2**30
+            gpus.append(Gpu(cuda_index, name, mem, uuids[nvml_index]))
+        return tuple(gpus), driver
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def detect() -> Hardware:
+    """Look at this node. NVML first (it needs no CUDA context); torch's count if NVML is absent."""
+    import torch.distributed as dist
+
+    notes: list[str] = []
+    gpus: tuple[Gpu, ...] = ()
+    driver = ""
+    try:
+        gpus, driver = _gpus_from_nvml()
+    except Exception as e:  # no driver, no library: a CPU machine, or a container without the NVIDIA runtime
+        notes.append(f"NVML unavailable ({type(e).__name__}: {e})")
+        try:
+            import torch
+
+            if torch.cuda.is_available():
+                gpus = tuple(
+                    Gpu(i, torch.cuda.get_device_name(i), torch.cuda.get_device_properties(i).total_memory / 2**30)
+                    for i in range(torch.cuda.device_count())
+                )
+            else:
+                notes.append("torch.cuda.is_available() is False")
+        except Exception as e2:
+            notes.append(f"torch.cuda unavailable ({type(e2).__name__}: {e2})")
+    return Hardware(
+        gpus=gpus,
+        cpu_count=usable_cpu_count(),
+        nccl_available=dist.is_available() and dist.is_nccl_available(),
+        triton_available=importlib.util.find_spec("triton") is not None,
+        driver=driver,
+        notes=tuple(notes) if not gpus else (),
+        ultralytics_version=installed_version(),
+    )

@@ -1,0 +1,188 @@
+"""Checks of single config values, each problem worded with the key to change; `check_plan` splits them.
+
+make_plan (plan.py) calls these while it decides; they only read values and return problems, so every problem of a
+launch is collected, not just the first.
+"""
+
+from __future__ import annotations
+
+from launcher.inputs import ultralytics_files
+from launcher.machine.hardware import Hardware
+from launcher.plan.environment import NCCL_DEBUG_LEVELS, TORCH_DEBUG_LEVELS
+from launcher.problems import Problem
+
+AMP_VALUES = (True, False, "bf16")
+CACHE_VALUES = (False, "ram", "disk", "shared")
+OPTIMIZERS = ("sgd", "adamw")
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs", "max-autotune")  # torch.compile's
+FUSED_VALUES = ("auto", True, False)
+GRAPHS_VALUES = ("auto", True, False)
+FALLBACKS = ("none", "dp")  # what mode=auto does when DDP fails to start
+
+# Ultralytics train arguments that ddp-launch sets from its own keys; train.extra may not override them.
+OWNED_ULTRALYTICS_ARGS = {
+    "model": "model=...",
+    "data": "data=...",
+    "epochs": "train.epochs",
+    "batch": "train.batch_per_device",
+    "imgsz": "train.imgsz",
+    "device": "gpus",
+    "workers": "loader.workers",
+    "optimizer": "optim.name",
+    "lr0": "optim.base_lr",
+    "lrf": "optim.lrf",
+    "momentum": "optim.momentum",
+    "weight_decay": "optim.weight_decay",
+    "warmup_epochs": "optim.warmup_epochs",
+    "warmup_momentum": "optim.warmup_momentum",
+    "warmup_bias_lr": "optim.warmup_bias_lr",
+    "cos_lr": "optim.cos_lr",
+    "nbs": "optim.base_batch (ddp-launch turns Ultralytics' accumulation off: README)",
+    "amp": "train.amp",
+    "cache": "train.cache",
+    "close_mosaic": "train.close_mosaic",
+    "patience": "train.patience",
+    "seed": "seed",
+    "resume": "resume",
+    "save_period": "train.save_period",
+    "val": "train.val_interval",
+    "project": "hydra.run.dir",
+    "name": "hydra.run.dir",
+    "save_dir": "hydra.run.dir",
+    "exist_ok": "hydra.run.dir",
+    "pretrained": "model.weights",
+    "mode": "(not applicable)",
+    "task": "(ddp-launch trains detectors)",
+    "rect": "(rectangular batches cannot be shuffled across ranks)",
+    "time": "train.epochs",
+}
+
+
+def as_int(value, key: str, problems: list[Problem], minimum: int = 0) -> int | None:
+    """`value` when it is an integer >= minimum; else None, with the problem added."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        problems.append(Problem(f"{key}={value!r}: expected an integer >= {minimum}"))
+        return None
+    if value < minimum:
+        problems.append(Problem(f"{key}={value}: must be >= {minimum}"))
+        return None
+    return value
+
+
+def one_of(value, allowed: tuple, key: str, problems: list[Problem], what: str | None = None) -> bool:
+    if value in allowed:
+        return True
+    problems.append(Problem(f"{key}={value!r}: expected {what or 'one of ' + ', '.join(map(str, allowed))}"))
+    return False
+
+
+def ultralytics_problems(hw: Hardware) -> list[Problem]:
+    """The installed Ultralytics must be the release the rank side is written against."""
+    message = ultralytics_files.version_problem(hw.ultralytics_version)
+    return [Problem(message, environment=True)] if message else []
+
+
+def train_problems(train: dict) -> list[Problem]:
+    """train.* values other than the batch and the step's speed settings."""
+    problems: list[Problem] = []
+    one_of(train.get("amp"), AMP_VALUES, "train.amp", problems, "true, false or bf16")
+    one_of(train.get("cache"), CACHE_VALUES, "train.cache", problems, "false, ram, disk or shared")
+    as_int(train.get("val_interval"), "train.val_interval", problems, 1)
+    imgsz = as_int(train.get("imgsz"), "train.imgsz", problems, 32)
+    if imgsz and imgsz % 32:
+        problems.append(Problem(f"train.imgsz={imgsz}: must be a multiple of 32 (the model's largest stride)"))
+    as_int(train.get("close_mosaic"), "train.close_mosaic", problems, 0)
+    as_int(train.get("patience"), "train.patience", problems, 1)
+    save_period = train.get("save_period", -1)
+    if isinstance(save_period, bool) or not isinstance(save_period, int):
+        problems.append(Problem(f"train.save_period={save_period!r}: expected an integer (N: keep epochN.pt every N epochs; -1: off)"))
+    return problems + extra_problems(train.get("extra") or {})
+
+
+def extra_problems(extra: dict) -> list[Problem]:
+    """train.extra passes Ultralytics train arguments through, except the ones ddp-launch sets itself."""
+    known = ultralytics_files.default_train_args()
+    problems = []
+    for key in extra:
+        if key in OWNED_ULTRALYTICS_ARGS:
+            problems.append(Problem(f"train.extra.{key}: ddp-launch sets this itself; use {OWNED_ULTRALYTICS_ARGS[key]}"))
+        elif key not in known:
+            problems.append(Problem(f"train.extra.{key}: not an Ultralytics train argument"))
+    return problems
+
+
+def uses_cuda_graphs(train: dict, *, device: str, mode: str) -> bool:
+    """train.cuda_graphs resolved. `auto` replays the network's step as CUDA graphs wherever it can: a CUDA rank
+    driving its own GPU (not DataParallel), the network not compiled (train.compile brings its own graphs)."""
+    value = train.get("cuda_graphs", "auto")
+    if value == "auto":
+        return device == "cuda" and mode != "dp" and train.get("compile", False) in (False, None)
+    return value is True
+
+
+def step_problems(train: dict, optim: dict, *, device: str, mode: str, hw: Hardware) -> list[Problem]:
+    """The step's speed settings: train.compile, train.cuda_graphs, train.steps_in_flight, optim.fused."""
+    problems: list[Problem] = []
+    one_of(optim.get("fused", "auto"), FUSED_VALUES, "optim.fused", problems, "auto, true or false")
+    in_flight = train.get("steps_in_flight", 1)
+    if isinstance(in_flight, bool) or not isinstance(in_flight, int) or in_flight < 0:
+        problems.append(Problem(f"train.steps_in_flight={in_flight!r}: expected a whole number >= 0 (0: the host waits "
+                                "for the GPU at every step's end; 1: it queues the next step while the GPU runs this one)"))
+    one_of(train.get("cuda_graphs", "auto"), GRAPHS_VALUES, "train.cuda_graphs", problems, "auto, true or false")
+    graphs = train.get("cuda_graphs", "auto") is True  # asked for explicitly; `auto` gives way (uses_cuda_graphs)
+    if graphs and mode == "dp":
+        problems.append(Problem("train.cuda_graphs=true is not supported with mode=dp; use mode=ddp"))
+    value = train.get("compile", False)
+    if value is False or value is None:
+        return problems
+    if value is not True and value not in COMPILE_MODES:
+        problems.append(Problem(f"train.compile={value!r}: expected false, true or one of {', '.join(COMPILE_MODES)}"))
+        return problems
+    if graphs:
+        problems.append(
+            Problem("train.compile with train.cuda_graphs=true: choose one (train.compile=reduce-overhead compiles the "
+                    "network and replays it as CUDA graphs)")
+        )
+    if mode == "dp":
+        problems.append(Problem("train.compile is not supported with mode=dp (DataParallel re-replicates the network "
+                                "every step); use mode=ddp"))
+    if value in ("reduce-overhead", "max-autotune") and device != "cuda":
+        problems.append(Problem(f"train.compile={value} replays CUDA graphs: it needs GPUs; on the CPU use train.compile=default"))
+    if device == "cuda" and hw.gpu_count and not hw.triton_available:
+        problems.append(
+            Problem("train.compile on GPUs needs Triton, which this Python lacks: pip install triton, or train.compile=false",
+                    environment=True)
+        )
+    return problems
+
+
+def optim_problems(optim: dict) -> list[Problem]:
+    problems: list[Problem] = []
+    if str(optim.get("name", "")).lower() not in OPTIMIZERS:
+        problems.append(
+            Problem(
+                f"optim.name={optim.get('name')!r}: expected sgd or adamw "
+                "(Ultralytics' `auto` picks its own optimizer and ignores lr0)"
+            )
+        )
+    return problems
+
+
+def dist_problems(dist: dict, *, device: str, mode: str) -> list[Problem]:
+    """The NCCL and torch.distributed toggles, the fallback and SyncBatchNorm."""
+    problems: list[Problem] = []
+    nccl_debug = (dist.get("nccl") or {}).get("debug")
+    if nccl_debug is not None:
+        one_of(nccl_debug, NCCL_DEBUG_LEVELS, "dist.nccl.debug", problems, "null or one of " + ", ".join(NCCL_DEBUG_LEVELS))
+    one_of(str(dist.get("torch_debug", "OFF")), TORCH_DEBUG_LEVELS, "dist.torch_debug", problems)
+    one_of(dist.get("fallback", "none"), FALLBACKS, "dist.fallback", problems)
+    if dist.get("sync_bn") and device == "cpu" and mode == "ddp":
+        problems.append(Problem("dist.sync_bn=true needs GPUs (torch's SyncBatchNorm has no CPU kernel)"))
+    return problems
+
+
+def check_plan(problems: list[Problem], *, dry_run: bool) -> tuple[list[Problem], list[Problem]]:
+    """Split problems into (errors, warnings). A dry run shows the plan despite problems about this machine."""
+    if dry_run:
+        return [p for p in problems if not p.environment], [p for p in problems if p.environment]
+    return list(problems), []

@@ -1,0 +1,56 @@
+"""The plan as a user reads it: one fact per line, printed before anything starts (and by a dry run)."""
+
+from __future__ import annotations
+
+from launcher.inputs.data import DatasetInfo
+from launcher.inputs.models import ModelSpec
+from launcher.plan.plan import LaunchPlan
+
+
+def _rendezvous_text(plan: LaunchPlan) -> str:
+    rdzv = plan.rendezvous
+    if rdzv.kind == "standalone":
+        if plan.world_size == 1:
+            return "c10d standalone on localhost:0 (one process under torchrun, no process group)"
+        return "c10d standalone on localhost:0 (torchrun picks a free port; several jobs per node are fine)"
+    if rdzv.kind == "static":
+        return f"{rdzv.addr}:{rdzv.port}"
+    return (
+        "decided in the job: c10d on the allocation's first host, port "
+        + (str(rdzv.port) if rdzv.port else "20000 + job id mod 10000")
+        + " (one node: localhost:0)"
+    )
+
+
+def describe(plan: LaunchPlan, model: ModelSpec | None, data: DatasetInfo | None) -> str:
+    lines = [
+        f"mode            {plan.mode}" + (f" ({plan.backend})" if plan.backend else ""),
+        f"topology        {plan.nnodes} node(s) x {plan.nproc_per_node} rank(s) = world size {plan.world_size}"
+        + (f", node_rank {plan.node_rank}" if plan.nnodes > 1 else ""),
+        "device          "
+        + (f"{plan.gpus_per_node} GPU(s) per node, cuda:LOCAL_RANK" if plan.device == "cuda" else "CPU"),
+        f"batch           {plan.batch_per_device} per device x {plan.devices_per_rank * plan.world_size} device(s)"
+        f" = global batch {plan.global_batch}",
+        f"lr0             {plan.lr0:.6g} = base_lr {plan.base_lr:g} x {plan.lr_scaling}({plan.global_batch}/{plan.base_batch})",
+    ]
+    if plan.warmup_iterations is not None:
+        lines.append(
+            f"warmup          {plan.warmup_iterations} steps = {plan.warmup_images} images"
+            f" ({plan.warmup_epochs:.3g} epochs of {plan.batches_per_epoch} steps per rank)"
+        )
+    else:
+        lines.append("warmup          in epochs; steps are known once the dataset is counted")
+    lines += [
+        f"loader          {plan.workers_per_rank} worker(s) per rank, {plan.threads_per_rank} thread(s) per rank,"
+        f" {plan.cpus_per_node} usable core(s)",
+        f"rendezvous      {_rendezvous_text(plan)}",
+        *([f"step            CUDA graphs {'on' if plan.cuda_graphs else 'off'} (train.cuda_graphs)"] if plan.device == "cuda" else []),
+        f"restarts        {plan.max_restarts}; collective timeout {plan.timeout_s} s",
+    ]
+    if model is not None:
+        lines.append(f"model           {model.cfg or ''}" + (f" from {model.weights}" if model.weights else ""))
+    if data is not None:
+        count = f"{data.train_images} train / {data.val_images} val images" if data.train_images else "size unknown"
+        lines.append(f"data            {data.name}: {data.spec.get('path')} ({count}){' - ' + data.note if data.note else ''}")
+    lines += [f"note            {n}" for n in plan.notes]
+    return "\n".join(lines)

@@ -1,0 +1,330 @@
+"""The launch plan: a pure function of (resolved config, this node's hardware, dataset) -> LaunchPlan.
+
+Everything a launch decides is decided here, once, before any process starts: topology, device, backend, batch and
+learning rate, warmup length, loader workers and threads, the rendezvous, and the environment of the ranks. Every
+problem is collected (checks.py words each with the key to change); `check_plan` splits them into errors and the
+warnings a dry run shows.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from launcher.inputs.data import DatasetInfo
+from launcher.machine.hardware import Hardware
+from launcher.plan import checks, lr
+from launcher.plan.checks import as_int
+from launcher.plan.environment import distributed_environment, offline_environment, thread_environment
+from launcher.problems import Problem
+
+MODES = ("auto", "ddp", "dp", "single")
+BACKENDS = ("auto", "nccl", "gloo")
+MULTI_NODE_DEFAULT_PORT = 29500  # torchrun's default; every node must agree on it, so it cannot be picked at random
+MAX_AUTO_WORKERS = 16
+
+
+@dataclass(frozen=True)
+class Rendezvous:
+    # standalone: torchrun's c10d on localhost:0, the kernel picks the port (also for one process: torchrun still
+    # supervises it) | static: master_addr:master_port on every node | slurm: decided in the job (slurm_job.py)
+    kind: str
+    addr: str = ""
+    port: int = 0
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    mode: str  # single | ddp | dp
+    device: str  # cuda | cpu
+    backend: str | None  # nccl | gloo; None without a process group
+    nnodes: int
+    node_rank: int
+    nproc_per_node: int
+    gpus_per_node: int
+    devices_per_rank: int  # 1, or every GPU of the node under DataParallel
+    world_size: int
+    batch_per_device: int
+    batch_per_rank: int
+    global_batch: int
+    base_lr: float
+    base_batch: int
+    lr_scaling: str
+    lr0: float
+    warmup_epochs: float | None  # None until the dataset size is known
+    warmup_iterations: int | None
+    warmup_images: int | None
+    batches_per_epoch: int | None  # per rank
+    train_images: int | None
+    workers_per_rank: int
+    threads_per_rank: int
+    cpus_per_node: int
+    rendezvous: Rendezvous
+    max_restarts: int
+    timeout_s: int
+    env: dict = field(default_factory=dict)  # the ranks' environment, on top of the launcher's own
+    notes: tuple[str, ...] = ()
+    cuda_graphs: bool = False  # train.cuda_graphs resolved: the network's step replayed as CUDA graphs
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> LaunchPlan:
+        d = dict(d)
+        d["rendezvous"] = Rendezvous(**d["rendezvous"])
+        d["notes"] = tuple(d.get("notes", ()))
+        return cls(**d)
+
+
+@dataclass(frozen=True)
+class _Topology:
+    mode: str
+    device: str
+    gpus: int
+    nnodes: int
+    node_rank: int
+    nproc: int
+    devices_per_rank: int
+    world_size: int
+
+
+def make_plan(
+    cfg: dict,
+    hw: Hardware,
+    data: DatasetInfo | None = None,
+    port_is_free: Callable[[int], bool] | None = None,
+) -> tuple[LaunchPlan, list[Problem]]:
+    """Decide the launch. Returns the plan (best effort, also when there are problems) and every problem found."""
+    problems: list[Problem] = checks.ultralytics_problems(hw)
+    notes: list[str] = []
+    train, optim, loader, dist = cfg["train"], cfg["optim"], cfg["loader"], cfg["dist"]
+
+    top = _topology(cfg, hw, problems, notes)
+    backend = _backend(dist, top, hw, problems)
+
+    # --- batch and learning rate -----------------------------------------------------------------------------
+    batch_per_device = as_int(train.get("batch_per_device"), "train.batch_per_device", problems, 1) or 1
+    batch_per_rank = batch_per_device * top.devices_per_rank
+    global_batch = batch_per_rank * top.world_size
+    base_batch = as_int(optim.get("base_batch"), "optim.base_batch", problems, 1) or 1
+    base_lr = optim.get("base_lr")
+    if not isinstance(base_lr, (int, float)) or isinstance(base_lr, bool) or base_lr <= 0:
+        problems.append(Problem(f"optim.base_lr={base_lr!r}: expected a number > 0"))
+        base_lr = 0.01
+    rule = optim.get("lr_scaling", "linear")
+    if not checks.one_of(rule, lr.LR_RULES, "optim.lr_scaling", problems):
+        rule = "none"
+    lr0 = lr.scaled_lr(float(base_lr), base_batch, global_batch, rule)
+    problems += checks.optim_problems(optim)
+
+    epochs = as_int(train.get("epochs"), "train.epochs", problems, 1) or 1
+    train_images = data.train_images if data is not None else None
+    batches_per_epoch = warmup = None
+    if train_images:
+        per_rank = math.ceil(train_images / top.world_size)  # DistributedSampler pads to equal shards
+        batches_per_epoch = math.ceil(per_rank / batch_per_rank)
+        warmup = lr.warmup_length(
+            warmup_epochs=float(optim.get("warmup_epochs", 0.0)),
+            warmup_images=optim.get("warmup_images"),
+            epochs=epochs,
+            batches_per_epoch=batches_per_epoch,
+            global_batch=global_batch,
+        )
+        if train_images < global_batch:
+            notes.append(f"the global batch ({global_batch}) is larger than the training set ({train_images} images)")
+
+    problems += checks.train_problems(train)
+    problems += checks.step_problems(train, optim, device=top.device, mode=top.mode, hw=hw)
+    workers, threads = _loader_threads(loader, top, hw, problems, notes)
+    on_slurm = (cfg.get("launcher") or {}).get("name") == "slurm"
+    rendezvous = _rendezvous(dist, top, on_slurm, port_is_free, problems, notes)
+
+    problems += checks.dist_problems(dist, device=top.device, mode=top.mode)
+    timeout_s = as_int(dist.get("timeout_s"), "dist.timeout_s", problems, 1) or 600
+    max_restarts = as_int(dist.get("max_restarts", 0), "dist.max_restarts", problems, 0) or 0
+
+    single_node = top.nnodes == 1 and not on_slurm
+    env = {
+        **offline_environment(Path(cfg["paths"]["cache"]).expanduser()),
+        **thread_environment(threads),
+        **distributed_environment(dist, single_node),
+        "PYTHONUNBUFFERED": "1",
+    }
+
+    plan = LaunchPlan(
+        mode=top.mode,
+        device=top.device,
+        backend=backend,
+        nnodes=top.nnodes,
+        node_rank=top.node_rank,
+        nproc_per_node=top.nproc,
+        gpus_per_node=top.gpus,
+        devices_per_rank=top.devices_per_rank,
+        world_size=top.world_size,
+        batch_per_device=batch_per_device,
+        batch_per_rank=batch_per_rank,
+        global_batch=global_batch,
+        base_lr=float(base_lr),
+        base_batch=base_batch,
+        lr_scaling=rule,
+        lr0=lr0,
+        warmup_epochs=warmup.epochs if warmup else None,
+        warmup_iterations=warmup.iterations if warmup else None,
+        warmup_images=warmup.images if warmup else None,
+        batches_per_epoch=batches_per_epoch,
+        train_images=train_images,
+        workers_per_rank=workers,
+        threads_per_rank=threads,
+        cpus_per_node=max(1, hw.cpu_count),
+        rendezvous=rendezvous,
+        max_restarts=max_restarts,
+        timeout_s=timeout_s,
+        env=env,
+        notes=tuple(notes),
+        cuda_graphs=checks.uses_cuda_graphs(train, device=top.device, mode=top.mode),
+    )
+    return plan, problems
+
+
+def _topology(cfg: dict, hw: Hardware, problems: list[Problem], notes: list[str]) -> _Topology:
+    """Mode, device, nodes and ranks; and whether this machine has the GPUs asked for."""
+    gpus = cfg.get("gpus", "auto")
+    gpus = hw.gpu_count if gpus == "auto" else (as_int(gpus, "gpus", problems) or 0)
+    device = "cuda" if gpus > 0 else "cpu"
+    mode = cfg.get("mode", "auto")
+    if not checks.one_of(mode, MODES, "mode", problems):
+        mode = "auto"
+    nnodes = as_int(cfg.get("nnodes", 1), "nnodes", problems, 1) or 1
+    node_rank = as_int(cfg.get("node_rank", 0), "node_rank", problems, 0) or 0
+    if node_rank >= nnodes:
+        problems.append(Problem(f"node_rank={node_rank} with nnodes={nnodes}: node_rank counts from 0 to nnodes-1"))
+    if mode == "auto" and gpus > 1 and cfg["dist"].get("backend", "auto") == "auto" and not hw.nccl_available and hw.gpu_count:
+        # DDP on GPUs needs NCCL (gloo on CUDA tensors is far slower than DataParallel on one node)
+        mode = "dp"
+        notes.append("WARNING: DDP cannot start here (this torch build has no NCCL): DataParallel over the GPUs instead")
+
+    raw_nproc = cfg.get("nproc")
+    if mode == "dp":
+        # One process drives every GPU of the node (or the CPU as a single device, which only tests the path).
+        if raw_nproc not in (None, 1):
+            problems.append(Problem(f"mode=dp runs one process per node (it drives all GPUs); nproc={raw_nproc} is not 1"))
+        if nnodes > 1:
+            problems.append(Problem("mode=dp is single-node (DataParallel); use mode=ddp across nodes"))
+        nproc, devices_per_rank = 1, max(gpus, 1)
+        if gpus == 0:
+            notes.append("mode=dp on the CPU: DataParallel over one device (exercises the path; no speedup)")
+    else:
+        devices_per_rank = 1
+        if raw_nproc is None:
+            nproc = gpus if gpus > 0 else 1
+        else:
+            nproc = as_int(raw_nproc, "nproc", problems, 1) or 1
+            if gpus > 0 and nproc != gpus:
+                problems.append(
+                    Problem(
+                        f"nproc={nproc} with gpus={gpus}: ddp-launch runs one rank per GPU. "
+                        f"Set nproc={gpus} (or leave nproc unset), or gpus={nproc}"
+                    )
+                )
+    world_size = nnodes * nproc
+    if mode == "auto":
+        mode = "ddp" if world_size > 1 else "single"
+    if mode == "single" and world_size > 1:
+        problems.append(
+            Problem(f"mode=single runs one process, but nnodes x nproc = {nnodes} x {nproc} = {world_size}; use mode=ddp")
+        )
+
+    # hardware checks are environment problems: a dry run shows the plan anyway
+    if gpus > 0 and hw.gpu_count == 0:
+        problems.append(
+            Problem(f"gpus={gpus} but {hw.describe_gpus()} on this machine; train on the CPU with gpus=0", environment=True)
+        )
+    elif gpus > hw.gpu_count:
+        problems.append(
+            Problem(
+                f"gpus={gpus} but this node has {hw.gpu_count} visible GPU(s): {hw.describe_gpus()}. "
+                f"Use gpus={hw.gpu_count} or gpus=auto",
+                environment=True,
+            )
+        )
+    return _Topology(mode, device, gpus, nnodes, node_rank, nproc, devices_per_rank, world_size)
+
+
+def _backend(dist: dict, top: _Topology, hw: Hardware, problems: list[Problem]) -> str | None:
+    """The process group's backend; None without one (a single process, DataParallel)."""
+    requested = dist.get("backend", "auto")
+    if not checks.one_of(requested, BACKENDS, "dist.backend", problems):
+        requested = "auto"
+    if top.mode != "ddp":
+        return None
+    backend = ("nccl" if top.device == "cuda" else "gloo") if requested == "auto" else requested
+    if backend == "nccl" and top.device == "cpu":
+        problems.append(Problem("dist.backend=nccl needs GPUs; on the CPU use dist.backend=gloo (or auto)"))
+    if backend == "nccl" and top.device == "cuda" and hw.gpu_count and not hw.nccl_available:
+        problems.append(Problem("this torch build has no NCCL; use dist.backend=gloo", environment=True))
+    return backend
+
+
+def _loader_threads(loader: dict, top: _Topology, hw: Hardware, problems: list[Problem], notes: list[str]):
+    """(loader workers, math threads) per rank, from the cores of the node."""
+    cpus = max(1, hw.cpu_count)
+    cores_per_rank = max(1, cpus // top.nproc)
+    requested = loader.get("workers", "auto")
+    if requested == "auto":
+        # A GPU rank keeps a quarter of its cores, at least 2, for its training process (rank/data/affinity.py): its
+        # main thread, the pin-memory thread copying every batch into page-locked memory, NCCL's and the monitor's
+        # threads; fewer left it short of cores on the H200 (docs/benchmarks/README.md, section 3).
+        reserved = max(2, cores_per_rank // 4) if top.device == "cuda" and cores_per_rank >= 4 else 1
+        workers = min(MAX_AUTO_WORKERS, max(0, cores_per_rank - reserved))
+    else:
+        workers = as_int(requested, "loader.workers", problems, 0) or 0
+    if isinstance(loader.get("prefetch_factor"), int) and loader["prefetch_factor"] < 1:
+        problems.append(Problem("loader.prefetch_factor must be >= 1"))
+    # On the CPU the rank's own math is the bottleneck and workers mostly wait, so the rank keeps all its cores;
+    # on a GPU node the cores are left to the workers that feed the GPU.
+    threads = cores_per_rank if top.device == "cpu" else max(1, cores_per_rank - workers)
+    if top.mode == "dp" and top.device == "cuda":
+        threads = max(threads, 2)  # DataParallel's host work (scatter, replicate, gather) is per GPU
+    if workers * top.nproc > cpus:
+        notes.append(f"{workers} workers x {top.nproc} ranks exceed the {cpus} usable cores")
+    return workers, threads
+
+
+def _rendezvous(dist: dict, top: _Topology, on_slurm: bool, port_is_free, problems: list[Problem], notes: list[str]):
+    requested = dist.get("master_port", "auto")
+    addr = str(dist.get("master_addr") or "127.0.0.1")
+    port = None
+    if requested != "auto":
+        port = as_int(requested, "dist.master_port", problems, 1)
+        if port is not None and port > 65535:
+            problems.append(Problem(f"dist.master_port={port}: a TCP port is 1..65535"))
+            port = None
+    if on_slurm:
+        # decided in the job (slurm_job.py): c10d on the allocation's first host, a port derived from the job id
+        # (or dist.master_port); one node: localhost:0. Nothing on this login node to check.
+        return Rendezvous("slurm", "", port or 0)
+    if top.nnodes > 1:
+        if addr in ("127.0.0.1", "localhost", "::1"):
+            problems.append(
+                Problem(
+                    f"nnodes={top.nnodes} needs dist.master_addr set to node 0's address, reachable from every node "
+                    "(it is 127.0.0.1)"
+                )
+            )
+        if port is None:
+            port = MULTI_NODE_DEFAULT_PORT
+            notes.append(f"multi-node: dist.master_port=auto means {port} on every node")
+    elif port is None:
+        return Rendezvous("standalone", "localhost", 0)
+    if port_is_free is not None and top.node_rank == 0 and not port_is_free(port):
+        problems.append(
+            Problem(
+                f"dist.master_port={port} is already in use on this machine (another job?). "
+                "Pick another port, or leave dist.master_port=auto on a single node",
+                environment=True,
+            )
+        )
+    return Rendezvous("static", addr, port)

@@ -1,0 +1,65 @@
+"""Checkpoint files read defensively (they are written atomically by run_folder.atomic_write_bytes).
+
+A process killed mid-write, or a full disk, leaves the previous checkpoint intact and at most a temporary file,
+removed on the error path or, after a SIGKILL, by the next run (remove_stale_temporaries).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from launcher.run_folder import TMP_MARK, previous_of
+
+RESUME_KEY = "ddp_launch_state"  # full-precision training state inside last.pt (removed when the run finishes)
+
+
+class CheckpointError(RuntimeError):
+    pass
+
+
+def load_resumable(path: Path, log=print) -> tuple[dict | None, Path | None]:
+    """The newest readable checkpoint holding resume state among `path` and its `.prev`; (None, None) if none exist.
+
+    An unreadable candidate is reported by name and the previous one tried. If checkpoints exist but none can be
+    used, that is an error: the run never silently starts again from zero.
+    """
+    candidates = [p for p in (Path(path), previous_of(path)) if p.exists()]
+    failures = []
+    for candidate in candidates:
+        try:
+            ckpt = load(candidate)
+        except CheckpointError as e:
+            failures.append(str(e))
+            log(f"WARNING: {e}; trying the previous checkpoint")
+            continue
+        if RESUME_KEY not in ckpt:
+            failures.append(f"{candidate} holds no resume state (a finished run's final weights?)")
+            continue
+        return ckpt, candidate
+    if candidates:
+        raise CheckpointError("no usable checkpoint to resume from: " + "; ".join(failures))
+    return None, None
+
+
+def remove_stale_temporaries(folder: Path) -> list[Path]:
+    """Temporary files left by a writer that was SIGKILLed (nothing else can clean them up)."""
+    removed = []
+    if Path(folder).is_dir():
+        for p in Path(folder).glob(f".*{TMP_MARK}*"):
+            p.unlink(missing_ok=True)
+            removed.append(p)
+    return removed
+
+
+def load(path: Path) -> dict:
+    """torch.load a checkpoint, turning any failure into a CheckpointError that names the file."""
+    import torch
+
+    path = Path(path)
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as e:
+        raise CheckpointError(f"checkpoint {path} is unreadable ({type(e).__name__}: {e})") from e
+    if not isinstance(ckpt, dict) or ckpt.get("ema") is None and ckpt.get("model") is None:
+        raise CheckpointError(f"checkpoint {path} holds no model")
+    return ckpt

@@ -1,0 +1,271 @@
+"""What a rank builds before its first step, in the order it must be built (each line says why it stands there):
+
+1. the node-shared image cache, before the process group (its build may outlast dist.timeout_s: nobody waits for it
+   in a timed barrier);
+2. the process group, and the heartbeat over its store;
+3. the network, from model.cfg and/or model.weights, with the resume state loaded before anything copies it;
+4. the training loader, the validation loader (the validator copies the hyperparameters once max_det is set),
+   the optimizer on the bare network;
+5. class weights, then the EMA copy (it carries them), then the training loss (the EMA keeps Ultralytics' own, which
+   validation uses, collective-free);
+6. what the step calls: CUDA graphs captured on the bare network, then DDP or DataParallel around it;
+7. the checkpoint's components, whose saved states (optimizer, scaler, EMA, position) restore() loads.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from launcher.plan import lr as lrmod
+from launcher.plan.plan import LaunchPlan
+from launcher.rank import checkpoint_io
+from launcher.rank.data import affinity, image_cache
+from launcher.rank.data.gpu_augment import GpuAugment
+from launcher.rank.data.pipeline import MAX_TARGETS, TrainInputs, max_targets_per_image, to_device
+from launcher.rank.data.raw_batches import RawTrainDataset
+from launcher.rank.data.sampler import EpochBatchSampler, EpochSeededDataset, sample_seed, worker_init
+from launcher.rank.dist import Comm, rank_info
+from launcher.rank.faults import FaultInjector
+from launcher.rank.heartbeat import Heartbeat
+from launcher.rank.hooks import NoHeartbeat
+from launcher.rank.state import Checkpointer, ModuleState, TrainState, upgrade
+from launcher.rank.step.graphed import GraphedDetector
+from launcher.rank.step.optimizer import Schedule, fused_optimizer
+from launcher.rank.step.train_step import TrainStep
+from launcher.rank.step.wrap import wrap
+from launcher.rank.ultralytics import build, datasets
+from launcher.rank.ultralytics.loss import training_criterion
+from launcher.rank.ultralytics.validation import Validator
+from launcher.run_folder import RunFolder
+
+
+class EmaState:
+    """Ultralytics' ModelEMA as a checkpoint component: its weights in full precision and its update count."""
+
+    def __init__(self, ema):
+        self.ema = ema
+
+    def state_dict(self) -> dict:
+        return {"weights": ModuleState(self.ema.ema).state_dict(), "updates": self.ema.updates}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.ema.ema.load_state_dict(state["weights"])
+        self.ema.updates = state["updates"]
+
+
+class Rank:
+    """Everything one rank trains with. `Rank(cfg, plan, folder, validation=False)` leaves out the validation set
+    (a ddp-bench cell)."""
+
+    def __init__(self, cfg: dict, plan: LaunchPlan, folder: RunFolder, *, validation: bool = True):
+        self.cfg, self.plan, self.folder = cfg, plan, folder
+        self.rank, self.local_rank, world = rank_info()
+        self.device = torch.device("cuda", self.local_rank) if plan.device == "cuda" else torch.device("cpu")
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self.faults = FaultInjector.from_env(self.rank)
+        self.hyp = build.hyperparameters(cfg, plan, folder.path, self.local_rank)
+        torch.set_num_threads(plan.threads_per_rank)  # importing Ultralytics changed it
+        build.seed(self.hyp, self.rank, world)
+        self.data = build.dataset_info(self.hyp)
+        train, loader_cfg = cfg["train"], cfg["loader"]
+
+        # 1. the node's image cache, before the process group
+        self.caches = self._image_caches() if train["cache"] == "shared" else {}
+        # 2. the process group and the heartbeat
+        self.comm = Comm(self.rank, 1)
+        self.heartbeat = NoHeartbeat()
+        if plan.mode == "ddp":
+            self.comm = Comm.start(plan.backend, plan.timeout_s, at_init=self.faults.at_init)
+            if world > 1:
+                self.heartbeat = Heartbeat(self.comm.store, self.rank, world, plan.timeout_s, folder)
+        if self.rank == 0:
+            build.save_args(self.hyp, folder.path)
+        # 3. the network, and the resume state
+        self.state = TrainState(world_size=world, global_batch=plan.global_batch, device=self.device)
+        checkpoint_io.remove_stale_temporaries(folder.weights)  # left by a writer that was SIGKILLed
+        resume, resumed_from = checkpoint_io.load_resumable(folder.weights / "last.pt", log=self.log)
+        self.net, self.frozen = build.network(self.hyp, self.data, cfg["model"].get("weights"))
+        if resume is not None:
+            self.net.load_state_dict(_resume_part(resume, "model"))  # the raw model in fp32: training continues exactly
+        self.net = self.net.to(self.device)
+        if self.device.type == "cuda" and self.hyp.channels_last is not False:
+            self.net = self.net.to(memory_format=torch.channels_last)  # Ultralytics' CUDA default (fast convolutions)
+        self.stride = max(int(self.net.stride.max()), 32)
+        amp = train["amp"] if self.device.type == "cuda" else False
+        self.amp_dtype = (torch.bfloat16 if amp == "bf16" else torch.float16) if amp else None
+        self.scaler = torch.amp.GradScaler("cuda", enabled=self.amp_dtype == torch.float16)
+        if plan.mode == "ddp" and cfg["dist"]["sync_bn"]:
+            self.net = nn.SyncBatchNorm.convert_sync_batchnorm(self.net)
+
+        # 4. the loaders and the optimizer
+        self.cores = self._bind_cores()
+        self.train_dataset, self.gpu_augment = self._train_dataset()
+        self.generator = torch.Generator(device=self.device) if self.gpu_augment else None  # the augmentation's draws
+        self.sampler = EpochBatchSampler(
+            len(self.train_dataset), plan.batch_per_rank, num_replicas=self.comm.world_size if plan.mode == "ddp" else 1,
+            rank=self.rank if plan.mode == "ddp" else 0, seed=int(cfg["seed"]),
+        )
+        self.inputs = TrainInputs(
+            self._train_loader(), self.sampler, self.device, self._prepare,
+            fetch_ahead=bool(loader_cfg.get("fetch_ahead", True)), persistent=bool(loader_cfg["persistent_workers"]),
+        )
+        self.val_loader = self.validator = None
+        if validation:
+            self.val_loader = datasets.val_loader(self.hyp, self.data, plan.batch_per_rank * 2, self.stride,
+                                                  2 * plan.workers_per_rank, self.device, bind=self._worker_init)
+            build.align_max_det(self.net, self.hyp, self.train_dataset, self.val_loader.dataset)  # before the copies
+            self.validator = Validator(self.val_loader, self.hyp, folder.path, on_batch=lambda: self.heartbeat.working())
+        optim = cfg["optim"]
+        self.optimizer = fused_optimizer(
+            build.optimizer(self.net, str(optim["name"]), plan.lr0, optim["momentum"], optim["weight_decay"]),
+            optim.get("fused", "auto"), self.device,
+        )
+        self.schedule = Schedule(self.optimizer, epochs=int(train["epochs"]), lrf=optim["lrf"], cos_lr=optim["cos_lr"],
+                                 warmup_steps=plan.warmup_iterations or 0, warmup_bias_lr=optim["warmup_bias_lr"],
+                                 warmup_momentum=optim["warmup_momentum"], momentum=optim["momentum"])
+
+        # 5. class weights, the EMA, the training loss
+        build.class_weights(self.net, self.hyp, self.train_dataset.labels, self.data["nc"])
+        self.ema = build.ema(self.net)
+        self.net.criterion, detection = training_criterion(self.net, sync_free=bool(train.get("sync_free_loss", True)))
+        if not detection:
+            self.log(f"WARNING: {type(self.net.criterion).__name__}: loss normalised per rank (not a YOLO detection "
+                     "loss), and not sync-free")
+
+        # 6. what the step calls
+        graphed = self._graphed() if plan.cuda_graphs and self.device.type == "cuda" else None
+        self.model = wrap(self.net, mode=plan.mode, device=self.device, devices_per_rank=plan.devices_per_rank,
+                          dist_cfg=cfg["dist"], compile_setting=train.get("compile", False), graphed=graphed)
+        self.step = TrainStep(self.model, self.net, optimizer=self.optimizer, scaler=self.scaler, ema=self.ema,
+                              loss_scale=lrmod.loss_scale(plan.base_batch, plan.batch_per_rank),
+                              grad_clip=float(optim.get("grad_clip", 10.0)), amp_dtype=self.amp_dtype)
+
+        # 7. the checkpoint's components (runs.py adds its hooks' and restores them: restore())
+        self.components = {"model": ModuleState(self.net), "ema": EmaState(self.ema), "optimizer": self.optimizer,
+                           "scaler": self.scaler, "train": self.state}
+        self.resume, self.resumed_from = resume, resumed_from
+
+    # --- helpers -------------------------------------------------------------------------------------------------
+    def log(self, msg: str) -> None:
+        print(f"[rank {self.rank}] {msg}", flush=True)
+
+    def checkpointer(self, layout, extra: dict | None = None) -> Checkpointer:
+        """The checkpointer over every component (and `extra` ones: the early stop's memory)."""
+        return Checkpointer(self.folder.weights, {**self.components, **(extra or {})}, layout,
+                            before_write=self.faults.at_checkpoint_write)
+
+    def restore(self, checkpointer: Checkpointer) -> None:
+        """Continue where the checkpoint stopped: every component's state; a resume at another world size starts
+        the interrupted epoch again (its shards differ)."""
+        if self.resume is None:
+            return
+        for name, component in checkpointer.components.items():
+            if name != "model":  # loaded before the EMA copy and the graph capture
+                part = _resume_part(self.resume, name)
+                if part is not None:
+                    component.load_state_dict(part)
+        state, saved_world = self.state, self.state.world_size
+        self.state.resumed_from = self.resumed_from
+        if saved_world != self.comm.world_size and state.step:
+            self.log(f"world size changed ({saved_world} -> {self.comm.world_size}): restarting epoch {state.epoch + 1}")
+            state.step = 0
+            state.reset_loss()
+        state.world_size, state.global_batch = self.comm.world_size, self.plan.global_batch
+        self.log(f"resuming from {self.resumed_from} at epoch {state.epoch + 1}, step {state.step + 1}")
+
+    def _image_caches(self) -> dict[str, image_cache.ImageCache]:
+        """Both splits' caches (held for the whole run: a cache in use is never evicted): the first process on the
+        node builds them with every core while the others wait at a file lock."""
+        dirs = image_cache.default_dirs(Path(self.cfg["paths"]["cache"]).expanduser() / "images")
+        imgsz = int(self.hyp.imgsz)  # the plan checked it: a multiple of the largest stride
+        return {split: datasets.ensure_split_cache(self.data[split], imgsz, dirs=dirs,
+                                                   channels=self.data.get("channels", 3), log=self.log)
+                for split in ("train", "val")}
+
+    def _bind_cores(self) -> affinity.CoreSplit | None:
+        """loader.bind_cores on a GPU node: this process on its own cores, its loader workers on the others."""
+        if not self.cfg["loader"].get("bind_cores", True) or self.device.type != "cuda":
+            return None
+        split = affinity.split_cores(affinity.available_cores(), self.local_rank, self.plan.nproc_per_node,
+                                     self.plan.workers_per_rank)
+        if split is not None:
+            affinity.bind_process(split.main)
+            self.log(f"cores: training process on {affinity.core_list(split.main)}, loader workers on "
+                     f"{affinity.core_list(split.workers)}")
+        return split
+
+    def _worker_init(self, inner):
+        return affinity.BindWorker(self.cores.workers, inner) if self.cores else inner
+
+    def _train_dataset(self):
+        """Ultralytics' augmenting training set, or the raw one whose batches the device augments."""
+        train, loader_cfg = self.cfg["train"], self.cfg["loader"]
+        if loader_cfg.get("gpu_augment"):
+            if self.device.type != "cuda":
+                self.log("loader.gpu_augment on the CPU: the same augmentation, computed by the training process")
+            inner = datasets.raw_train_dataset(self.hyp, self.data, self.plan.batch_per_rank)
+            if "train" in self.caches:
+                datasets.attach_cache(inner, self.caches["train"])
+            dataset = RawTrainDataset(inner, int(self.cfg["seed"]), partners=loader_cfg.get("mosaic_partners", "dataset"))
+            return dataset, GpuAugment(inner.imgsz, self.hyp)
+        dataset = datasets.train_dataset(self.hyp, self.data, self.plan.batch_per_rank, self.stride)
+        if "train" in self.caches:
+            datasets.attach_cache(dataset, self.caches["train"])
+        if not loader_cfg.get("mosaic_buffer", True):
+            datasets.set_mosaic_buffer(dataset, False)
+        return dataset, None
+
+    def _train_loader(self):
+        workers, loader_cfg = self.plan.workers_per_rank, self.cfg["loader"]
+        dataset = self.train_dataset if self.gpu_augment else EpochSeededDataset(self.train_dataset, int(self.cfg["seed"]))
+        return torch.utils.data.DataLoader(
+            dataset,
+            batch_sampler=self.sampler,
+            num_workers=workers,
+            pin_memory=bool(loader_cfg["pin_memory"]) and self.device.type == "cuda",
+            collate_fn=self.train_dataset.collate_fn,
+            worker_init_fn=self._worker_init(worker_init),
+            prefetch_factor=int(loader_cfg["prefetch_factor"]) if workers else None,
+        )
+
+    def _prepare(self, raw, ni: int) -> dict:
+        """A loader batch made ready for the step: augmented on the device (its randomness a function of the seed,
+        the step and the rank alone), then moved and scaled."""
+        if self.gpu_augment is not None:
+            self.generator.manual_seed(sample_seed(int(self.cfg["seed"]), ni, self.rank))
+            batch = self.gpu_augment(raw.to(self.device, non_blocking=True), self.generator)
+            # counted on the stream that augments (it syncs once for the boxes anyway), not in the training step
+            batch[MAX_TARGETS] = max_targets_per_image(batch["batch_idx"], len(batch["im_file"]), read_device=True)
+            raw = batch
+        return to_device(raw, self.device, imgsz=self.hyp.imgsz, stride=self.stride, multi_scale=self.hyp.multi_scale)
+
+    def _graphed(self) -> nn.Module | None:
+        """The network with its training forward and backward captured as CUDA graphs (graphed.py), in train mode;
+        None when the capture fails and train.cuda_graphs=auto (the network then trains eagerly)."""
+        self.net.train()
+        try:
+            graphed = GraphedDetector(self.net, self.plan.batch_per_rank, self.hyp.imgsz, self.amp_dtype)
+        except Exception as e:  # a network with host syncs or data-dependent shapes in its forward
+            failure = f"CUDA graph capture of the network failed ({type(e).__name__}: {e})"
+            if self.cfg["train"].get("cuda_graphs", "auto") is True:
+                raise RuntimeError(f"{failure}; train without graphs: train.cuda_graphs=false") from e
+            self.log(f"WARNING: {failure}; training eagerly (train.cuda_graphs=auto)")
+            return None
+        self.log(f"CUDA graphs: forward and backward captured for batches of {self.plan.batch_per_rank}")
+        return graphed
+
+    def close(self) -> None:
+        """Stop every loader worker (they ignore SIGTERM until the rank has saved: signals.py, so they must be told),
+        then leave the process group."""
+        self.inputs.close()
+        if self.val_loader is not None:
+            self.val_loader.close()
+        self.comm.close()
+
+
+def _resume_part(ckpt: dict, name: str):
+    return upgrade(ckpt).get(name)

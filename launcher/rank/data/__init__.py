@@ -1,0 +1,2 @@
+"""A rank's input: the sampler, the DataLoader pipeline with fetch-ahead, core binding, the node-shared image cache,
+and the GPU augmentation with its CPU half."""

@@ -1,0 +1,340 @@
+"""The work around a training step, one hook per job (rank/loop.py runs them; rank/build.py orders them).
+
+Hooks share the loop's TrainState (position, loss, metrics, stop) and get everything else at construction. A hook
+that talks to the other ranks does so at the same point on every rank, and marks itself "waiting" in the heartbeat
+while it does, so that the watchdog can tell a rank waiting for the others from a hung one.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import time
+from pathlib import Path
+
+import torch
+
+from launcher.rank.dist import Comm
+from launcher.rank.loop import Hook, TrainLoop
+from launcher.rank.metrics import results
+from launcher.rank.signals import StopSignal
+
+INPUT_BOUND = 0.10  # data wait above this share of step time: the GPU is starved
+
+
+class NoHeartbeat:
+    """A single process has nobody to watch it."""
+
+    def working(self, step=None) -> None: ...
+
+    def waiting(self, step=None) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def clear_memory(device: torch.device, threshold: float | None = None) -> None:
+    """Ultralytics' _clear_memory: collect garbage and empty the CUDA cache, when more than `threshold` of the
+    device's memory is reserved (always without a threshold)."""
+    if device.type != "cuda":
+        return
+    if threshold and torch.cuda.memory_reserved(device) / torch.cuda.get_device_properties(device).total_memory <= threshold:
+        return
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+class LRSchedule(Hook):
+    """Per-epoch lr (linear or cosine) and Ultralytics' warmup over the plan's `warmup_steps` optimizer steps."""
+
+    def __init__(self, schedule, warmup_steps: int):
+        self.schedule, self.warmup_steps = schedule, warmup_steps
+
+    def before_train(self, loop: TrainLoop) -> None:
+        self.schedule.start_at(loop.state.epoch)
+
+    def before_epoch(self, loop: TrainLoop) -> None:
+        self.schedule.begin_epoch()
+
+    def before_step(self, loop: TrainLoop) -> None:
+        if self.warmup_steps and loop.ni <= self.warmup_steps:
+            self.schedule.warm_up(loop.ni, loop.state.epoch)
+
+
+class ModelEpochs(Hook):
+    """The network in training mode (frozen BatchNorms kept in eval) each epoch, mosaic closed for the last
+    `close_mosaic` epochs (the loader's workers restarted with the changed dataset), and Ultralytics' end-of-epoch
+    bookkeeping: the loss's per-epoch update (YOLO26's branch weights), the EMA's copied attributes."""
+
+    def __init__(self, *, train_mode, close_mosaic, close_at: int | None, inputs, criterion, ema, net, log):
+        self.train_mode, self.close_mosaic, self.close_at = train_mode, close_mosaic, close_at
+        self.inputs, self.criterion, self.ema, self.net, self.log = inputs, criterion, ema, net, log
+        self.closed = False
+
+    def before_epoch(self, loop: TrainLoop) -> None:
+        self.train_mode()
+        if self.close_at is not None and loop.state.epoch >= self.close_at and not self.closed:
+            self.closed = True
+            self.log("closing mosaic for the last epochs")
+            self.close_mosaic()
+            self.inputs.restart()  # prefetched batches still carry mosaic: new workers from this epoch
+
+    def after_epoch(self, loop: TrainLoop) -> None:
+        if hasattr(self.criterion, "update"):
+            self.criterion.update()
+        self.ema.update_attr(self.net, include=["yaml", "nc", "args", "names", "stride", "class_weights"])
+
+
+class Meter(Hook):
+    """Steady-state images/s and data wait (metrics/meter.py); validation and checkpoints are cut out."""
+
+    def __init__(self, meter, inputs, monitor=None):
+        self.meter, self.inputs, self.monitor = meter, inputs, monitor
+
+    def before_step(self, loop: TrainLoop) -> None:
+        self.meter.begin_step()
+
+    def after_step(self, loop: TrainLoop) -> None:
+        self.meter.end_step(len(loop.batch["im_file"]), self.inputs.last_wait)
+
+    def after_epoch(self, loop: TrainLoop) -> None:
+        self.meter.pause()
+
+    def after_train(self, loop: TrainLoop) -> None:
+        if self.monitor is not None:
+            self.monitor.close()
+
+
+class Heartbeat(Hook):
+    """This rank's progress for the watchdog (heartbeat.py): working at every step."""
+
+    def __init__(self, heartbeat):
+        self.heartbeat = heartbeat
+
+    def after_step(self, loop: TrainLoop) -> None:
+        self.heartbeat.working(loop.ni)
+
+    def after_train(self, loop: TrainLoop) -> None:
+        self.heartbeat.close()
+
+
+class FaultInjection(Hook):
+    """DDP_LAUNCH_FAULT (rank/faults.py): the fault-tolerance tests' failures, at a chosen step."""
+
+    def __init__(self, faults):
+        self.faults = faults
+
+    def after_step(self, loop: TrainLoop) -> None:
+        self.faults.at_step(loop.ni)
+
+
+class RecordSamples(Hook):
+    """debug.record_samples: the images each epoch trained on, in the rank's report."""
+
+    def __init__(self):
+        self.seen: dict[int, list[str]] = {}
+
+    def after_step(self, loop: TrainLoop) -> None:
+        self.seen.setdefault(loop.state.epoch, []).extend(Path(f).name for f in loop.batch["im_file"])
+
+
+class StopOnSignal(Hook):
+    """SIGTERM/SIGINT (signals.py): every rank stops at the same step, rank 0 saves where the run stands, and the
+    ranks exit 128 + signal. `save` is None for a run that keeps no checkpoint (a benchmark cell). Before the first
+    step there is nothing to save: a signal then ends the rank at once, also one blocked in the process group's
+    start-up (a handler would wait for it to return)."""
+
+    def __init__(self, comm: Comm, heartbeat, inputs, save=None, log=print):
+        self.comm, self.heartbeat, self.inputs, self.save, self.log = comm, heartbeat, inputs, save, log
+        self.stop_signal = None
+
+    def before_train(self, loop: TrainLoop) -> None:
+        self.stop_signal = StopSignal()
+
+    def after_step(self, loop: TrainLoop) -> None:
+        self.heartbeat.waiting()
+        signum = self.comm.max(self.stop_signal.signum)
+        self.heartbeat.working()
+        if not signum:
+            return
+        if self.save is not None and self.comm.rank == 0:
+            self.save(loop)
+            epoch, step = loop.state.position
+            self.log(f"checkpoint saved at epoch {epoch + 1} step {step + 1}")
+        self.inputs.close()
+        self.comm.barrier()  # nobody leaves before rank 0's checkpoint is on disk
+        raise SystemExit(128 + signum)
+
+    def after_train(self, loop: TrainLoop) -> None:
+        if self.stop_signal is not None:
+            self.stop_signal.restore()
+
+
+class Progress(Hook):
+    """A line per rank every `every` steps and at each epoch end: losses, images/s, data wait, lr, memory, and after
+    a validation mAP; GPU utilisation at the epoch end."""
+
+    def __init__(self, meter, optimizer, device: torch.device, rank: int, every: int, log, monitor=None):
+        self.meter, self.optimizer, self.device, self.rank = meter, optimizer, device, rank
+        self.every, self.log, self.monitor = every, log, monitor
+
+    def after_step(self, loop: TrainLoop) -> None:
+        step = loop.state.step
+        if self.every and step % self.every == 0 and step < loop.steps_per_epoch:
+            self._line(loop)
+
+    def after_epoch(self, loop: TrainLoop) -> None:
+        self._line(loop, end_of_epoch=True)
+
+    def _line(self, loop: TrainLoop, end_of_epoch: bool = False) -> None:
+        state = loop.state
+        ips, wait = self.meter.recent()
+        losses = " ".join(f"{k.replace('_loss', '')} {float(v):.4g}" for k, v in (state.tloss or {}).items())
+        speed = f"{ips:.1f} img/s, data wait {100 * wait:.0f}%" if ips else "warming up"
+        line = (f"epoch {state.epoch + 1}/{loop.epochs} step {state.step}/{loop.steps_per_epoch} | loss {losses} | "
+                f"{speed} | lr {self.optimizer.param_groups[0]['lr']:.5g}")
+        if self.device.type == "cuda":
+            line += f" | mem {torch.cuda.max_memory_allocated(self.device) / 2**30:.2f}G"
+        if end_of_epoch and self.monitor is not None and self.monitor.available:
+            line += " | GPU busy " + ", ".join(f"{g.util_mean:.0f}%" for g in self.monitor.stats())
+        if any(not math.isfinite(float(v)) for v in (state.tloss or {}).values()):
+            line += " | WARNING: the loss is not finite"
+        if end_of_epoch and state.validated and self.rank == 0 and state.metrics:
+            m = state.metrics
+            line += f" | mAP50 {m.get('metrics/mAP50(B)', 0):.4f} mAP50-95 {m.get('metrics/mAP50-95(B)', 0):.4f}"
+        self.log(line)
+
+
+class InputBoundWarning(Hook):
+    """One line, once per run, when this rank waits for data more than INPUT_BOUND of its step time."""
+
+    def __init__(self, meter, workers: int, log, monitor=None):
+        self.meter, self.workers, self.log, self.monitor = meter, workers, log, monitor
+        self.warned = False
+
+    def after_epoch(self, loop: TrainLoop) -> None:
+        m = self.meter.summary()
+        if self.warned or m.steps_measured < 10 or m.data_wait <= INPUT_BOUND:
+            return
+        self.warned = True
+        busy = ""
+        if self.monitor is not None and self.monitor.available:
+            busy = f" (GPU {min(g.util_mean for g in self.monitor.stats()):.0f} % busy)"
+        self.log(f"WARNING input-bound: {100 * m.data_wait:.0f} % of step time waiting for data{busy}; raise "
+                 f"loader.workers (now {self.workers}) or set train.cache=ram")
+
+
+class Evaluate(Hook):
+    """Validation every `interval` epochs and after the last, decided the same way on every rank; at the end of a
+    completed run, best.pt validated again when the last epoch was not the best (its metrics are the run's)."""
+
+    def __init__(self, validate, validate_weights, best_weights, *, interval: int, comm: Comm, device, log):
+        self.validate, self.validate_weights, self.best_weights = validate, validate_weights, best_weights
+        self.interval, self.comm, self.device, self.log = interval, comm, device, log
+
+    def after_epoch(self, loop: TrainLoop) -> None:
+        state = loop.state
+        if loop.final_epoch or (state.epoch + 1) % self.interval == 0:
+            clear_memory(self.device, 0.5)
+            metrics, fitness = self.validate(loop)
+            state.validated_epochs.append(state.epoch + 1)
+            if self.comm.rank == 0 and fitness is not None:
+                state.metrics, state.fitness = metrics, fitness
+                if state.best_fitness is None or state.best_fitness < fitness:
+                    state.best_fitness = fitness
+                if state.best_fitness == fitness:  # a tie moves best.pt to the later epoch, as in Ultralytics
+                    state.fitness_epoch = state.epoch + 1
+        clear_memory(self.device, 0.5)
+
+    def after_train(self, loop: TrainLoop) -> None:
+        state = loop.state
+        if not loop.completed:
+            return
+        best = None
+        if self.comm.rank == 0 and state.fitness_epoch not in (None, state.epoch + 1):
+            best = self.best_weights()  # None when best.pt is missing
+        if self.comm.rank0_decides(best is not None):
+            if self.comm.rank == 0:
+                self.log(f"validating best.pt (epoch {state.fitness_epoch})")
+            metrics, _ = self.validate_weights(loop, best)
+            if self.comm.rank == 0:
+                state.metrics = metrics
+        clear_memory(self.device)
+
+
+class ResultsCsv(Hook):
+    """Rank 0: results.csv, a row per epoch in Ultralytics' format (metrics `nan` on epochs not validated)."""
+
+    def __init__(self, path: Path, metric_keys: list[str], lrs, label_loss_items):
+        self.path, self.metric_keys, self.lrs, self.label_loss_items = path, metric_keys, lrs, label_loss_items
+        self.start = time.time()
+
+    def before_train(self, loop: TrainLoop) -> None:
+        self.start = time.time()
+        results.keep_epochs(self.path, loop.state.epoch)  # a resumed run trains the epochs after its checkpoint
+
+    def after_epoch(self, loop: TrainLoop) -> None:
+        state = loop.state
+        validated = state.validated
+        keys = self.metric_keys + list(self.label_loss_items(state.tloss, "val"))
+        shown = {k: (state.metrics.get(k, float("nan")) if validated else float("nan")) for k in keys}
+        row = {**self.label_loss_items(state.tloss, "train"), **shown, **self.lrs()}
+        results.append_row(self.path, state.epoch + 1, time.time() - self.start, row)
+
+
+class EarlyStop(Hook):
+    """Rank 0's early stop (Ultralytics' EarlyStopping): `patience` validated epochs without a better fitness; the
+    last epoch stops too. The ranks agree on it at the epoch's end (AgreeToStop)."""
+
+    def __init__(self, patience: int, log):
+        self.patience, self.log = patience, log
+        self.best_fitness, self.best_epoch = 0.0, 0
+
+    def after_epoch(self, loop: TrainLoop) -> None:
+        state = loop.state
+        if state.validated and state.fitness is not None:
+            state.stop |= self.stopped(state.epoch + 1, state.fitness)
+        state.stop |= loop.final_epoch
+
+    def stopped(self, epoch: int, fitness: float) -> bool:
+        if fitness > self.best_fitness or self.best_fitness == 0:
+            self.best_epoch, self.best_fitness = epoch, fitness
+        if epoch - self.best_epoch >= self.patience:
+            self.log(f"early stop: no better fitness for {self.patience} epochs; the best was epoch {self.best_epoch}")
+            return True
+        return False
+
+    def state_dict(self) -> dict:
+        return {"best_fitness": self.best_fitness, "best_epoch": self.best_epoch}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.best_fitness, self.best_epoch = state["best_fitness"], state["best_epoch"]
+
+
+class Checkpoint(Hook):
+    """Rank 0: last.pt at every epoch end (best.pt when the epoch is the best, epoch<N>.pt every `save_period`);
+    at the end of a completed run every checkpoint is stripped to the final weights."""
+
+    def __init__(self, checkpointer, save_period: int, strip):
+        self.checkpointer, self.save_period, self.strip = checkpointer, save_period, strip
+
+    def after_epoch(self, loop: TrainLoop) -> None:
+        state = loop.state
+        best = state.validated and state.fitness_epoch == state.epoch + 1
+        periodic = self.save_period > 0 and state.epoch % self.save_period == 0
+        self.checkpointer.save(best=best, epoch_copy=state.epoch if periodic else None)
+
+    def after_train(self, loop: TrainLoop) -> None:
+        if loop.completed:
+            self.strip()
+
+
+class AgreeToStop(Hook):
+    """The ranks take rank 0's stop decision at the epoch's end, so that none waits in a collective alone."""
+
+    def __init__(self, comm: Comm, heartbeat):
+        self.comm, self.heartbeat = comm, heartbeat
+
+    def after_epoch(self, loop: TrainLoop) -> None:
+        self.heartbeat.waiting()
+        loop.state.stop = self.comm.rank0_decides(loop.state.stop)
+        self.heartbeat.working()

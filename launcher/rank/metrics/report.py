@@ -1,0 +1,84 @@
+"""The record of a rank (ranks/rank<N>.json) and of the run (summary.json, written by rank 0 from every rank's)."""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import time
+
+import torch
+
+
+def params_digest(net: torch.nn.Module) -> str:
+    """SHA-256 of the learnable parameters. BatchNorm running statistics are left out: they are each rank's own after
+    its last forward, and only rank 0's are saved."""
+    h = hashlib.sha256()
+    for k, p in sorted(net.named_parameters()):
+        h.update(k.encode())
+        h.update(p.detach().float().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def host_cpu_busy(start, end) -> float:
+    """Share of all host cores busy between two psutil.cpu_times() readings."""
+    total = sum(end) - sum(start)
+    idle = (end.idle - start.idle) + (getattr(end, "iowait", 0) - getattr(start, "iowait", 0))
+    return 1 - idle / total if total > 0 else 0.0
+
+
+def rank_report(*, rank: int, device, meter, monitor, net, loss_items: dict | None, state, samples=None) -> dict:
+    m = meter.summary()
+    gpus = [vars(g) for g in monitor.stats()] if monitor is not None else []
+    return {
+        "rank": rank,
+        "device": str(device),
+        "images_per_s": m.images_per_s,
+        "data_wait": m.data_wait,
+        "steps_measured": m.steps_measured,
+        "step_ms": m.step_ms,
+        "gpus": gpus,
+        "gpu_util": sum(g["util_mean"] for g in gpus) / len(gpus) if gpus else None,
+        "memory_peak_gib": max((g["memory_peak_gib"] for g in gpus), default=None),
+        "params_sha256": params_digest(net),
+        "loss": {k: float(v) for k, v in (loss_items or {}).items()},  # the last step's: a sanity check
+        "validated_epochs": list(state.validated_epochs),
+        "resumed_from": str(state.resumed_from) if state.resumed_from else None,
+        "samples": {str(e): names for e, names in samples.items()} if samples is not None else None,
+    }
+
+
+def summary(*, plan, state, epochs: int, reports: list[dict], weights, last, run_dir, started: float) -> dict:
+    """summary.json of a finished run: the metrics, the plan's batch and lr, and the ranks' figures combined."""
+    metrics = state.metrics or {}
+    digests = {r["params_sha256"] for r in reports}
+    utils = [r["gpu_util"] for r in reports if r.get("gpu_util") is not None]
+    return {
+        "status": "finished",
+        "map50": float(metrics.get("metrics/mAP50(B)", 0.0)),
+        "map50_95": float(metrics.get("metrics/mAP50-95(B)", 0.0)),
+        "precision": float(metrics.get("metrics/precision(B)", 0.0)),
+        "recall": float(metrics.get("metrics/recall(B)", 0.0)),
+        "epochs_completed": state.epoch + 1,
+        "epochs": epochs,
+        "validated_epochs": list(state.validated_epochs),
+        "best_epoch": state.fitness_epoch,
+        "world_size": plan.world_size,
+        "mode": plan.mode,
+        "backend": plan.backend,
+        "device": plan.device,
+        "global_batch": plan.global_batch,
+        "batch_per_device": plan.batch_per_device,
+        "lr0": plan.lr0,
+        "warmup_iterations": plan.warmup_iterations,
+        "images_per_s": sum(r["images_per_s"] for r in reports),  # ranks run concurrently: their rates add up
+        "data_wait": max(r["data_wait"] for r in reports),  # the worst-fed rank sets the pace
+        "gpu_util": min(utils) if utils else None,  # the least busy GPU
+        "weights": str(weights),
+        "last": str(last),
+        "run_dir": str(run_dir),
+        "resumed": any(r.get("resumed_from") for r in reports),
+        "loss_finite": all(math.isfinite(v) for r in reports for v in r["loss"].values()),
+        "ranks_params_identical": len(digests) == 1,
+        "ranks": [{k: v for k, v in r.items() if k != "samples"} for r in reports],
+        "train_minutes": (time.time() - started) / 60,
+    }

@@ -1,0 +1,250 @@
+"""The two things a rank runs, as loop configurations over the same components (components.py): a training run, and
+a ddp-bench cell. Each builds its hook list here, in one place; the order of a list is the order hooks run in.
+
+A training run, per step (after_step):
+  Meter           first: the step's end is stamped before any other host work of the boundary;
+  Heartbeat       the watchdog sees the step done;
+  RecordSamples   (debug.record_samples) the images just trained on;
+  FaultInjection  a test's fault fires after a step, like a real one;
+  StopOnSignal    then every rank agrees on a signal (a collective at every step), rank 0 saves and all exit;
+  Progress        a line every log.interval_steps steps.
+and per epoch (after_epoch):
+  Meter           pauses: validation and checkpoints are not training time;
+  ModelEpochs     the loss's and the EMA's end-of-epoch updates, before the EMA is validated;
+  Evaluate        validation (every rank, sharded) at the interval and after the last epoch;
+  ResultsCsv      rank 0's row, with this epoch's metrics: written before the checkpoint, which embeds results.csv;
+  EarlyStop       rank 0 decides on the new fitness, before the checkpoint records its memory;
+  Checkpoint      rank 0's last.pt / best.pt / epochN.pt;
+  Progress        the epoch's line, with its mAP;
+  InputBoundWarning  once per run, from the meter's window so far;
+  AgreeToStop     last: the ranks take rank 0's stop decision, after all of rank 0's work of the epoch.
+LRSchedule and ModelEpochs act before each epoch (lr, train mode, close_mosaic) and LRSchedule before each step
+(warmup). after_train runs in list order: the final validation of best.pt before the checkpoints are stripped.
+"""
+
+from __future__ import annotations
+
+import time
+
+from launcher.plan.plan import LaunchPlan
+from launcher.rank import checkpoint_io
+from launcher.rank import hooks as h
+from launcher.rank.components import Rank
+from launcher.rank.loop import Hook, TrainLoop
+from launcher.rank.metrics import report, results
+from launcher.rank.metrics.gpu_monitor import GpuMonitor
+from launcher.rank.metrics.meter import StepMeter
+from launcher.rank.ultralytics import build, checkpoint, datasets
+from launcher.rank.ultralytics.validation import label_loss_items
+from launcher.run_folder import RunFolder, previous_of
+
+METER_SKIP_STEPS = 10  # a training run's warm-up, left out of its steady-state figures
+
+
+def _meter(r: Rank, skip_steps: int) -> tuple[StepMeter, GpuMonitor | None]:
+    gpus = list(range(r.plan.devices_per_rank)) if r.plan.mode == "dp" else [r.device.index or 0]
+    monitor = GpuMonitor(gpus) if r.device.type == "cuda" else None
+    return StepMeter(r.device, skip_steps=skip_steps, monitor=monitor,
+                     in_flight=r.cfg["train"].get("steps_in_flight", 1)), monitor
+
+
+def train(cfg: dict, plan: LaunchPlan, folder: RunFolder) -> dict | None:
+    """Train on this rank; rank 0 writes summary.json. Returns the summary on rank 0."""
+    r = Rank(cfg, plan, folder)
+    try:
+        train_cfg, state = cfg["train"], r.state
+        meter, monitor = _meter(r, METER_SKIP_STEPS)
+        early_stop = h.EarlyStop(int(train_cfg["patience"]), r.log)
+        checkpointer = r.checkpointer(lambda: _layout(r, early_stop), extra={"early_stop": early_stop})
+        r.restore(checkpointer)
+        samples = h.RecordSamples() if cfg.get("debug", {}).get("record_samples") else None
+        epochs, close = int(train_cfg["epochs"]), int(train_cfg["close_mosaic"])
+        on_rank0 = r.rank == 0
+        hooks: list[Hook | None] = [
+            h.LRSchedule(r.schedule, plan.warmup_iterations or 0),
+            h.ModelEpochs(train_mode=lambda: build.train_mode(r.net, r.frozen),
+                          close_mosaic=lambda: datasets.close_mosaic(r.train_dataset, r.hyp),
+                          close_at=max(epochs - close, 0) if close else None, inputs=r.inputs,
+                          criterion=r.net.criterion, ema=r.ema, net=r.net, log=r.log),
+            h.Meter(meter, r.inputs, monitor),
+            h.Heartbeat(r.heartbeat),
+            samples,
+            h.FaultInjection(r.faults),
+            h.StopOnSignal(r.comm, r.heartbeat, r.inputs, save=lambda loop: checkpointer.save(),
+                           log=r.log),
+            h.Evaluate(lambda loop: _validate(r, loop), lambda loop, w: _validate(r, loop, w),
+                       lambda: _best_weights(r), interval=int(train_cfg["val_interval"]), comm=r.comm,
+                       device=r.device, log=r.log),
+            h.ResultsCsv(folder.path / "results.csv", r.validator.metric_keys, r.schedule.lrs, label_loss_items)
+            if on_rank0 else None,
+            early_stop,
+            h.Checkpoint(checkpointer, int(train_cfg["save_period"]), lambda: _strip(r)) if on_rank0 else None,
+            h.Progress(meter, r.optimizer, r.device, r.rank, int(cfg.get("log", {}).get("interval_steps", 20)),
+                       r.log, monitor),
+            h.InputBoundWarning(meter, plan.workers_per_rank, r.log, monitor),
+            h.AgreeToStop(r.comm, r.heartbeat),
+        ]
+        loop = TrainLoop(r.step, r.inputs, state, [x for x in hooks if x is not None], epochs=epochs,
+                         steps_per_epoch=r.sampler.batches_per_epoch)
+        started, first_epoch = time.time(), state.epoch
+        r.log(f"training {epochs - state.epoch} epoch(s) x {loop.steps_per_epoch} step(s) per rank, batch "
+              f"{plan.batch_per_rank} per rank, global {plan.global_batch}, lr0 {plan.lr0:.6g}, warmup "
+              f"{plan.warmup_iterations or 0} step(s), {plan.workers_per_rank} loader worker(s); "
+              f"{len(r.train_dataset)} train / {len(r.val_loader.dataset)} val images; device {r.device}")
+        loop.run()
+        r.log(f"{state.epoch + 1 - first_epoch} epoch(s) in {(time.time() - started) / 60:.2f} min")
+        reports = _reports(r, meter, monitor, samples)
+        if r.rank != 0:
+            return None
+        weights = r.folder.weights / ("best.pt" if (r.folder.weights / "best.pt").exists() else "last.pt")
+        record = report.summary(plan=plan, state=state, epochs=epochs, reports=reports, weights=weights,
+                                last=r.folder.weights / "last.pt", run_dir=folder.path, started=started)
+        folder.write_json("summary.json", record)
+        return record
+    finally:
+        r.close()
+
+
+def bench_cell(cfg: dict, plan: LaunchPlan, folder: RunFolder) -> dict | None:
+    """One ddp-bench cell: the training run's step and input pipeline, `bench.warmup_steps + bench.steps` steps
+    metered (the sampler runs on across epochs; no validation, no checkpoint), then the same step on batches held on
+    the device (the data-free ceiling). Rank 0 writes cell.json with every rank's figures."""
+    import psutil
+
+    r = Rank(cfg, plan, folder, validation=False)
+    try:
+        bench = cfg["bench"]
+        warmup, steps = int(bench["warmup_steps"]), int(bench["steps"])
+        meter, monitor = _meter(r, warmup)
+        cpu = _HostCpu(warmup, psutil.cpu_times)
+        hooks = [h.Meter(meter, r.inputs, monitor), h.Heartbeat(r.heartbeat), cpu,
+                 h.StopOnSignal(r.comm, r.heartbeat, r.inputs, log=r.log),
+                 _BenchProgress(warmup + steps, r.log) if r.rank == 0 else None]
+        r.net.train()
+        loop = TrainLoop(r.step, r.inputs, r.state, [x for x in hooks if x is not None], epochs=1,
+                         steps_per_epoch=warmup + steps)
+        loop.run()
+        ceiling = _ceiling(r, int(bench["ceiling_batches"]), max(steps // 2, 10), profile=bool(bench.get("profile")))
+        rank_figures = {**report.rank_report(rank=r.rank, device=r.device, meter=meter, monitor=monitor, net=r.net,
+                                             loss_items=r.step.loss_items, state=r.state),
+                        "ceiling_images_per_s": ceiling, "host_cpu": cpu.busy}
+        reports = r.comm.gather(rank_figures)
+        if r.rank != 0:
+            return None
+        cell = {"mode": plan.mode, "size": plan.world_size * plan.devices_per_rank, "ranks": reports}
+        folder.write_json("cell.json", cell)
+        return cell
+    finally:
+        r.close()
+
+
+# --- a training run's pieces -----------------------------------------------------------------------------------------
+_EMA = object()
+
+
+def _validate(r: Rank, loop: TrainLoop, weights=_EMA):
+    """Validate the EMA, or `weights` in its place (best.pt's: rank 0's, None on the other ranks)."""
+    kwargs = dict(device=r.device, data=r.data, amp=r.amp_dtype is not None, loss_items=r.step.loss_items or r.state.tloss,
+                  epoch=r.state.epoch, epochs=loop.epochs)
+    if weights is _EMA:
+        return r.validator.validate(r.ema, r.comm, **kwargs)
+    return r.validator.validate_weights(weights, r.ema, r.comm, **kwargs)
+
+
+def _best_weights(r: Rank):
+    best = r.folder.weights / "best.pt"
+    return checkpoint.ema_weights(checkpoint_io.load(best)) if best.exists() else None
+
+
+def _layout(r: Rank, early_stop: h.EarlyStop) -> dict:
+    s = r.state
+    epoch, step = s.position
+    return checkpoint.layout(ema=r.ema, optimizer=r.optimizer, scaler=r.scaler, hyp=r.hyp,
+                             epoch=epoch - 1 if step == 0 else epoch, best_fitness=s.best_fitness, fitness=s.fitness,
+                             early_stop=early_stop.state_dict(), metrics=s.metrics,
+                             results=results.read_columns(r.folder.path / "results.csv"))
+
+
+def _strip(r: Rank) -> None:
+    """The final weights: last.pt and best.pt without training state; last.prev.pt removed."""
+    last = r.folder.weights / "last.pt"
+    previous_of(last).unlink(missing_ok=True)
+    for f in (last, r.folder.weights / "best.pt"):
+        if f.exists():
+            checkpoint.strip(f)
+
+
+def _reports(r: Rank, meter, monitor, samples) -> list[dict]:
+    """Every rank's figures on every rank; each rank also writes its own into ranks/rank<N>.json."""
+    mine = report.rank_report(rank=r.rank, device=r.device, meter=meter, monitor=monitor, net=r.net,
+                              loss_items=r.step.loss_items, state=r.state, samples=samples.seen if samples else None)
+    r.folder.write_json(f"ranks/rank{r.rank}.json", mine)
+    return r.comm.gather(mine)
+
+
+# --- a bench cell's pieces -------------------------------------------------------------------------------------------
+class _HostCpu(Hook):
+    """Host CPU use over the measured steps (from the end of the warm-up to the last step)."""
+
+    def __init__(self, warmup: int, cpu_times):
+        self.warmup, self.cpu_times = warmup, cpu_times
+        self.start = None
+        self.busy = 0.0
+
+    def before_step(self, loop: TrainLoop) -> None:
+        if loop.ni == self.warmup:
+            self.start = self.cpu_times()
+
+    def after_train(self, loop: TrainLoop) -> None:
+        if self.start is not None:
+            self.busy = report.host_cpu_busy(self.start, self.cpu_times())
+
+
+class _BenchProgress(Hook):
+    def __init__(self, total: int, log):
+        self.total, self.log = total, log
+
+    def after_step(self, loop: TrainLoop) -> None:
+        if loop.ni % max(1, self.total // 5) == 0:
+            self.log(f"bench step {loop.ni}/{self.total}")
+
+
+def _ceiling(r: Rank, n_batches: int, steps: int, profile: bool) -> float:
+    """images/s of the same step on `n_batches` real batches already on the device, cycled. The loader's workers
+    stop first: still prefetching, they would compete with the step for the cores."""
+    import torch
+
+    def sync():
+        if r.device.type == "cuda":
+            torch.cuda.synchronize(r.device)
+
+    batches = r.inputs.batches_on_device(n_batches, first_ni=0)
+    images, t0 = 0, 0.0
+    for j in range(steps + 3):
+        if j == 3:  # a few unmeasured steps after switching from the loader
+            sync()
+            t0 = time.perf_counter()
+        r.step(batches[j % n_batches])
+        images += len(batches[j % n_batches]["im_file"]) if j >= 3 else 0
+    sync()
+    ips = images / (time.perf_counter() - t0)
+    if profile and r.rank == 0:
+        _profile(r, batches, sync)
+    return ips
+
+
+def _profile(r: Rank, batches: list[dict], sync, steps: int = 10) -> None:
+    """torch.profiler over a few data-free steps: where the step's time goes (bench.profile=true)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if r.device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for j in range(steps):
+            r.step(batches[j % len(batches)])
+        sync()
+    table = prof.key_averages().table
+    text = [f"{steps} data-free steps, batch {r.plan.batch_per_rank}, {r.device}"]
+    if r.device.type == "cuda":
+        text.append(table(sort_by="self_device_time_total", row_limit=40))  # where the GPU time goes
+    text.append(table(sort_by="self_cpu_time_total", row_limit=25))  # where the host time goes
+    (r.folder.path / "profile.txt").write_text("\n\n".join(text))

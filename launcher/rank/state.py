@@ -1,0 +1,164 @@
+"""Where training stands (TrainState), and the checkpoint built from the state of every component.
+
+The checkpoint is Ultralytics' layout (`YOLO("last.pt")` loads it: fp16 EMA, training arguments, metrics, results)
+plus, under RESUME_KEY, the exact training state: each component's `state_dict()` by name (the raw model, the EMA,
+the optimizer and the GradScaler in full precision, this TrainState, the early stop's memory). Resuming calls each
+component's `load_state_dict()` with its own part, so nothing is resumed approximately.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from launcher.rank.checkpoint_io import RESUME_KEY, CheckpointError
+from launcher.run_folder import atomic_write_bytes
+
+
+class Stateful(Protocol):
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
+
+
+@dataclass
+class TrainState:
+    """The loop's position and the run's record so far: what a resumed run needs to continue exactly."""
+
+    epoch: int = 0  # the epoch being trained (0-based)
+    step: int = 0  # the next step of that epoch
+    best_fitness: float | None = None
+    fitness: float | None = None  # of the last validation
+    fitness_epoch: int | None = None  # the epoch (1-based) best.pt holds
+    validated_epochs: list[int] = field(default_factory=list)
+    metrics: dict = field(default_factory=dict)  # the last validation's metrics (rank 0)
+    tloss: dict | None = None  # the running mean of this epoch's loss items, on the device (no host sync)
+    tloss_steps: int = 0
+    world_size: int = 1  # of the run that wrote the state: a resume at another size restarts the epoch
+    global_batch: int = 0
+    epoch_ended: bool = False  # the epoch's steps and its end are being done: a checkpoint resumes at the next one
+    stop: bool = False  # not saved: agreed at each epoch end
+    resumed_from: Path | None = None
+    device: torch.device | None = None  # where the running loss lives
+
+    @property
+    def validated(self) -> bool:
+        """The current epoch has been validated."""
+        return self.validated_epochs[-1:] == [self.epoch + 1]
+
+    def add_loss(self, items: dict) -> None:
+        n = self.tloss_steps = self.tloss_steps + 1
+        self.tloss = dict(items) if self.tloss is None else {k: (self.tloss[k] * (n - 1) + v) / n for k, v in items.items()}
+
+    def reset_loss(self) -> None:
+        self.tloss, self.tloss_steps = None, 0
+
+    @property
+    def position(self) -> tuple[int, int]:
+        """Where a run resumed from this state starts: after an epoch's last step but before its end (validation,
+        the results row, the checkpoint), (epoch, steps per epoch), so that the end is done once."""
+        return (self.epoch + 1, 0) if self.epoch_ended else (self.epoch, self.step)
+
+    def state_dict(self) -> dict:
+        return {
+            "position": self.position,  # (epoch, step) the next step trains
+            "best_fitness": self.best_fitness,
+            "fitness": self.fitness,
+            "fitness_epoch": self.fitness_epoch,
+            "validated_epochs": list(self.validated_epochs),
+            "metrics": dict(self.metrics),
+            "tloss": {k: float(v) for k, v in (self.tloss or {}).items()},  # the epoch's mean loss so far
+            "tloss_steps": self.tloss_steps,
+            "world_size": self.world_size,
+            "global_batch": self.global_batch,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.step = state["position"]
+        self.best_fitness, self.fitness = state.get("best_fitness"), state.get("fitness")
+        self.fitness_epoch = state["fitness_epoch"]
+        self.validated_epochs = list(state["validated_epochs"])
+        self.metrics = dict(state.get("metrics") or {})
+        self.tloss_steps = state["tloss_steps"] if state.get("tloss") else 0
+        self.tloss = {k: torch.tensor(v, device=self.device) for k, v in state["tloss"].items()} if state.get("tloss") else None
+        self.world_size, self.global_batch = state["world_size"], state["global_batch"]
+
+
+class ModuleState:
+    """A module's state_dict as CPU copies (the checkpoint must not hold tensors the next step changes)."""
+
+    def __init__(self, module: torch.nn.Module):
+        self.module = module
+
+    @property
+    def position(self) -> tuple[int, int]:
+        """Where a run resumed from this state starts: after an epoch's last step but before its end (validation,
+        the results row, the checkpoint), (epoch, steps per epoch), so that the end is done once."""
+        return (self.epoch + 1, 0) if self.epoch_ended else (self.epoch, self.step)
+
+    def state_dict(self) -> dict:
+        return {k: v.detach().cpu().clone() for k, v in self.module.state_dict().items()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.module.load_state_dict(state)
+
+
+class Checkpointer:
+    """Writes last.pt (the one it replaces kept as last.prev.pt), best.pt and epochN.pt; loads the newest usable one.
+
+    `components` are saved and restored by name; `layout()` gives Ultralytics' keys of the checkpoint at that
+    moment; `before_write(path)` is the fault injector's hook (tests kill the writer half-way).
+    """
+
+    def __init__(self, weights: Path, components: dict[str, Stateful], layout: Callable[[], dict],
+                 before_write: Callable[[Path], None] = lambda path: None):
+        self.weights, self.components, self.layout, self.before_write = Path(weights), components, layout, before_write
+        self.last, self.best = self.weights / "last.pt", self.weights / "best.pt"
+
+    def to_bytes(self) -> bytes:
+        buffer = io.BytesIO()
+        resume = {name: c.state_dict() for name, c in self.components.items()}
+        torch.save({**self.layout(), RESUME_KEY: resume}, buffer)
+        return buffer.getvalue()
+
+    def save(self, *, best: bool = False, epoch_copy: int | None = None) -> None:
+        """last.pt, and best.pt / epoch<N>.pt when asked. A full disk is an error naming the folder, with the
+        previous checkpoint intact."""
+        data = self.to_bytes()
+        try:
+            self.before_write(self.last)
+            atomic_write_bytes(self.last, data, keep_previous=True)
+            if best:
+                atomic_write_bytes(self.best, data)
+            if epoch_copy is not None:
+                atomic_write_bytes(self.weights / f"epoch{epoch_copy}.pt", data)
+        except OSError as e:
+            raise CheckpointError(
+                f"could not write a checkpoint to {self.weights} ({e.strerror or e}); the previous checkpoint "
+                f"({self.last if self.last.exists() else 'none yet'}) is intact. Free space and resume with "
+                f"ddp-launch resume={self.weights.parent}"
+            ) from e
+
+
+def upgrade(ckpt: dict) -> dict:
+    """The resume state by component; a checkpoint written before components had their own parts (one flat dict
+    with the position at its top) is converted."""
+    state = ckpt[RESUME_KEY]
+    if "position" not in state:
+        return state
+    stopper = ckpt.get("stopper") or {}
+    train = {k: state.get(k) for k in ("position", "fitness", "fitness_epoch", "validated_epochs", "metrics", "tloss",
+                                       "tloss_steps", "world_size", "global_batch")}
+    return {
+        "model": state["model"],
+        "ema": {"weights": state["ema"], "updates": state["ema_updates"]},
+        "optimizer": state["optimizer"],
+        "scaler": state["scaler"],
+        "train": {**train, "best_fitness": ckpt.get("best_fitness")},
+        "early_stop": {"best_fitness": stopper.get("best_fitness", 0.0), "best_epoch": stopper.get("best_epoch", 0)},
+    }

@@ -1,0 +1,29 @@
+"""The only package of ddp-launch that imports Ultralytics. Ranks train Ultralytics' detectors with its own model,
+datasets, augmentation, loss and validator; ddp-launch owns the process group, the loop, the loader and the update.
+
+Public seams used as documented: get_cfg, check_det_dataset, DetectionModel (and .load, .loss, .init_criterion),
+load_checkpoint, YOLODataset / build_yolo_dataset / build_dataloader, ModelEMA, init_seeds, strip_optimizer,
+E2ELoss(model, loss_fn), DetectionValidator, callbacks.get_default_callbacks, YOLO (the baseline).
+
+Reaches into internals, each in one place:
+- validation.py: the trainer attributes DetectionValidator reads in training mode (a stand-in trainer).
+- loss.py: v8DetectionLoss.get_assigned_targets_and_loss and .preprocess re-implemented (the global normaliser, the
+  host's target count); TaskAlignedAssigner.get_box_metrics / select_candidates_in_gts and BboxLoss.forward overridden.
+- datasets.py: BaseDataset.get_img_files on a stand-in (the files of a split); the image lists and mosaic buffer of
+  BaseDataset and Mosaic.buffer_enabled (the node-shared cache, loader.mosaic_buffer); imread and load_image's
+  resize rule (the cache's pixels).
+- build.py: BaseTrainer.build_optimizer's parameter groups, DetectionTrainer's class weights and model attributes,
+  and DetectionValidator._check_max_det, each re-stated; the frozen-layer rule of BaseTrainer._setup_train.
+- checkpoint.py: BaseTrainer.save_model's checkpoint keys.
+- baseline.py: BaseTrainer.read_results_csv and check_amp replaced for the benchmark's baseline cell.
+
+They are written against one release: importing this package checks it (the launcher checks the package metadata
+when it plans, so a mismatch is refused before any rank starts).
+"""
+
+from ultralytics import __version__ as _installed
+
+from launcher.inputs.ultralytics_files import SUPPORTED_VERSION, version_problem
+
+if _installed != SUPPORTED_VERSION:
+    raise ImportError(version_problem(_installed))

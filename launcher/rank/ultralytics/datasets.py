@@ -1,0 +1,154 @@
+"""Ultralytics' datasets as a rank uses them: the augmenting training set, the raw one behind loader.gpu_augment, the
+validation loader, and the node-shared image cache served through a dataset's own image lists."""
+
+from __future__ import annotations
+
+import math
+from copy import copy
+from types import SimpleNamespace
+
+import cv2
+from ultralytics import __version__ as ULTRALYTICS_VERSION
+from ultralytics.data import build_dataloader, build_yolo_dataset
+from ultralytics.data.build import seed_worker
+from ultralytics.data.augment import Mosaic
+from ultralytics.data.base import BaseDataset
+from ultralytics.data.dataset import YOLODataset
+from ultralytics.data.utils import get_split_fraction
+from ultralytics.utils import LOCAL_RANK
+from ultralytics.utils.patches import imread
+from ultralytics.utils.torch_utils import torch_distributed_zero_first
+
+from launcher.rank.data import image_cache
+from launcher.rank.signals import ignore_termination_in_worker
+
+CACHE_RULE = f"ultralytics {ULTRALYTICS_VERSION} load_image"  # what the cached pixels reproduce
+
+
+def train_dataset(hyp, data: dict, batch: int, stride: int):
+    """The training set with Ultralytics' augmentation (mosaic, RandomPerspective, HSV, flips); local rank 0 writes
+    the labels' *.cache first."""
+    with torch_distributed_zero_first(LOCAL_RANK):
+        return build_yolo_dataset(hyp, data["train"], batch, data, mode="train", rect=False, stride=stride)
+
+
+def raw_train_dataset(hyp, data: dict, batch: int) -> YOLODataset:
+    """The training split without Ultralytics' transforms (loader.gpu_augment reads `load_image` and `labels`):
+    square, the train split's `fraction` applied, no recent-image buffer filling with copies."""
+    if hyp.rect:
+        raise ValueError("loader.gpu_augment builds square mosaic batches: rect=True is not supported with it")
+    with torch_distributed_zero_first(LOCAL_RANK):
+        return YOLODataset(
+            img_path=data["train"], imgsz=hyp.imgsz, batch_size=batch, augment=False, hyp=hyp, rect=False,
+            cache=hyp.cache or None, single_cls=hyp.single_cls or False, stride=32, pad=0.0, prefix="train: ",
+            task="detect", classes=hyp.classes, data=data, fraction=get_split_fraction(hyp.fraction, "train"),
+        )
+
+
+def val_loader(hyp, data: dict, batch: int, stride: int, workers: int, device, bind=lambda init: init):
+    """Ultralytics' validation loader: rectangular batches of `batch`, sharded over the ranks in contiguous blocks.
+    `bind(init)` wraps its workers' init (core binding)."""
+    with torch_distributed_zero_first(LOCAL_RANK):
+        dataset = build_yolo_dataset(hyp, data["val"], batch, data, mode="val", rect=True, stride=stride)
+    loader = build_dataloader(dataset, batch=batch, workers=workers, shuffle=False, rank=LOCAL_RANK, device=device)
+    loader.worker_init_fn = bind(_val_worker_init)  # workers start at the first iteration, with this
+    return loader
+
+
+def _val_worker_init(worker_id: int) -> None:
+    """Ultralytics' seeding of the validation loader's workers; they survive the rank's SIGTERM (signals.py)."""
+    ignore_termination_in_worker()
+    seed_worker(worker_id)
+
+
+def close_mosaic(dataset, hyp) -> None:
+    """No mosaic from now on (Ultralytics' close_mosaic); the loader's workers must be started again."""
+    if isinstance(dataset, YOLODataset):
+        dataset.close_mosaic(hyp=copy(hyp))
+    else:
+        dataset.close_mosaic()  # raw_batches.RawTrainDataset: one tile per sample from now on
+
+
+def set_mosaic_buffer(dataset, enabled: bool) -> None:
+    """Ultralytics' Mosaic picks its 3 partner images from a per-worker buffer of recently loaded images (cheap,
+    but the picks depend on which worker loaded what). Off: partners come from the whole dataset, so every sample
+    is a function of (seed, epoch, index) alone and a resumed run repeats the uninterrupted one exactly."""
+    for mosaic in _mosaics(dataset.transforms):
+        mosaic.buffer_enabled = enabled
+
+
+def _mosaics(transform):
+    """Every Mosaic in an Ultralytics transform tree: a Compose holds `transforms`, a mix transform `pre_transform`."""
+    if isinstance(transform, Mosaic):
+        yield transform
+    for child in [*(getattr(transform, "transforms", None) or []), getattr(transform, "pre_transform", None)]:
+        if child is not None:
+            yield from _mosaics(child)
+
+
+# --- the node-shared image cache (train.cache=shared) --------------------------------------------------------------
+def split_images(img_path) -> list[str]:
+    """The images of a split (a folder, a .txt list, or a list of them), as a YOLODataset of that split lists them
+    (before `fraction`): Ultralytics' own lister, which needs nothing of a dataset but these two attributes."""
+    return BaseDataset.get_img_files(SimpleNamespace(prefix="", fraction=1.0), img_path)
+
+
+def load_resized(path: str, imgsz: int, channels: int = 3):
+    """(image, (h0, w0), (h, w)) as `BaseDataset.load_image` returns it for training and validation alike in 8.4:
+    long side to imgsz with INTER_LINEAR; None if unreadable."""
+    im = imread(path, flags=cv2.IMREAD_COLOR if channels == 3 else cv2.IMREAD_GRAYSCALE)
+    if im is None:
+        return None, (0, 0), (0, 0)
+    h0, w0 = im.shape[:2]
+    r = imgsz / max(h0, w0)
+    if r != 1:
+        w, h = min(math.ceil(w0 * r), imgsz), min(math.ceil(h0 * r), imgsz)
+        im = cv2.resize(im, (w, h), interpolation=cv2.INTER_LINEAR)
+    if im.ndim == 2:  # cv2.resize drops the channel axis of a one-channel image
+        im = im[..., None]
+    return im, (h0, w0), im.shape[:2]
+
+
+def ensure_split_cache(img_path, imgsz: int, *, dirs, channels: int = 3, threads: int | None = None,
+                       log=print) -> image_cache.ImageCache:
+    """The node's cache of a split at imgsz: mapped if it exists, else built (image_cache.py)."""
+    return image_cache.ensure_cache(
+        split_images(img_path), imgsz, channels=channels, dirs=dirs, rule=CACHE_RULE,
+        load=lambda f: load_resized(f, imgsz, channels), threads=threads, log=log,
+    )
+
+
+class _CachedList:
+    """Stands in for one of BaseDataset's per-image lists (ims, im_hw0, im_hw): part 0, 1 or 2 of `cache.image`."""
+
+    def __init__(self, cache: image_cache.ImageCache, rows, part: int):
+        self.cache, self.rows, self.part = cache, rows, part
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int):
+        return self.cache.image(self.rows[i])[self.part]
+
+
+def attach_cache(dataset: BaseDataset, cache: image_cache.ImageCache) -> None:
+    """Serve a YOLODataset's images from `cache`: no decoding, no per-rank copy. Build the dataset with cache=False.
+
+    Uses the contract of Ultralytics' own cache='ram': `load_image` returns `ims[i]`, `im_hw0[i]`, `im_hw[i]` as they
+    are when the dataset's `cache` is "ram", keeps no mosaic buffer, and every Mosaic built then (close_mosaic rebuilds
+    them) draws its partners from the whole dataset. The Mosaics built before this call are switched over here.
+    """
+    if type(dataset).load_image is not BaseDataset.load_image:
+        raise TypeError(f"{type(dataset).__name__} overrides load_image: the cache holds BaseDataset.load_image's images")
+    if dataset.cache is not None:
+        raise ValueError(f"the dataset already caches its images (cache={dataset.cache!r}): build it with cache=False")
+    if (dataset.imgsz, dataset.channels) != (cache.imgsz, cache.channels):
+        raise ValueError(
+            f"{cache.path} holds {cache.channels}-channel images at {cache.imgsz}px; "
+            f"the dataset loads {dataset.channels}-channel images at {dataset.imgsz}px"
+        )
+    rows = cache.rows(dataset.im_files)
+    dataset.ims, dataset.im_hw0, dataset.im_hw = (_CachedList(cache, rows, part) for part in range(3))
+    dataset.buffer.clear()
+    dataset.cache = "ram"
+    set_mosaic_buffer(dataset, False)

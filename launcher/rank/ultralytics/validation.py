@@ -1,0 +1,65 @@
+"""Validation during training with Ultralytics' DetectionValidator, sharded over the ranks and gathered to rank 0.
+
+The validator is given a trainer to read; ddp-launch has none, so `_TrainerView` offers exactly the attributes
+DetectionValidator 8.4.190 reads off one in training mode (BaseValidator.__call__): the device, the dataset, AMP, the
+EMA, the loss items, the early stopper's possible_stop, epoch/epochs, world size and label_loss_items.
+"""
+
+from __future__ import annotations
+
+from copy import copy
+from types import SimpleNamespace
+
+import torch
+from ultralytics.models.yolo.detect import DetectionValidator
+from ultralytics.utils import callbacks
+
+from launcher.rank.dist import Comm
+
+
+def label_loss_items(loss_items: dict | None, prefix: str = "train") -> dict:
+    """{'train/box_loss': 1.23, ...}: Ultralytics' column names and rounding for results.csv."""
+    return {f"{prefix}/{k}": round(float(v), 5) for k, v in (loss_items or {}).items()}
+
+
+class _TrainerView:
+    def __init__(self, *, device, data, amp, ema, loss_items, epoch, epochs, world_size):
+        self.device, self.data, self.amp, self.ema = device, data, amp, ema
+        self.loss_items, self.epoch, self.epochs, self.world_size = loss_items, epoch, epochs, world_size
+        self.stopper = SimpleNamespace(possible_stop=False)  # plots are off: only read to decide them
+
+    @staticmethod
+    def label_loss_items(loss_items=None, prefix="train"):
+        return label_loss_items(loss_items, prefix)
+
+
+class Validator:
+    """`validate(...)` -> (metrics, fitness) on rank 0, (None, None) elsewhere; every rank must call it."""
+
+    def __init__(self, loader, hyp, run_dir, *, on_batch=None):
+        hooks = callbacks.get_default_callbacks()
+        if on_batch is not None:
+            hooks["on_val_batch_end"].append(lambda _validator: on_batch())
+        self.validator = DetectionValidator(loader, save_dir=run_dir, args=copy(hyp), _callbacks=hooks)
+
+    @property
+    def metric_keys(self) -> list[str]:
+        return list(self.validator.metrics.keys)
+
+    def validate(self, ema, comm: Comm, *, device, data, amp: bool, loss_items: dict, epoch: int, epochs: int):
+        if comm.distributed:  # BaseTrainer.validate: rank 0's EMA buffers (BatchNorm statistics) on every rank
+            comm.broadcast_from_rank0(list(ema.ema.buffers()))
+        view = _TrainerView(device=device, data=data, amp=amp, ema=ema, loss_items=loss_items, epoch=epoch,
+                            epochs=epochs, world_size=comm.world_size)
+        metrics = self.validator(trainer=view)
+        if metrics is None:
+            return None, None
+        return metrics, metrics.pop("fitness", None)
+
+    def validate_weights(self, weights: dict[str, torch.Tensor], ema, comm: Comm, **kwargs):
+        """Validate other weights (best.pt's EMA at the end of a run) in the EMA's place: rank 0's `weights` (None on
+        the other ranks) are loaded on every rank, since the ranks may not share the run folder."""
+        if comm.rank == 0:
+            ema.ema.load_state_dict(weights)
+        comm.broadcast_from_rank0(list(ema.ema.state_dict().values()))
+        return self.validate(ema, comm, **kwargs)

@@ -1,0 +1,76 @@
+"""The per-rank entry point: `python -m launcher.rank.worker RUN_DIR`, started by torchrun once per rank.
+
+It does not run Hydra: it reads the config the launcher resolved (RUN_DIR/config.yaml) and the plan
+(RUN_DIR/plan.json), sends its own stdout and stderr to RUN_DIR/logs/rank<R>.log, and trains. The rank, world size
+and device come from torchrun's environment, which is set before Ultralytics is imported (it reads them at import).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+from launcher.run_folder import RunFolder
+
+
+def redirect_output(log_file: Path) -> None:
+    """Point fds 1 and 2 at the rank's log (append: a restarted rank continues the same file).
+
+    At the file-descriptor level, so C++ and NCCL output land there too. The launcher streams rank 0's file to the
+    console; a crash loses nothing because the kernel, not a pipe thread, writes the file.
+    """
+    log_file.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(log_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    sys.stdout = open(1, "w", buffering=1, closefd=False)  # line-buffered: the console follows in real time
+    sys.stderr = open(2, "w", buffering=1, closefd=False)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        print("usage: python -m launcher.rank.worker RUN_DIR (started by ddp-launch through torchrun)", file=sys.stderr)
+        return 2
+    folder = RunFolder(Path(argv[0]).resolve())
+    rank = int(os.environ.get("RANK", "0"))
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    redirect_output(folder.rank_log(rank))
+    print(
+        f"==== rank {rank}/{os.environ.get('WORLD_SIZE', '1')} local_rank {os.environ.get('LOCAL_RANK', '0')} "
+        f"pid {os.getpid()} attempt {attempt} rendezvous {os.environ.get('MASTER_ADDR', '-')}:"
+        f"{os.environ.get('MASTER_PORT', '-')} {time.strftime('%Y-%m-%d %H:%M:%S')} ====",
+        flush=True,
+    )
+    if folder.finished():
+        print(f"this run already finished ({folder.summary_file}); nothing to do", flush=True)
+        return 0  # a requeued or restarted job of a finished run is done, not failed
+    cfg, plan = folder.load()
+
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    @record  # a failure's traceback reaches torchrun's error report, naming this rank
+    def _run() -> None:
+        from launcher.rank import runs  # imports Ultralytics: only now, with the environment in place
+
+        (runs.bench_cell if cfg.get("bench", {}).get("cell") else runs.train)(cfg, plan, folder)
+
+    try:
+        _run()
+    except SystemExit:
+        raise  # a signal-driven stop after its checkpoint: not a failure of this rank
+    except BaseException as e:
+        from launcher.rank.dist import DistributedInitError
+
+        folder.record_exception(rank, e, phase="init" if isinstance(e, DistributedInitError) else "train")
+        raise
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,148 @@
+"""The tree is the architecture (README, "Architecture"): each room imports only what lies beneath it, there is no
+import cycle, one package talks to Ultralytics, and the launcher process never loads it."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.conftest import REPO
+
+PACKAGE = REPO / "launcher"
+# Rooms by layer, bottom first. A module may import its own room and the rooms of lower layers; rooms of one layer
+# (launch and rank, cli and bench) never import each other.
+LAYERS = [
+    {"problems"},
+    {"inputs"},
+    {"machine"},  # it reads the installed Ultralytics release through inputs/
+    {"plan"},
+    {"run_folder"},
+    {"launch", "rank"},
+    {"entry"},
+    {"cli", "bench"},
+]
+LAYER = {room: i for i, rooms in enumerate(LAYERS) for room in rooms}
+NO_TORCH = {"problems", "inputs", "plan"}  # pure: planning runs before anything heavy is imported
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(REPO).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def resolve(module: str) -> str:
+    """The launcher module an import names: a submodule when it is one, else the package."""
+    path = REPO.joinpath(*module.split("."))
+    return module if path.with_suffix(".py").is_file() or (path / "__init__.py").is_file() else module.rsplit(".", 1)[0]
+
+
+def imports(path: Path) -> list[str]:
+    """Every module `path` imports, at the top or inside functions (a lazy import is still a dependency)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found += [resolve(f"{node.module}.{a.name}") if node.module.startswith("launcher") else node.module
+                      for a in node.names]
+    return found
+
+
+MODULES = {module_name(p): imports(p) for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def room(module: str) -> str:
+    return module.split(".")[1] if module.count(".") else "launcher"
+
+
+def test_each_room_imports_only_what_lies_beneath_it():
+    wrong = []
+    for module, deps in MODULES.items():
+        if module == "launcher":
+            continue
+        for dep in (d for d in deps if d.startswith("launcher.")):
+            mine, theirs = room(module), room(dep)
+            if mine == theirs:
+                continue
+            if LAYER[theirs] >= LAYER[mine]:
+                wrong.append(f"{module} imports {dep} ({theirs} is not beneath {mine})")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_exactly_one_package_imports_ultralytics():
+    users = {m for m, deps in MODULES.items() if any(d.split(".")[0] == "ultralytics" for d in deps)}
+    assert users and all(m.startswith("launcher.rank.ultralytics") for m in users), sorted(users)
+
+
+def test_planning_imports_no_torch():
+    heavy = [f"{m} imports {d}" for m, deps in MODULES.items() if room(m) in NO_TORCH
+             for d in deps if d.split(".")[0] in ("torch", "ultralytics")]
+    assert not heavy, heavy
+
+
+def test_there_is_no_import_cycle():
+    graph = {m: {d for d in deps if d in MODULES and d != m} for m, deps in MODULES.items()}
+    index, low, stack, on_stack, cycles = {}, {}, [], set(), []
+
+    def visit(v):  # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    assert not cycles, cycles
+
+
+def test_the_launcher_process_never_imports_ultralytics(tmp_path, cache_dir):
+    """Planning and a dry run read Ultralytics' files, never import it: importing it costs seconds, changes torch's
+    thread counts and probes the network."""
+    code = (
+        "import sys\n"
+        "from launcher.cli import main\n"
+        f"sys.argv = ['ddp-launch', 'dry_run=true', 'hydra.run.dir={tmp_path}/run']\n"
+        "try:\n"
+        "    main()\n"
+        "except SystemExit as e:\n"
+        "    assert e.code == 0, e.code\n"
+        "print('LOADED', sorted(m for m in sys.modules if m.split('.')[0] == 'ultralytics'))\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "dry run: nothing started" in r.stdout
+    assert "LOADED []" in r.stdout, r.stdout.splitlines()[-1]
+
+
+def test_the_rank_side_refuses_another_ultralytics_release():
+    code = (
+        "import ultralytics\n"
+        "ultralytics.__version__ = '8.3.0'\n"
+        "import launcher.rank.ultralytics\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0
+    assert "ultralytics 8.3.0 is installed" in r.stderr and "supports exactly 8.4.190" in r.stderr
+
+
+def test_no_module_points_outside_the_repository():
+    outside = [str(p.relative_to(REPO)) for p in PACKAGE.rglob("*.py") if "../shared" in p.read_text()]
+    assert not outside, f"these refer to notes outside the repository: {outside}"

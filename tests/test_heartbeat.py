@@ -1,0 +1,124 @@
+"""The watchdog names a hung rank (rank/heartbeat.py), and a signalled rank that cannot reach a step boundary still
+ends (rank/signals.py): with a fake store, a fake clock and a fake exit, in milliseconds."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+
+import pytest
+
+from launcher.rank.heartbeat import EXIT_HUNG, KEY, Heartbeat
+from launcher.rank.signals import StopSignal
+from launcher.run_folder import RunFolder
+
+
+class FakeStore:
+    """What the heartbeat uses of torch's TCPStore: set, get, check."""
+
+    def __init__(self):
+        self.values: dict[str, str] = {}
+
+    def set(self, key: str, value: str) -> None:
+        self.values[key] = value
+
+    def get(self, key: str) -> bytes:
+        return self.values[key].encode()
+
+    def check(self, keys: list[str]) -> bool:
+        return all(k in self.values for k in keys)
+
+
+class Clock:
+    def __init__(self):
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+@pytest.fixture
+def job(tmp_path):
+    """Three ranks' heartbeats over one store; rank 0's exit is recorded instead of ending the test."""
+    store, clock, exits = FakeStore(), Clock(), []
+    folder = RunFolder(tmp_path)
+    beats = [Heartbeat(store, r, 3, timeout_s=60, folder=folder, clock=clock, exit=exits.append, thread=False)
+             for r in range(3)]
+    return beats, clock, exits, folder
+
+
+def publish(beats):
+    for b in beats:
+        b.publish()
+
+
+def test_a_rank_working_on_one_step_past_the_timeout_while_the_others_wait_is_named(job):
+    beats, clock, exits, folder = job
+    for b in beats:
+        b.working(7)
+    beats[0].waiting(7)
+    beats[2].waiting(7)  # ranks 0 and 2 wait at the step's agreement; rank 1 never gets there
+    clock.t += 61
+    publish(beats)
+    assert beats[0].watch() == [1]
+    assert exits == [EXIT_HUNG]
+    (failure,) = folder.failures()
+    assert failure["rank"] == 1 and failure["step"] == 7 and failure["phase"] == "train"
+    assert "rank 1 made no progress for 61 s (after step 7); rank(s) 0, 2 waited for it" in failure["error"]
+    assert "dist.timeout_s=60" in failure["error"]
+
+
+def test_no_verdict_while_the_ranks_progress_or_before_every_rank_trains(job):
+    beats, clock, exits, _ = job
+    beats[0].publish()
+    assert beats[0].watch() == []  # ranks 1 and 2 have not published yet
+    publish(beats)
+    clock.t += 600
+    assert beats[0].watch() == []  # everyone is still starting (dataset scans, graph capture)
+    for b in beats:
+        b.working(1)
+    clock.t += 59
+    publish(beats)
+    assert beats[0].watch() == []  # within the timeout
+    for b in beats:
+        b.working(2)  # progress resets each rank's clock
+    clock.t += 59
+    publish(beats)
+    assert beats[0].watch() == [] and exits == []
+
+
+def test_validation_batches_count_as_progress(job):
+    beats, clock, exits, _ = job
+    for b in beats:
+        b.working(5)
+    for _ in range(5):  # a long validation: no step for 100 s, but every batch beats
+        clock.t += 20
+        for b in beats:
+            b.working()  # what the validator's on_val_batch_end does
+        publish(beats)
+        assert beats[0].watch() == []
+    assert json.loads(beats[1].store.get(KEY.format(1)))[1] == 5 and exits == []
+
+
+def test_a_signal_without_a_step_boundary_ends_the_rank_after_the_grace(monkeypatch):
+    """Ctrl-C (SIGINT) or SIGTERM to a rank deep in something that never reaches a step boundary: it exits
+    128 + signal after the grace period, without a new checkpoint (torchrun kills what is left after 30 s)."""
+    exited = threading.Event()
+    codes = []
+
+    def fake_exit(code):
+        codes.append(code)
+        exited.set()
+
+    before = signal.getsignal(signal.SIGINT)
+    stop = StopSignal(grace_s=0.05, exit=fake_exit)
+    try:
+        os.kill(os.getpid(), signal.SIGINT)
+        assert stop.signum == signal.SIGINT  # noted at once: the next step boundary would stop cleanly
+        assert exited.wait(5), "the grace period never ended the rank"
+        assert codes == [128 + signal.SIGINT]
+    finally:
+        stop.restore()
+    assert signal.getsignal(signal.SIGINT) is before

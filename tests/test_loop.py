@@ -1,0 +1,164 @@
+"""The training loop and its hooks (rank/loop.py, rank/hooks.py) with fake steps and inputs: the order hooks run
+in, where a resumed loop continues, cleanup after an error, and an early stop that every rank takes (2 gloo ranks)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from launcher.rank import hooks
+from launcher.rank.dist import Comm
+from launcher.rank.loop import Hook, TrainLoop
+from launcher.rank.state import TrainState
+
+
+class FakeStep:
+    def __init__(self, fail_at: int | None = None):
+        self.fail_at, self.seen = fail_at, []
+        self.loss_items = None
+
+    def __call__(self, batch: dict) -> None:
+        if batch["ni"] == self.fail_at:
+            raise RuntimeError("the step failed")
+        self.seen.append(batch["ni"])
+        self.loss_items = {"box_loss": torch.tensor(float(batch["ni"]))}
+
+
+class FakeInputs:
+    def __init__(self, events: list):
+        self.events, self.last_wait = events, 0.0
+
+    def begin_epoch(self, epoch: int, first_step: int) -> None:
+        self.events.append(("begin_epoch", epoch, first_step))
+
+    def next(self, ni: int) -> dict:
+        return {"ni": ni, "im_file": ["a.jpg"]}
+
+    def prefetch(self, ni: int) -> None:
+        self.events.append(("prefetch", ni))
+
+    def close(self) -> None: ...
+
+
+class Record(Hook):
+    def __init__(self, events: list, name: str = "hook"):
+        self.events, self.name = events, name
+
+    def __getattribute__(self, attr):
+        if attr in ("before_train", "before_epoch", "before_step", "after_step", "after_epoch", "after_train"):
+            return lambda loop: self.events.append((self.name, attr, loop.state.epoch, loop.state.step))
+        return super().__getattribute__(attr)
+
+
+def make_loop(events, *, epochs=2, steps=3, state=None, step=None, extra=()):
+    return TrainLoop(step or FakeStep(), FakeInputs(events), state or TrainState(), [Record(events), *extra],
+                     epochs=epochs, steps_per_epoch=steps)
+
+
+def test_hooks_run_around_every_step_and_epoch_and_the_next_batch_is_fetched_during_the_step():
+    events = []
+    loop = make_loop(events, epochs=2, steps=2)
+    loop.run()
+    assert loop.completed and loop.step.seen == [0, 1, 2, 3]
+    assert events == [
+        ("hook", "before_train", 0, 0),
+        ("hook", "before_epoch", 0, 0), ("begin_epoch", 0, 0),
+        ("hook", "before_step", 0, 0), ("prefetch", 1), ("hook", "after_step", 0, 1),
+        ("hook", "before_step", 0, 1), ("hook", "after_step", 0, 2),  # nothing fetched past the epoch's end
+        ("hook", "after_epoch", 0, 2),
+        ("hook", "before_epoch", 1, 0), ("begin_epoch", 1, 0),
+        ("hook", "before_step", 1, 0), ("prefetch", 3), ("hook", "after_step", 1, 1),
+        ("hook", "before_step", 1, 1), ("hook", "after_step", 1, 2),
+        ("hook", "after_epoch", 1, 2),
+        ("hook", "after_train", 1, 2),
+    ]  # fmt: skip
+
+
+def test_a_loop_resumed_mid_epoch_continues_at_its_step_with_the_mean_loss_of_the_steps_before():
+    state = TrainState(epoch=1, step=2, tloss={"box_loss": torch.tensor(10.0)}, tloss_steps=2)
+    loop = make_loop([], epochs=2, steps=3, state=state)
+    loop.run()
+    assert loop.step.seen == [5]  # epoch 1, step 2: the run's sixth step
+    assert float(state.tloss["box_loss"]) == pytest.approx((10.0 * 2 + 5.0) / 3)
+
+
+def test_a_checkpoint_during_an_epochs_end_resumes_at_the_next_epoch_and_after_its_last_step_at_its_end():
+    positions = []
+
+    class Save(Hook):
+        def after_step(self, loop):
+            positions.append(("step", loop.state.position))
+
+        def after_epoch(self, loop):
+            positions.append(("epoch end", loop.state.position))
+
+    make_loop([], epochs=1, steps=2, extra=[Save()]).run()
+    # after the last step: (0, 2), so a run stopped there still does the epoch's end; during it: (1, 0)
+    assert positions == [("step", (0, 1)), ("step", (0, 2)), ("epoch end", (1, 0))]
+    events = []
+    make_loop(events, epochs=1, steps=2, state=TrainState(epoch=0, step=2)).run()
+    assert ("hook", "after_epoch", 0, 2) in events and not any(e[1] == "before_step" for e in events)
+
+
+def test_after_train_runs_for_every_hook_when_a_step_fails_and_when_a_hook_fails():
+    events = []
+
+    class Broken(Hook):
+        def after_train(self, loop):
+            raise OSError("a hook's cleanup failed")
+
+    loop = TrainLoop(FakeStep(fail_at=1), FakeInputs(events), TrainState(), [Broken(), Record(events, "last")],
+                     epochs=1, steps_per_epoch=3)
+    with pytest.raises(OSError, match="cleanup failed") as raised:
+        loop.run()
+    assert isinstance(raised.value.__context__, RuntimeError)  # the step's error is kept as the cause
+    assert ("last", "after_train", 0, 1) in events and not loop.completed
+
+
+def test_an_agreed_stop_ends_the_loop_after_that_epoch():
+    class StopAfterFirst(Hook):
+        def after_epoch(self, loop):
+            loop.state.stop = True
+
+    loop = make_loop([], epochs=5, steps=1, extra=[StopAfterFirst()])
+    loop.run()
+    assert loop.completed and loop.step.seen == [0] and loop.state.epoch == 0
+
+
+# --- an early stop decided on rank 0 and taken by every rank (2 gloo ranks) -----------------------------------------
+FITNESS = [0.50, 0.60, 0.60, 0.55, 0.90, 0.95]  # better at epochs 1 and 2, then none for `patience` epochs
+
+
+class FakeEvaluate(Hook):
+    """What Evaluate leaves in the state: every rank validated, only rank 0 knows the fitness."""
+
+    def __init__(self, rank: int):
+        self.rank = rank
+
+    def after_epoch(self, loop):
+        loop.state.validated_epochs.append(loop.state.epoch + 1)
+        loop.state.fitness = FITNESS[loop.state.epoch] if self.rank == 0 else None
+
+
+def _early_stop_rank(rank: int, init_file: str, out: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    comm = Comm(rank, 2, dist.group.WORLD)
+    loop = TrainLoop(FakeStep(), FakeInputs([]), TrainState(), [
+        FakeEvaluate(rank), hooks.EarlyStop(patience=2, log=print), hooks.AgreeToStop(comm, hooks.NoHeartbeat()),
+    ], epochs=len(FITNESS), steps_per_epoch=2)
+    loop.run()
+    with open(f"{out}.{rank}", "w") as f:
+        json.dump({"epochs": loop.state.epoch + 1, "steps": loop.step.seen}, f)
+    dist.destroy_process_group()
+
+
+@pytest.mark.dist
+def test_an_early_stop_decided_on_rank_0_is_taken_by_every_rank_at_the_same_epoch(tmp_path):
+    out = str(tmp_path / "ranks")
+    mp.start_processes(_early_stop_rank, args=(str(tmp_path / "init"), out), nprocs=2, start_method="spawn")
+    ranks = [json.loads(open(f"{out}.{r}").read()) for r in (0, 1)]
+    assert ranks[0] == ranks[1] == {"epochs": 4, "steps": list(range(8))}  # epoch 4: 2 epochs without a better one

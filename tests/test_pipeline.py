@@ -1,0 +1,95 @@
+"""A rank's input pipeline (rank/data/pipeline.py): one loader iterator for the run, restarted only where it must
+be, batches fetched during the step, and the loader's delay counted as that batch's data wait. Fake loader and
+clock; the CPU path (on CUDA the fetched batch is copied on a side stream, tests/test_gpu.py trains with it)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from launcher.rank.data.pipeline import MAX_TARGETS, TrainInputs, to_device
+
+
+class Clock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+class FakeSampler:
+    def __init__(self):
+        self.starts = []
+
+    def start_at(self, epoch: int, batch: int = 0) -> None:
+        self.starts.append((epoch, batch))
+
+
+class SlowLoader:
+    """A DataLoader whose every batch keeps the host waiting `delay` seconds of the fake clock."""
+
+    def __init__(self, clock: Clock, delay: float):
+        self.clock, self.delay, self.iterators = clock, delay, 0
+
+    def __iter__(self):
+        self.iterators += 1
+        return self._batches()
+
+    def _batches(self):
+        n = 0
+        while True:
+            self.clock.t += self.delay
+            n += 1
+            yield n
+
+
+def inputs(clock, delay=0.3, **kw):
+    loader, sampler = SlowLoader(clock, delay), FakeSampler()
+    prepare = lambda raw, ni: {"raw": raw, "ni": ni}  # noqa: E731
+    return TrainInputs(loader, sampler, torch.device("cpu"), prepare, clock=clock, **kw), loader, sampler
+
+
+def test_a_batch_fetched_during_the_step_carries_the_loaders_delay_as_its_wait():
+    clock = Clock()
+    pipe, _, _ = inputs(clock, delay=0.3)
+    pipe.begin_epoch(0, 0)
+    first = pipe.next(0)
+    assert first == {"raw": 1, "ni": 0} and pipe.last_wait == pytest.approx(0.3)
+    pipe.prefetch(1)  # during step 0: the loader keeps the host 0.3 s...
+    clock.t += 5.0  # ...and the step runs on
+    second = pipe.next(1)
+    assert second == {"raw": 2, "ni": 1} and pipe.last_wait == pytest.approx(0.3)  # ready at once, waited for before
+
+
+def test_without_fetch_ahead_nothing_is_fetched_during_the_step():
+    clock = Clock()
+    pipe, _, _ = inputs(clock, fetch_ahead=False)
+    pipe.begin_epoch(0, 0)
+    pipe.next(0)
+    pipe.prefetch(1)
+    assert pipe.next(1) == {"raw": 2, "ni": 1}
+
+
+def test_one_iterator_serves_the_run_unless_the_dataset_changes_or_workers_are_not_persistent():
+    clock = Clock()
+    pipe, loader, sampler = inputs(clock)
+    for epoch in range(3):
+        pipe.begin_epoch(epoch, 2 if epoch == 0 else 0)
+    assert loader.iterators == 1 and sampler.starts == [(0, 2)]  # resumed at step 2; later epochs run on
+    pipe.prefetch(7)
+    pipe.restart()  # close_mosaic: the old workers' batches (the one fetched ahead too) carry mosaic
+    pipe.begin_epoch(3, 0)
+    assert loader.iterators == 2 and sampler.starts[-1] == (3, 0)
+    assert pipe.next(9)["ni"] == 9
+    transient, loader, sampler = inputs(clock, persistent=False)
+    for epoch in range(3):
+        transient.begin_epoch(epoch, 0)
+    assert loader.iterators == 3 and sampler.starts == [(0, 0), (1, 0), (2, 0)]
+
+
+def test_a_batch_reaches_the_step_scaled_with_its_largest_per_image_target_count():
+    batch = {"img": torch.full((3, 3, 8, 8), 255, dtype=torch.uint8), "batch_idx": torch.tensor([0.0, 2, 2])}
+    out = to_device(batch, torch.device("cpu"), imgsz=8, stride=8)
+    assert out["img"].dtype == torch.float32 and float(out["img"].max()) == 1.0
+    assert out[MAX_TARGETS] == 2  # counted on the host, before the labels moved

@@ -1,0 +1,202 @@
+"""The step's speed settings change how it runs, never what it computes: the fused optimizer and torch.compile."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from launcher.plan import lr
+from launcher.rank.step.optimizer import fused_optimizer
+from tests.test_ddp_equivalence import make_model_and_batch, with_training_loss
+
+
+def _ultralytics_sgd(model: torch.nn.Module) -> torch.optim.SGD:
+    """Ultralytics' three parameter groups: BN weights (no decay), other weights (decay), biases (no decay)."""
+    bn, weights, biases = [], [], []
+    for name, p in model.named_parameters():
+        (biases if name.endswith("bias") else bn if p.ndim == 1 else weights).append(p)
+    opt = torch.optim.SGD(bn, lr=0.01, momentum=0.937, nesterov=True)
+    opt.add_param_group({"params": weights, "weight_decay": 5e-4})
+    opt.add_param_group({"params": biases, "weight_decay": 0.0})
+    return opt
+
+
+def _steps(opt, model, losses) -> dict:
+    """One GradScaler step per loss factor; inf makes that step overflow (GradScaler skips it)."""
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    x = torch.linspace(-1, 1, 32).view(4, 8)
+    for factor in losses:
+        loss = (model(x) ** 2).mean() * factor
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _mlp() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.SiLU(), torch.nn.Linear(16, 2))
+
+
+def test_the_fused_optimizer_keeps_groups_and_hyperparameters():
+    model = _mlp()
+    plain = _ultralytics_sgd(model)
+    fused = fused_optimizer(plain, True, torch.device("cpu"))
+    assert type(fused) is torch.optim.SGD and fused.defaults["fused"] is True
+    assert len(fused.param_groups) == len(plain.param_groups) == 3
+    for a, b in zip(fused.param_groups, plain.param_groups):
+        assert a["params"] == b["params"]
+        assert {k: a[k] for k in ("lr", "momentum", "nesterov", "weight_decay")} == {
+            k: b[k] for k in ("lr", "momentum", "nesterov", "weight_decay")
+        }
+        assert a["fused"] is True and not a["foreach"]
+    assert fused_optimizer(plain, "auto", torch.device("cpu")) is plain, "auto is fused on CUDA only"
+    assert fused_optimizer(plain, False, torch.device("cuda")) is plain
+
+
+@pytest.mark.parametrize("first_step_overflows", [True, False])
+def test_fused_sgd_takes_the_same_steps_as_foreach_sgd_also_after_a_skipped_first_step(first_step_overflows):
+    """The H200 bug: fp16 AMP's first step overflows; fused SGD skipped it with uninitialised momentum buffers."""
+    factors = [float("inf") if first_step_overflows else 1.0, 1.0, 0.5, 2.0, 1.0]
+    model = _mlp()
+    reference = _steps(_ultralytics_sgd(model), model, factors)
+    model = _mlp()
+    fused = fused_optimizer(_ultralytics_sgd(model), True, torch.device("cpu"))
+    result = _steps(fused, model, factors)
+    for k, v in reference.items():
+        assert torch.isfinite(result[k]).all(), k
+        torch.testing.assert_close(result[k], v, rtol=1e-5, atol=1e-6, msg=k)
+    assert any(not torch.equal(v, _mlp().state_dict()[k]) for k, v in result.items()), "nothing was trained"
+
+
+def test_fused_sgd_state_round_trips_through_a_checkpoint():
+    model = _mlp()
+    opt = fused_optimizer(_ultralytics_sgd(model), True, torch.device("cpu"))
+    _steps(opt, model, [1.0, 1.0])
+    again = fused_optimizer(_ultralytics_sgd(model), True, torch.device("cpu"))
+    again.load_state_dict(opt.state_dict())  # a resumed run continues with the saved momentum
+    for p in model.parameters():
+        torch.testing.assert_close(again.state[p]["momentum_buffer"], opt.state[p]["momentum_buffer"])
+
+
+@pytest.mark.slow
+def test_a_compiled_network_takes_the_same_step_as_the_eager_one():
+    """train.compile on the CPU (Inductor's C++ backend): the same loss and the same update, up to rounding."""
+    from launcher.rank.step.train_step import train_step
+    from launcher.rank.step.wrap import compiled
+
+    results = []
+    for mode in (False, True):
+        torch._dynamo.reset()
+        model, batch = make_model_and_batch()
+        with_training_loss(model).train()
+        net = compiled(model, mode)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, nesterov=True)
+        scaler = torch.amp.GradScaler("cpu", enabled=False)
+        losses = [
+            train_step(net, batch, loss_scale=lr.loss_scale(64, 4), optimizer=opt, scaler=scaler, grad_clip=10.0)[0]
+            for _ in range(2)
+        ]
+        bn = next(m for m in model.modules() if isinstance(m, torch.nn.BatchNorm2d))
+        results.append((losses, {k: v.detach().clone() for k, v in model.named_parameters()}, bn.running_mean.clone()))
+    (eager_losses, eager, eager_bn), (comp_losses, comp, comp_bn) = results
+    for a, b in zip(comp_losses, eager_losses):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    for k, v in eager.items():
+        torch.testing.assert_close(comp[k], v, rtol=1e-3, atol=1e-4, msg=k)
+    torch.testing.assert_close(comp_bn, eager_bn, rtol=1e-4, atol=1e-5)  # BatchNorm statistics move inside the graph
+
+
+# --- the optimizer's groups and schedule (rank/ultralytics/build.py, rank/step/optimizer.py) ---------------------
+@pytest.mark.parametrize("name", ["sgd", "adamw"])
+def test_the_parameter_groups_are_ultralytics_own(name):
+    """ddp-launch re-states BaseTrainer.build_optimizer's rule; here it is compared with Ultralytics' own."""
+    from types import SimpleNamespace
+
+    from ultralytics.engine.trainer import BaseTrainer
+
+    from launcher.rank.ultralytics.build import optimizer
+
+    model, _ = make_model_and_batch()
+    ours = optimizer(model, name, lr=0.01, momentum=0.9, weight_decay=5e-4)
+    stand_in = SimpleNamespace(args=SimpleNamespace(lr0=0.01), data={"nc": 3})
+    theirs = BaseTrainer.build_optimizer(stand_in, model, name={"sgd": "SGD", "adamw": "AdamW"}[name], lr=0.01,
+                                         momentum=0.9, decay=5e-4)
+    assert type(ours) is type(theirs)
+    keys = ("lr", "weight_decay", "param_group", "momentum", "nesterov", "betas")
+    assert len(ours.param_groups) == len(theirs.param_groups) == 3
+    for a, b in zip(ours.param_groups, theirs.param_groups):
+        assert [id(p) for p in a["params"]] == [id(p) for p in b["params"]]
+        assert {k: a.get(k) for k in keys} == {k: b.get(k) for k in keys}
+
+
+@pytest.mark.parametrize("cos_lr", [False, True], ids=["linear", "cosine"])
+def test_the_schedule_is_ultralytics_per_epoch_rule_with_its_warmup(cos_lr):
+    import math
+
+    from launcher.rank.step.optimizer import Schedule
+
+    model = _mlp()
+    opt = _ultralytics_sgd(model)
+    for g, kind in zip(opt.param_groups, ("bn", "weight", "bias")):
+        g["param_group"] = kind
+    epochs, lrf = 4, 0.01
+    schedule = Schedule(opt, epochs=epochs, lrf=lrf, cos_lr=cos_lr, warmup_steps=10, warmup_bias_lr=0.1,
+                        warmup_momentum=0.8, momentum=0.937)
+    schedule.start_at(0)
+    seen = []
+    for epoch in range(epochs):
+        schedule.begin_epoch()
+        seen.append(opt.param_groups[0]["lr"])
+    expected = [((1 - math.cos(e * math.pi / epochs)) / 2) * (lrf - 1) + 1 if cos_lr else (1 - e / epochs) * (1 - lrf) + lrf
+                for e in range(epochs)]
+    assert seen == pytest.approx([0.01 * f for f in expected])
+    schedule.start_at(0)
+    schedule.begin_epoch()
+    schedule.warm_up(0, 0)
+    assert [g["lr"] for g in opt.param_groups] == pytest.approx([0.0, 0.0, 0.1])  # bias lr falls from 0.1
+    assert opt.param_groups[0]["momentum"] == pytest.approx(0.8)
+    schedule.warm_up(10, 0)  # the last warmup step lands on the schedule
+    assert [g["lr"] for g in opt.param_groups] == pytest.approx([0.01] * 3)
+    assert opt.param_groups[0]["momentum"] == pytest.approx(0.937)
+
+
+def test_a_restored_optimizer_follows_the_new_plans_lr0():
+    """A resume at another world size has another lr0: the saved optimizer state must not bring the old one back."""
+    from launcher.rank.step.optimizer import Schedule
+
+    model = _mlp()
+    saved = _ultralytics_sgd(model)
+    Schedule(saved, epochs=4, lrf=0.01, cos_lr=False, warmup_steps=0, warmup_bias_lr=0.1, warmup_momentum=0.8,
+             momentum=0.937)
+    _steps(saved, model, [1.0])
+    state = saved.state_dict()
+    moved = _ultralytics_sgd(model)
+    for g in moved.param_groups:
+        g["lr"] = 0.02  # this plan's lr0 (twice the world size)
+    schedule = Schedule(moved, epochs=4, lrf=0.01, cos_lr=False, warmup_steps=0, warmup_bias_lr=0.1,
+                        warmup_momentum=0.8, momentum=0.937)
+    moved.load_state_dict(state)  # brings initial_lr 0.01 back
+    schedule.start_at(2)
+    schedule.begin_epoch()
+    assert moved.param_groups[0]["lr"] == pytest.approx(0.02 * ((1 - 2 / 4) * 0.99 + 0.01))
+
+
+def test_a_checkpoint_of_the_earlier_layout_is_read_by_component():
+    """Checkpoints written before the components had their own parts hold one flat resume dict."""
+    from launcher.rank.state import TrainState, upgrade
+
+    flat = {"position": (2, 5), "model": {"w": 1}, "ema": {"w": 2}, "ema_updates": 7, "optimizer": {}, "scaler": {},
+            "fitness": 0.4, "fitness_epoch": 2, "validated_epochs": [1, 2], "metrics": {"m": 1.0},
+            "tloss": {"box_loss": 1.5}, "tloss_steps": 5, "world_size": 2, "global_batch": 16}
+    state = upgrade({"ddp_launch_state": flat, "best_fitness": 0.45, "stopper": {"best_fitness": 0.45, "best_epoch": 2}})
+    assert state["ema"] == {"weights": {"w": 2}, "updates": 7}
+    assert state["early_stop"] == {"best_fitness": 0.45, "best_epoch": 2}
+    train = TrainState()
+    train.load_state_dict(state["train"])
+    assert (train.epoch, train.step, train.best_fitness, train.tloss_steps) == (2, 5, 0.45, 5)
+    again = TrainState()
+    again.load_state_dict(train.state_dict())
+    assert again.state_dict() == train.state_dict()
