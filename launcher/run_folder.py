@@ -143,6 +143,15 @@ class RunFolder:
             os.replace(self.plan_file, self.path / keep_as)
         atomic_write_bytes(self.plan_file, json.dumps(plan.to_dict(), indent=2).encode())
 
+    def replan(self, cfg: dict, plan: LaunchPlan) -> None:
+        """A resume on another topology: the new config and plan; the ones they replace kept as config.prev.yaml and
+        plan.prev.json."""
+        from omegaconf import OmegaConf
+
+        os.replace(self.config_file, self.path / "config.prev.yaml")
+        OmegaConf.save(OmegaConf.create(cfg), self.config_file)
+        self.write_plan(plan, keep_as="plan.prev.json")
+
     def load(self) -> tuple[dict, LaunchPlan]:
         """(resolved config, plan) as the launcher wrote them."""
         from omegaconf import OmegaConf

@@ -1,15 +1,12 @@
-"""DataParallel: only the images are scattered; the loss on the gathered predictions is the single-process loss."""
+"""DataParallel: only the images are scattered; the loss on the gathered predictions is the single-process loss.
+(On GPUs: tests/test_gpu.py; a DataParallel run end to end on the CPU: the dist.fallback=dp test of test_faults.py.)"""
 
 from __future__ import annotations
 
-import json
-
-import pytest
 import torch
 
 from launcher.rank.step.train_step import train_step
 from launcher.rank.step.wrap import unwrap
-from tests.conftest import TINY, ddp_launch, run_dir_of
 from tests.test_ddp_equivalence import make_model_and_batch, with_training_loss
 
 
@@ -64,12 +61,3 @@ def test_a_step_through_the_replicas_is_the_single_process_step():
         results.append({k: v.detach().clone() for k, v in model.named_parameters()})
     for k in results[0]:
         torch.testing.assert_close(results[1][k], results[0][k], rtol=1e-4, atol=1e-6, msg=k)
-
-
-@pytest.mark.slow
-def test_dataparallel_over_one_device_trains_end_to_end(tmp_path, cache_dir):
-    r = ddp_launch(["gpus=0", "mode=dp", "train.epochs=2", *TINY], cwd=tmp_path)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    summary = json.loads((run_dir_of(r) / "summary.json").read_text())
-    assert summary["mode"] == "dp" and summary["epochs_completed"] == 2 and summary["world_size"] == 1
-    assert "DataParallel over one device" in r.stdout

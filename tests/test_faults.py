@@ -103,10 +103,12 @@ def test_a_truncated_last_checkpoint_is_reported_and_the_previous_one_used(tmp_p
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
-def test_a_signal_to_the_launcher_checkpoints_and_exits_128_plus_it_without_orphans(tmp_path, cache_dir, signum):
+def test_a_signal_to_the_launcher_checkpoints_exits_128_plus_it_and_the_run_resumes(tmp_path, cache_dir, signum):
     """SIGTERM (a scheduler, kill) and SIGINT (Ctrl-C) take the same path: every rank finishes its step, rank 0
-    saves where the run stands, ddp-launch exits 128 + the signal and the run resumes to its end."""
-    run, epochs = tmp_path / "run", 6
+    saves where the run stands, ddp-launch exits 128 + the signal, no process is left, and the run resumes to its
+    end: on the same ranks (SIGTERM), or on one rank (SIGINT, `resume=RUN_DIR nproc=1`), where the plan is made again
+    and the interrupted epoch starts again."""
+    run, epochs = tmp_path / "run", 4
     exe = str(Path(os.environ.get("VIRTUAL_ENV", "")) / "bin" / "ddp-launch")
     exe = exe if os.path.exists(exe) else "ddp-launch"
     proc = subprocess.Popen(
@@ -115,23 +117,36 @@ def test_a_signal_to_the_launcher_checkpoints_and_exits_128_plus_it_without_orph
     )
     log = run / "logs" / "rank0.log"
     deadline = time.monotonic() + 300
-    while time.monotonic() < deadline and not (log.exists() and f"epoch 2/{epochs}" in log.read_text()):
-        time.sleep(0.2)
+    while time.monotonic() < deadline and not (log.exists() and f"epoch 2/{epochs} step 2/4" in log.read_text()):
+        time.sleep(0.1)
     assert log.exists(), "the run did not start"
     proc.send_signal(signum)
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 128 + signum, out[-3000:]
     assert f"got {signal.Signals(signum).name}" in out and f"Continue with: ddp-launch resume={run}" in out
     assert summary(run)["status"] == "stopped"
-    assert "checkpoint saved at epoch" in log.read_text()
     assert not leftovers(run) and not temporaries(run)
-    ckpt = torch.load(run / "weights" / "last.pt", map_location="cpu", weights_only=False)
-    assert ckpt["ddp_launch_state"]["train"]["position"] >= (1, 0)
-    if signum == signal.SIGINT:
-        return  # the resume below is the same for both
-    r = ddp_launch([f"resume={run}"], cwd=tmp_path, timeout=900)
-    assert r.returncode == 0, r.stdout[-3000:]
-    assert summary(run)["epochs_completed"] == epochs
+    state = torch.load(run / "weights" / "last.pt", map_location="cpu", weights_only=False)["ddp_launch_state"]
+    epoch, step = state["train"]["position"]  # after the step that was logged (or, past the epoch's end, in the next)
+    assert (epoch, step) > (1, 2) and step >= 1  # a stop is agreed after a step, never at an epoch's end
+    assert f"checkpoint saved at epoch {epoch + 1} step {step + 1}" in log.read_text()
+    if signum == signal.SIGTERM:
+        r = ddp_launch([f"resume={run}"], cwd=tmp_path, timeout=900)
+        assert r.returncode == 0, r.stdout[-3000:]
+        assert summary(run)["epochs_completed"] == epochs
+        return
+    r = ddp_launch([f"resume={run}", "nproc=1"], cwd=tmp_path, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "world size 1, global batch 8" in r.stdout
+    log = log.read_text()
+    assert f"world size changed (2 -> 1): restarting epoch {epoch + 1}" in log and f"at epoch {epoch + 1}, step 1" in log
+    s = summary(run)
+    assert (s["world_size"], s["global_batch"], s["epochs_completed"]) == (1, 8, epochs)
+    assert json.loads((run / "plan.prev.json").read_text())["world_size"] == 2
+    rows = (run / "results.csv").read_text().strip().splitlines()[1:]
+    assert [int(float(row.split(",")[0])) for row in rows] == list(range(1, epochs + 1))
+    refused = ddp_launch([f"resume={run}", "train.epochs=9"], cwd=tmp_path, timeout=120)
+    assert refused.returncode == 2 and "train.epochs cannot change" in refused.stderr
 
 
 def test_a_stop_on_an_epochs_last_step_still_ends_that_epoch_after_resume(tmp_path, cache_dir):
@@ -188,23 +203,3 @@ def test_with_dist_fallback_dp_a_process_group_that_cannot_start_falls_back_to_d
     assert (s["status"], s["mode"], s["world_size"], s["epochs_completed"]) == ("finished", "dp", 1, 1)
     assert json.loads((run / "plan.ddp-failed.json").read_text())["mode"] == "ddp"
     assert not leftovers(run)
-
-
-def test_a_run_resumed_on_fewer_ranks_restarts_the_interrupted_epoch_with_the_new_plan(tmp_path, cache_dir):
-    """resume=RUN_DIR nproc=1: the plan is made again for one rank (global batch, lr0, warmup follow), and the
-    epoch the stop interrupted starts again (its shards differ at another world size)."""
-    run = tmp_path / "run"
-    r = launch(run, fault="rank=0,step=6,kind=sigterm")  # step 2 of epoch 2
-    assert r.returncode != 0
-    r = ddp_launch([f"resume={run}", "nproc=1"], cwd=tmp_path, timeout=600)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert "world size 1, global batch 8" in r.stdout
-    log = (run / "logs" / "rank0.log").read_text()
-    assert "world size changed (2 -> 1): restarting epoch 2" in log and "at epoch 2, step 1" in log
-    s = summary(run)
-    assert (s["world_size"], s["global_batch"], s["epochs_completed"]) == (1, 8, EPOCHS)
-    assert json.loads((run / "plan.prev.json").read_text())["world_size"] == 2
-    rows = (run / "results.csv").read_text().strip().splitlines()[1:]
-    assert [int(float(row.split(",")[0])) for row in rows] == [1, 2, 3]
-    refused = ddp_launch([f"resume={run}", "train.epochs=9"], cwd=tmp_path, timeout=120)
-    assert refused.returncode == 2 and "train.epochs cannot change" in refused.stderr

@@ -54,6 +54,35 @@ def test_a_cuda_graph_step_takes_the_same_step_as_the_eager_one():
     assert graph_gap <= max(10 * eager_spread, 1e-3)
 
 
+def test_a_compiled_network_takes_the_same_step_as_the_eager_one():
+    """train.compile (Inductor): the same losses and the same update as eager, as close as two eager runs are."""
+    from launcher.plan import lr
+    from launcher.rank.step.train_step import train_step
+    from launcher.rank.step.wrap import compiled
+
+    results = []
+    for mode in (False, False, True):  # two eager runs: how far cuDNN's own choices move the weights
+        torch._dynamo.reset()
+        model, batch = make_model_and_batch()
+        model, batch = model.cuda(), _on_cuda(batch)
+        with_training_loss(model).train()
+        net = compiled(model, mode)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, nesterov=True)
+        scaler = torch.amp.GradScaler("cuda", enabled=False)
+        losses = [float(train_step(net, batch, loss_scale=lr.loss_scale(64, 4), optimizer=opt, scaler=scaler,
+                                   grad_clip=10.0)[0]) for _ in range(2)]
+        bn = next(m for m in model.modules() if isinstance(m, torch.nn.BatchNorm2d))
+        results.append((losses, {k: v.detach().clone() for k, v in model.named_parameters()}, bn.running_mean.clone()))
+
+    def distance(a, b):
+        return max(((a[k] - b[k]).abs().max() / (b[k].abs().max() + 1e-12)).item() for k in b)
+
+    (eager_losses, eager, eager_bn), (_, again, _), (comp_losses, comp, comp_bn) = results
+    assert comp_losses == pytest.approx(eager_losses, rel=1e-3)
+    assert distance(comp, eager) <= max(10 * distance(again, eager), 1e-3)
+    torch.testing.assert_close(comp_bn, eager_bn, rtol=1e-3, atol=1e-4)  # BatchNorm statistics move inside the graph
+
+
 def test_one_gpu_trains_with_every_lever_on(tmp_path, cache_dir):
     levers = ["train.cuda_graphs=true", "loader.gpu_augment=true", "train.cache=shared", "mode=ddp", "gpus=1"]  # fused, bound
     r = ddp_launch([*TINY, "train.epochs=3", *levers], cwd=tmp_path)

@@ -12,6 +12,7 @@ import torch.multiprocessing as mp
 
 from launcher.rank import hooks
 from launcher.rank.dist import Comm
+from launcher.rank.heartbeat import NoHeartbeat
 from launcher.rank.loop import Hook, TrainLoop
 from launcher.rank.state import TrainState
 
@@ -148,7 +149,7 @@ def _early_stop_rank(rank: int, init_file: str, out: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     comm = Comm(rank, 2, dist.group.WORLD)
     loop = TrainLoop(FakeStep(), FakeInputs([]), TrainState(), [
-        FakeEvaluate(rank), hooks.EarlyStop(patience=2, log=print), hooks.AgreeToStop(comm, hooks.NoHeartbeat()),
+        FakeEvaluate(rank), hooks.EarlyStop(patience=2, log=print), hooks.AgreeToStop(comm, NoHeartbeat()),
     ], epochs=len(FITNESS), steps_per_epoch=2)
     loop.run()
     with open(f"{out}.{rank}", "w") as f:

@@ -46,12 +46,19 @@ def test_ci_runs_the_readme_test_command():
     assert FRESH_MACHINE[1] in ci.splitlines()
 
 
-@pytest.mark.slow
-def test_the_main_job_runs_as_written(tmp_path, cache_dir):
+@pytest.fixture(scope="module")
+def main_job(tmp_path_factory, cache_dir):
+    """The README's first command, as written: the built-in default."""
     command = FRESH_MACHINE[0].rsplit("&& ", 1)[1]
     assert command == "ddp-launch"
-    result = ddp_launch(shlex.split(command)[1:], cwd=tmp_path, timeout=1500)
+    result = ddp_launch(shlex.split(command)[1:], cwd=tmp_path_factory.mktemp("main-job"), timeout=1500)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result
+
+
+@pytest.mark.slow
+def test_the_main_job_runs_as_written(main_job):
+    result = main_job
     summary = json.loads((run_dir_of(result) / "summary.json").read_text())
     assert summary["map50"] > 0.3  # it learned: the shapes are easy
     assert re.search(r"mAP50 0\.\d+\s+mAP50-95 0\.\d+", result.stdout)
@@ -96,17 +103,22 @@ def test_the_commands_run_elsewhere_are_in_the_readme():
     assert set(RUN_ELSEWHERE) <= set(readme_commands("ddp-launch"))
 
 
+@pytest.mark.slow
+def test_resume_of_the_finished_main_job_says_so_and_exits_0(main_job, tmp_path):
+    """`ddp-launch resume=RUN_DIR`, the README's placeholder made real: a finished run is not trained again."""
+    run_dir = run_dir_of(main_job)
+    before = (run_dir / "summary.json").read_text()
+    result = ddp_launch([f"resume={run_dir}"], cwd=tmp_path, timeout=300)
+    assert result.returncode == 0 and "already finished" in result.stdout, result.stdout + result.stderr
+    assert (run_dir / "summary.json").read_text() == before
+
+
 @pytest.mark.parametrize(
-    "command", [c for c in readme_commands("ddp-launch") if c != "ddp-launch" and c not in RUN_ELSEWHERE]
+    "command",
+    [c for c in readme_commands("ddp-launch") if c != "ddp-launch" and c not in RUN_ELSEWHERE and "resume=RUN_DIR" not in c],
 )
 def test_every_other_readme_command(command, tmp_path, cache_dir):
     args = shlex.split(command)[1:]
-    if "resume=RUN_DIR" in args:  # the README's placeholder: a real (finished) run of this machine
-        first = ddp_launch(["train.epochs=1", "train.imgsz=64", "data.synthetic.train_images=64"], cwd=tmp_path)
-        assert first.returncode == 0, first.stdout[-2000:]
-        result = ddp_launch([f"resume={run_dir_of(first)}"], cwd=tmp_path, timeout=300)
-        assert result.returncode == 0 and "already finished" in result.stdout, result.stdout + result.stderr
-        return
     if needs_this_machine_lacks(command):
         if "data=custom" in command:  # the README's placeholder path, made real
             args = [a for a in args if not a.startswith("data.path=")] + [f"data.path={_custom_yaml(tmp_path)}"]

@@ -174,8 +174,8 @@ def test_a_finished_run_submitted_again_is_done_not_an_error(finished_run, clust
 
 
 # --- preemption: signal, checkpoint, requeue, resume --------------------------------------------------------------------
-# 16 steps per epoch, signalled at step 2 of epoch 2: the stop lands mid-epoch, well before the epoch's last step.
-REQUEUE_EPOCHS, REQUEUE_DATA = 4, ("data.synthetic.train_images=256",)
+# 8 steps per epoch, signalled at step 2 of epoch 2: the stop lands mid-epoch, well before the epoch's last step.
+REQUEUE_EPOCHS, REQUEUE_DATA = 3, ("data.synthetic.train_images=128",)
 
 
 def test_a_signalled_job_checkpoints_requeues_and_resumes_to_the_configured_epochs(tmp_path, cluster, cache_dir):

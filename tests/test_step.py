@@ -1,13 +1,13 @@
-"""The step's speed settings change how it runs, never what it computes: the fused optimizer and torch.compile."""
+"""The step's optimizer: the fused kernel changes how it runs, never what it computes; the parameter groups and the
+schedule are Ultralytics'; a checkpoint's state is read back by component. (torch.compile: tests/test_gpu.py.)"""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from launcher.plan import lr
 from launcher.rank.step.optimizer import fused_optimizer
-from tests.test_ddp_equivalence import make_model_and_batch, with_training_loss
+from tests.test_ddp_equivalence import make_model_and_batch
 
 
 def _ultralytics_sgd(model: torch.nn.Module) -> torch.optim.SGD:
@@ -81,57 +81,7 @@ def test_fused_sgd_state_round_trips_through_a_checkpoint():
         torch.testing.assert_close(again.state[p]["momentum_buffer"], opt.state[p]["momentum_buffer"])
 
 
-@pytest.mark.slow
-def test_a_compiled_network_takes_the_same_step_as_the_eager_one():
-    """train.compile on the CPU (Inductor's C++ backend): the same loss and the same update, up to rounding."""
-    from launcher.rank.step.train_step import train_step
-    from launcher.rank.step.wrap import compiled
-
-    results = []
-    for mode in (False, True):
-        torch._dynamo.reset()
-        model, batch = make_model_and_batch()
-        with_training_loss(model).train()
-        net = compiled(model, mode)
-        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, nesterov=True)
-        scaler = torch.amp.GradScaler("cpu", enabled=False)
-        losses = [
-            train_step(net, batch, loss_scale=lr.loss_scale(64, 4), optimizer=opt, scaler=scaler, grad_clip=10.0)[0]
-            for _ in range(2)
-        ]
-        bn = next(m for m in model.modules() if isinstance(m, torch.nn.BatchNorm2d))
-        results.append((losses, {k: v.detach().clone() for k, v in model.named_parameters()}, bn.running_mean.clone()))
-    (eager_losses, eager, eager_bn), (comp_losses, comp, comp_bn) = results
-    for a, b in zip(comp_losses, eager_losses):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
-    for k, v in eager.items():
-        torch.testing.assert_close(comp[k], v, rtol=1e-3, atol=1e-4, msg=k)
-    torch.testing.assert_close(comp_bn, eager_bn, rtol=1e-4, atol=1e-5)  # BatchNorm statistics move inside the graph
-
-
-# --- the optimizer's groups and schedule (rank/ultralytics/build.py, rank/step/optimizer.py) ---------------------
-@pytest.mark.parametrize("name", ["sgd", "adamw"])
-def test_the_parameter_groups_are_ultralytics_own(name):
-    """ddp-launch re-states BaseTrainer.build_optimizer's rule; here it is compared with Ultralytics' own."""
-    from types import SimpleNamespace
-
-    from ultralytics.engine.trainer import BaseTrainer
-
-    from launcher.rank.ultralytics.build import optimizer
-
-    model, _ = make_model_and_batch()
-    ours = optimizer(model, name, lr=0.01, momentum=0.9, weight_decay=5e-4)
-    stand_in = SimpleNamespace(args=SimpleNamespace(lr0=0.01), data={"nc": 3})
-    theirs = BaseTrainer.build_optimizer(stand_in, model, name={"sgd": "SGD", "adamw": "AdamW"}[name], lr=0.01,
-                                         momentum=0.9, decay=5e-4)
-    assert type(ours) is type(theirs)
-    keys = ("lr", "weight_decay", "param_group", "momentum", "nesterov", "betas")
-    assert len(ours.param_groups) == len(theirs.param_groups) == 3
-    for a, b in zip(ours.param_groups, theirs.param_groups):
-        assert [id(p) for p in a["params"]] == [id(p) for p in b["params"]]
-        assert {k: a.get(k) for k in keys} == {k: b.get(k) for k in keys}
-
-
+# --- the schedule (rank/step/optimizer.py) ----------------------------------------------------------------------
 @pytest.mark.parametrize("cos_lr", [False, True], ids=["linear", "cosine"])
 def test_the_schedule_is_ultralytics_per_epoch_rule_with_its_warmup(cos_lr):
     import math

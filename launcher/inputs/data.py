@@ -1,7 +1,7 @@
-"""Find the dataset, check it before any rank starts, and write the data YAML the ranks train on.
+"""Find the dataset, check it before any rank starts, and describe the data YAML the ranks train on.
 
-Every dataset ends up as `<run>/data.yaml` with an absolute `path`, absolute splits, and no `download:` key, so
-Ultralytics has nothing to guess and nothing to fetch. A missing dataset is an error that names the path and the
+Every dataset's `spec` has an absolute `path`, absolute splits, and no `download:` key; the run folder keeps it as
+`<run>/data.yaml` (run_folder.py), so Ultralytics has nothing to guess and nothing to fetch. A missing dataset is an error that names the path and the
 key to set; a `download:` script runs only when the user sets data.allow_download=true.
 """
 
@@ -161,8 +161,3 @@ def resolve_data(data_cfg: dict, base_dir: Path, *, generate: bool = True) -> tu
     if not yaml_path.is_file():
         return None, [Problem(f"data.path={path!r}: no such file ({yaml_path})", environment=True)]
     return _from_yaml(name, yaml_path, data_cfg.get("root"), allow, count=True)
-
-
-def write_data_yaml(info: DatasetInfo, path: Path) -> Path:
-    path.write_text(yaml.safe_dump(info.spec, sort_keys=False))
-    return path

@@ -6,6 +6,8 @@ cannot run), then the dataset, then the full plan. A dry run prints the plan and
 
 from __future__ import annotations
 
+import copy
+import shutil
 from pathlib import Path
 
 from launcher.inputs.data import resolve_data
@@ -75,8 +77,6 @@ def resume(run_dir: Path, overrides: dict, fresh_dir: Path | None = None) -> int
     folder = RunFolder(Path(run_dir).expanduser().resolve())
     if fresh_dir is not None and fresh_dir != folder.path and fresh_dir.is_dir():
         if not any(p for p in fresh_dir.iterdir() if p.name != ".hydra"):
-            import shutil
-
             shutil.rmtree(fresh_dir)
     cfg, plan = folder.load()
     overrides = {k: v for k, v in overrides.items() if _select(cfg, k) != v}  # what really changes
@@ -110,13 +110,7 @@ def _select(cfg: dict, key: str):
 
 
 def _replan(cfg: dict, overrides: dict, env, folder: RunFolder):
-    """The run's config with the topology overrides, planned for this machine; written back to the run folder (the
-    replaced config and plan kept as config.prev.yaml and plan.prev.json)."""
-    import copy
-    import os
-
-    from omegaconf import OmegaConf
-
+    """The run's config with the topology overrides, planned for this machine, and written into the run folder."""
     moved = copy.deepcopy(cfg)
     for key, value in overrides.items():
         node = moved
@@ -130,8 +124,6 @@ def _replan(cfg: dict, overrides: dict, env, folder: RunFolder):
     errors, _ = check_plan(problems + data_problems, dry_run=False)
     if errors:
         raise PlanError(errors)
-    os.replace(folder.config_file, folder.path / "config.prev.yaml")
-    OmegaConf.save(OmegaConf.create(moved), folder.config_file)
-    folder.write_plan(plan, keep_as="plan.prev.json")
+    folder.replan(moved, plan)
     say(describe(plan, None, data))
     return moved, plan

@@ -7,9 +7,11 @@ result, so tests build `Hardware(...)` by hand instead of patching NVML.
 
 from __future__ import annotations
 
+import ctypes.util
 import importlib.util
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from launcher.inputs.ultralytics_files import SUPPORTED_VERSION, installed_version
 
@@ -110,10 +112,14 @@ def _gpus_from_nvml() -> tuple[tuple[Gpu, ...], str]:
         pynvml.nvmlShutdown()
 
 
-def detect() -> Hardware:
-    """Look at this node. NVML first (it needs no CUDA context); torch's count if NVML is absent."""
-    import torch.distributed as dist
+def _cuda_driver_present() -> bool:
+    """Whether a CUDA driver library could be loaded here (without loading it, or torch)."""
+    return ctypes.util.find_library("cuda") is not None or any(Path("/dev").glob("nvidia[0-9]*"))
 
+
+def detect() -> Hardware:
+    """Look at this node. NVML first (it needs no CUDA context); torch's count if NVML is absent but a CUDA driver is
+    there. A machine with neither never imports torch here: planning stays fast (a dry run, a refusal)."""
     notes: list[str] = []
     gpus: tuple[Gpu, ...] = ()
     driver = ""
@@ -121,24 +127,33 @@ def detect() -> Hardware:
         gpus, driver = _gpus_from_nvml()
     except Exception as e:  # no driver, no library: a CPU machine, or a container without the NVIDIA runtime
         notes.append(f"NVML unavailable ({type(e).__name__}: {e})")
-        try:
-            import torch
+        if not _cuda_driver_present():
+            notes.append("no CUDA driver library")
+        else:
+            try:
+                import torch
 
-            if torch.cuda.is_available():
-                gpus = tuple(
-                    Gpu(i, torch.cuda.get_device_name(i), torch.cuda.get_device_properties(i).total_memory / 2**30)
-                    for i in range(torch.cuda.device_count())
-                )
-            else:
-                notes.append("torch.cuda.is_available() is False")
-        except Exception as e2:
-            notes.append(f"torch.cuda unavailable ({type(e2).__name__}: {e2})")
+                if torch.cuda.is_available():
+                    gpus = tuple(
+                        Gpu(i, torch.cuda.get_device_name(i), torch.cuda.get_device_properties(i).total_memory / 2**30)
+                        for i in range(torch.cuda.device_count())
+                    )
+                else:
+                    notes.append("torch.cuda.is_available() is False")
+            except Exception as e2:
+                notes.append(f"torch.cuda unavailable ({type(e2).__name__}: {e2})")
     return Hardware(
         gpus=gpus,
         cpu_count=usable_cpu_count(),
-        nccl_available=dist.is_available() and dist.is_nccl_available(),
+        nccl_available=bool(gpus) and _nccl_available(),
         triton_available=importlib.util.find_spec("triton") is not None,
         driver=driver,
         notes=tuple(notes) if not gpus else (),
         ultralytics_version=installed_version(),
     )
+
+
+def _nccl_available() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_nccl_available()

@@ -29,8 +29,7 @@ from launcher.rank.data.raw_batches import RawTrainDataset
 from launcher.rank.data.sampler import EpochBatchSampler, EpochSeededDataset, sample_seed, worker_init
 from launcher.rank.dist import Comm, rank_info
 from launcher.rank.faults import FaultInjector
-from launcher.rank.heartbeat import Heartbeat
-from launcher.rank.hooks import NoHeartbeat
+from launcher.rank.heartbeat import Heartbeat, NoHeartbeat
 from launcher.rank.state import Checkpointer, ModuleState, TrainState, upgrade
 from launcher.rank.step.graphed import GraphedDetector
 from launcher.rank.step.optimizer import Schedule, fused_optimizer

@@ -81,3 +81,13 @@ class Heartbeat:
             self.folder.record_failure(r, f"hung: {message}", phase="train", when=states[r][2], step=step)
         self._exit(EXIT_HUNG)
         return stuck
+
+
+class NoHeartbeat:
+    """A single process has nobody to watch it."""
+
+    def working(self, step: int | None = None) -> None: ...
+
+    def waiting(self, step: int | None = None) -> None: ...
+
+    def close(self) -> None: ...

@@ -1,4 +1,4 @@
-"""The work around a training step, one hook per job (rank/loop.py runs them; rank/build.py orders them).
+"""The work around a training step, one hook per job (rank/loop.py runs them; rank/runs.py orders them).
 
 Hooks share the loop's TrainState (position, loss, metrics, stop) and get everything else at construction. A hook
 that talks to the other ranks does so at the same point on every rank, and marks itself "waiting" in the heartbeat
@@ -20,16 +20,6 @@ from launcher.rank.metrics import results
 from launcher.rank.signals import StopSignal
 
 INPUT_BOUND = 0.10  # data wait above this share of step time: the GPU is starved
-
-
-class NoHeartbeat:
-    """A single process has nobody to watch it."""
-
-    def working(self, step=None) -> None: ...
-
-    def waiting(self, step=None) -> None: ...
-
-    def close(self) -> None: ...
 
 
 def clear_memory(device: torch.device, threshold: float | None = None) -> None:

@@ -26,6 +26,10 @@ from __future__ import annotations
 
 import time
 
+import psutil
+import torch
+from torch.profiler import ProfilerActivity, profile
+
 from launcher.plan.plan import LaunchPlan
 from launcher.rank import checkpoint_io
 from launcher.rank import hooks as h
@@ -109,8 +113,6 @@ def bench_cell(cfg: dict, plan: LaunchPlan, folder: RunFolder) -> dict | None:
     """One ddp-bench cell: the training run's step and input pipeline, `bench.warmup_steps + bench.steps` steps
     metered (the sampler runs on across epochs; no validation, no checkpoint), then the same step on batches held on
     the device (the data-free ceiling). Rank 0 writes cell.json with every rank's figures."""
-    import psutil
-
     r = Rank(cfg, plan, folder, validation=False)
     try:
         bench = cfg["bench"]
@@ -120,7 +122,7 @@ def bench_cell(cfg: dict, plan: LaunchPlan, folder: RunFolder) -> dict | None:
         hooks = [h.Meter(meter, r.inputs, monitor), h.Heartbeat(r.heartbeat), cpu,
                  h.StopOnSignal(r.comm, r.heartbeat, r.inputs, log=r.log),
                  _BenchProgress(warmup + steps, r.log) if r.rank == 0 else None]
-        r.net.train()
+        build.train_mode(r.net, r.frozen)
         loop = TrainLoop(r.step, r.inputs, r.state, [x for x in hooks if x is not None], epochs=1,
                          steps_per_epoch=warmup + steps)
         loop.run()
@@ -212,7 +214,6 @@ class _BenchProgress(Hook):
 def _ceiling(r: Rank, n_batches: int, steps: int, profile: bool) -> float:
     """images/s of the same step on `n_batches` real batches already on the device, cycled. The loader's workers
     stop first: still prefetching, they would compete with the step for the cores."""
-    import torch
 
     def sync():
         if r.device.type == "cuda":
@@ -235,7 +236,6 @@ def _ceiling(r: Rank, n_batches: int, steps: int, profile: bool) -> float:
 
 def _profile(r: Rank, batches: list[dict], sync, steps: int = 10) -> None:
     """torch.profiler over a few data-free steps: where the step's time goes (bench.profile=true)."""
-    from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if r.device.type == "cuda" else [])
     with profile(activities=activities) as prof:

@@ -13,7 +13,7 @@ Reaches into internals, each in one place:
   BaseDataset and Mosaic.buffer_enabled (the node-shared cache, loader.mosaic_buffer); imread and load_image's
   resize rule (the cache's pixels).
 - build.py: BaseTrainer.build_optimizer's parameter groups, DetectionTrainer's class weights and model attributes,
-  and DetectionValidator._check_max_det, each re-stated; the frozen-layer rule of BaseTrainer._setup_train.
+  and the frozen-layer rule of BaseTrainer._setup_train, each re-stated; DetectionValidator._check_max_det called.
 - checkpoint.py: BaseTrainer.save_model's checkpoint keys.
 - baseline.py: BaseTrainer.read_results_csv and check_amp replaced for the benchmark's baseline cell.
 

@@ -1,0 +1,48 @@
+"""Where rank/ultralytics/ re-states a rule of Ultralytics' trainer instead of calling it, the two agree: the optimizer's
+parameter groups."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.test_ddp_equivalence import make_model_and_batch
+
+
+@pytest.mark.parametrize("name", ["sgd", "adamw"])
+def test_the_parameter_groups_are_ultralytics_own(name):
+    """ddp-launch re-states BaseTrainer.build_optimizer's rule; here it is compared with Ultralytics' own."""
+    from types import SimpleNamespace
+
+    from ultralytics.engine.trainer import BaseTrainer
+
+    from launcher.rank.ultralytics.build import optimizer
+
+    model, _ = make_model_and_batch()
+    ours = optimizer(model, name, lr=0.01, momentum=0.9, weight_decay=5e-4)
+    stand_in = SimpleNamespace(args=SimpleNamespace(lr0=0.01), data={"nc": 3})
+    theirs = BaseTrainer.build_optimizer(stand_in, model, name={"sgd": "SGD", "adamw": "AdamW"}[name], lr=0.01,
+                                         momentum=0.9, decay=5e-4)
+    assert type(ours) is type(theirs)
+    keys = ("lr", "weight_decay", "param_group", "momentum", "nesterov", "betas")
+    assert len(ours.param_groups) == len(theirs.param_groups) == 3
+    for a, b in zip(ours.param_groups, theirs.param_groups):
+        assert [id(p) for p in a["params"]] == [id(p) for p in b["params"]]
+        assert {k: a.get(k) for k in keys} == {k: b.get(k) for k in keys}
+
+
+def test_the_class_weights_are_ultralytics_own():
+    """cls_pw > 0: inverse class frequency to that power, classes without labels at the mean, normalised to mean 1."""
+    from types import SimpleNamespace
+
+    import numpy as np
+    from ultralytics.models.yolo.detect import DetectionTrainer
+
+    from launcher.rank.ultralytics.build import class_weights
+
+    labels = [{"cls": np.array([[0.0], [0.0], [2.0]])}, {"cls": np.array([[0.0], [3.0]])}]  # class 1 has none
+    model, _ = make_model_and_batch()
+    hyp = SimpleNamespace(cls_pw=0.5)
+    class_weights(model, hyp, labels, nc=4)
+    counts = np.bincount(np.concatenate([lb["cls"].flatten() for lb in labels]).astype(int), minlength=4).astype(np.float32)
+    theirs = DetectionTrainer.compute_class_weights(SimpleNamespace(args=hyp), counts)
+    np.testing.assert_allclose(model.class_weights.numpy(), theirs / theirs.mean(), rtol=1e-6)
