@@ -28,6 +28,7 @@ from launcher.plan.plan import LaunchPlan
 from launcher.problems import PlanError, Problem
 
 FINISHED = "finished"
+TMP_MARK = ".tmp-"  # in the name of a file being written (a writer killed mid-write leaves it behind)
 
 
 def atomic_write_bytes(path: Path, data: bytes, keep_previous: bool = False) -> None:
@@ -52,9 +53,6 @@ def atomic_write_bytes(path: Path, data: bytes, keep_previous: bool = False) -> 
         tmp.unlink(missing_ok=True)
         raise
     _fsync_dir(path.parent)
-
-
-TMP_MARK = ".tmp-"
 
 
 def previous_of(path: Path) -> Path:
@@ -114,9 +112,6 @@ class RunFolder:
         return self.logs / f"rank{rank}.log"
 
     # --- what the ranks run -------------------------------------------------------------------------------------
-    def holds_run(self) -> bool:
-        return self.plan_file.exists()
-
     def is_run(self) -> bool:
         return self.config_file.is_file() and self.plan_file.is_file()
 
@@ -126,7 +121,7 @@ class RunFolder:
         from omegaconf import OmegaConf
 
         self.path.mkdir(parents=True, exist_ok=True)
-        if self.holds_run():
+        if self.plan_file.exists():
             raise PlanError([Problem(f"{self.path} already holds a run; choose another hydra.run.dir")])
         self.data_file.write_text(yaml.safe_dump(data.spec, sort_keys=False))
         resolved = {

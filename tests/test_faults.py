@@ -61,9 +61,22 @@ def test_a_rank_that_raises_fails_the_run_by_name(tmp_path, cache_dir):
     assert not leftovers(run)
 
 
-def test_a_killed_rank_restarts_and_ends_with_the_weights_of_an_uninterrupted_run(tmp_path, cache_dir):
-    clean = tmp_path / "clean"
-    assert launch(clean).returncode == 0
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, cache_dir) -> dict:
+    """The summary of the run the faulted ones are compared with: the same config, nothing injected."""
+    clean = tmp_path_factory.mktemp("uninterrupted") / "run"
+    r = launch(clean)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return summary(clean)
+
+
+def same_weights(run_dir: Path, reference: dict) -> bool:
+    """Resumed from a checkpoint with full-precision state and per-sample seeded augmentation (mosaic_buffer=false),
+    a run repeats the uninterrupted one exactly on the CPU: the same parameters at the end."""
+    return summary(run_dir)["ranks"][0]["params_sha256"] == reference["ranks"][0]["params_sha256"]
+
+
+def test_a_killed_rank_restarts_and_ends_with_the_weights_of_an_uninterrupted_run(tmp_path, uninterrupted):
     killed = tmp_path / "killed"
     r = launch(killed, "dist.max_restarts=1", fault="rank=1,step=6,kind=sigkill")  # in epoch 2
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -71,24 +84,22 @@ def test_a_killed_rank_restarts_and_ends_with_the_weights_of_an_uninterrupted_ru
     assert s["epochs_completed"] == EPOCHS and s["resumed"] is True
     rows = (killed / "results.csv").read_text().strip().splitlines()[1:]
     assert [int(float(row.split(",")[0])) for row in rows] == [1, 2, 3]  # each epoch counted once
-    # Resumed from the epoch-1 checkpoint with full-precision state and per-sample seeded augmentation: the
-    # restarted run repeats the uninterrupted one exactly on the CPU.
-    assert s["ranks"][0]["params_sha256"] == summary(clean)["ranks"][0]["params_sha256"]
+    assert same_weights(killed, uninterrupted)  # resumed from the epoch-1 checkpoint
     assert not leftovers(killed)
 
 
-def test_a_kill_during_the_checkpoint_write_leaves_the_previous_one_to_resume_from(tmp_path, cache_dir):
+def test_a_kill_during_the_checkpoint_write_leaves_the_previous_one_to_resume_from(tmp_path, uninterrupted):
     run = tmp_path / "run"
     r = launch(run, "dist.max_restarts=1", fault="rank=0,step=5,kind=kill_in_save")  # the epoch-2 save
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     log = (run / "logs" / "rank0.log").read_text()
     assert "injected 'kill_in_save'" in log
     assert f"resuming from {run / 'weights' / 'last.pt'} at epoch 2, step 1" in log
-    assert summary(run)["epochs_completed"] == EPOCHS
+    assert summary(run)["epochs_completed"] == EPOCHS and same_weights(run, uninterrupted)
     assert not temporaries(run)
 
 
-def test_a_truncated_last_checkpoint_is_reported_and_the_previous_one_used(tmp_path, cache_dir):
+def test_a_truncated_last_checkpoint_is_reported_and_the_previous_one_used(tmp_path, uninterrupted):
     run = tmp_path / "run"
     r = launch(run, fault="rank=0,step=10,kind=exit")  # dies in epoch 3: last.pt = epoch 2, last.prev.pt = epoch 1
     assert r.returncode != 0
@@ -99,7 +110,7 @@ def test_a_truncated_last_checkpoint_is_reported_and_the_previous_one_used(tmp_p
     log = (run / "logs" / "rank0.log").read_text()
     assert f"checkpoint {last} is unreadable" in log and "trying the previous checkpoint" in log
     assert f"resuming from {run / 'weights' / 'last.prev.pt'} at epoch 2, step 1" in log
-    assert summary(run)["epochs_completed"] == EPOCHS
+    assert summary(run)["epochs_completed"] == EPOCHS and same_weights(run, uninterrupted)
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
@@ -149,7 +160,7 @@ def test_a_signal_to_the_launcher_checkpoints_exits_128_plus_it_and_the_run_resu
     assert refused.returncode == 2 and "train.epochs cannot change" in refused.stderr
 
 
-def test_a_stop_on_an_epochs_last_step_still_ends_that_epoch_after_resume(tmp_path, cache_dir):
+def test_a_stop_on_an_epochs_last_step_still_ends_that_epoch_after_resume(tmp_path, uninterrupted):
     run = tmp_path / "run"
     r = launch(run, fault="rank=0,step=4,kind=sigterm")  # step 4 is epoch 1's last
     assert r.returncode != 0
@@ -161,6 +172,7 @@ def test_a_stop_on_an_epochs_last_step_still_ends_that_epoch_after_resume(tmp_pa
     assert s["validated_epochs"] == [1, 2, 3] and s["epochs_completed"] == EPOCHS
     rows = (run / "results.csv").read_text().strip().splitlines()[1:]
     assert [int(float(row.split(",")[0])) for row in rows] == [1, 2, 3]
+    assert same_weights(run, uninterrupted)  # the epoch's end ran once, as it would have
 
 
 def test_two_launches_at_once_get_their_own_ports_and_run_folders(tmp_path, cache_dir):

@@ -145,7 +145,7 @@ def run_cell(cell: Cell, cfg: dict, cell_dir: Path, hw, model, data, on_gpu: boo
     if cell.mode == "ultralytics":
         code, signum = run_baseline(cell_dir, offline_environment(cache))
     else:
-        cmd = torchrun.torchrun_command(plan, cell_dir, torchrun.rendezvous_args(plan))
+        cmd = torchrun.local_command(plan, cell_dir)
         code, signum = torchrun.run_torchrun(cmd, plan.env, [folder.rank_log(0)], prefix=False, keep=progress_line)
     if signum is not None:
         say(f"ddp-bench: stopped by signal {signum}; cells so far are in {cell_dir.parent}")

@@ -50,6 +50,11 @@ def torchrun_command(plan: LaunchPlan, run_dir: Path, rendezvous: list[str], *, 
     ]  # fmt: skip
 
 
+def local_command(plan: LaunchPlan, run_dir: Path) -> list[str]:
+    """The command that starts this node's ranks for a plan made for this machine."""
+    return torchrun_command(plan, run_dir, rendezvous_args(plan))
+
+
 def format_command(cmd: list[str], env: dict[str, str]) -> str:
     exports = " \\\n".join(f"  {k}={shlex.quote(v)}" for k, v in sorted(env.items()))
     return (f"env \\\n{exports} \\\n  " if env else "") + " ".join(shlex.quote(c) for c in cmd)

@@ -33,11 +33,11 @@ class LocalEnvironment:
         return []
 
     def dry_run_text(self, cfg: dict, plan: LaunchPlan, run_dir: Path) -> str:
-        cmd = torchrun.torchrun_command(plan, run_dir, torchrun.rendezvous_args(plan))
+        cmd = torchrun.local_command(plan, run_dir)
         return "torchrun command (with this environment on top of yours):\n" + torchrun.format_command(cmd, plan.env)
 
     def start(self, cfg: dict, plan: LaunchPlan, folder: RunFolder) -> int:
-        cmd = torchrun.torchrun_command(plan, folder.path, torchrun.rendezvous_args(plan))
+        cmd = torchrun.local_command(plan, folder.path)
         (folder.path / "torchrun.sh").write_text(
             "#!/bin/sh\n# what ddp-launch ran\nexec " + torchrun.format_command(cmd, plan.env) + "\n"
         )
@@ -60,7 +60,7 @@ class LocalEnvironment:
         first_rank = plan.node_rank * plan.nproc_per_node
         shown = range(first_rank, first_rank + plan.nproc_per_node) if cfg["dist"]["debug"] else [first_rank]
         say(f"\nstarting {plan.nproc_per_node} rank(s); logs in {folder.logs}\n")
-        cmd = torchrun.torchrun_command(plan, folder.path, torchrun.rendezvous_args(plan))
+        cmd = torchrun.local_command(plan, folder.path)
         code, signum = torchrun.run_torchrun(cmd, plan.env, [folder.rank_log(r) for r in shown], prefix=len(shown) > 1)
         return report(folder, code, signum, plan.node_rank)
 
