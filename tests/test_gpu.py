@@ -55,7 +55,8 @@ def test_a_cuda_graph_step_takes_the_same_step_as_the_eager_one():
 
 
 def test_a_compiled_network_takes_the_same_step_as_the_eager_one():
-    """train.compile (Inductor): the same losses and the same update as eager, as close as two eager runs are."""
+    """train.compile (Inductor): the same loss and the same update as eager, up to the rounding of its fused
+    kernels: the update (all parameters' change in one step) within a few percent of eager's."""
     from launcher.plan import lr
     from launcher.rank.step.train_step import train_step
     from launcher.rank.step.wrap import compiled
@@ -66,21 +67,23 @@ def test_a_compiled_network_takes_the_same_step_as_the_eager_one():
         model, batch = make_model_and_batch()
         model, batch = model.cuda(), _on_cuda(batch)
         with_training_loss(model).train()
+        before = torch.cat([p.detach().flatten().clone() for p in model.parameters()])
         net = compiled(model, mode)
         opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, nesterov=True)
         scaler = torch.amp.GradScaler("cuda", enabled=False)
-        losses = [float(train_step(net, batch, loss_scale=lr.loss_scale(64, 4), optimizer=opt, scaler=scaler,
-                                   grad_clip=10.0)[0]) for _ in range(2)]
+        loss, _ = train_step(net, batch, loss_scale=lr.loss_scale(64, 4), optimizer=opt, scaler=scaler, grad_clip=10.0)
+        update = torch.cat([p.detach().flatten() for p in model.parameters()]) - before
         bn = next(m for m in model.modules() if isinstance(m, torch.nn.BatchNorm2d))
-        results.append((losses, {k: v.detach().clone() for k, v in model.named_parameters()}, bn.running_mean.clone()))
+        results.append((float(loss), update, bn.running_mean.clone()))
 
-    def distance(a, b):
-        return max(((a[k] - b[k]).abs().max() / (b[k].abs().max() + 1e-12)).item() for k in b)
-
-    (eager_losses, eager, eager_bn), (_, again, _), (comp_losses, comp, comp_bn) = results
-    assert comp_losses == pytest.approx(eager_losses, rel=1e-3)
-    assert distance(comp, eager) <= max(10 * distance(again, eager), 1e-3)
-    torch.testing.assert_close(comp_bn, eager_bn, rtol=1e-3, atol=1e-4)  # BatchNorm statistics move inside the graph
+    (eager_loss, eager, eager_bn), (_, again, _), (comp_loss, comp, comp_bn) = results
+    spread, gap = ((again - eager).norm() / eager.norm()).item(), ((comp - eager).norm() / eager.norm()).item()
+    cosine = torch.nn.functional.cosine_similarity(comp, eager, dim=0).item()
+    print(f"loss {eager_loss:.6g} vs {comp_loss:.6g}; update: eager vs eager {spread:.2e}, compiled {gap:.2e} "
+          f"(cosine {cosine:.6f})")
+    assert comp_loss == pytest.approx(eager_loss, rel=1e-3)
+    assert gap <= max(10 * spread, 5e-2) and cosine > 0.999
+    torch.testing.assert_close(comp_bn, eager_bn, rtol=1e-2, atol=1e-3)  # BatchNorm statistics move inside the graph
 
 
 def test_one_gpu_trains_with_every_lever_on(tmp_path, cache_dir):
