@@ -86,14 +86,60 @@ def test_a_compiled_network_takes_the_same_step_as_the_eager_one():
     torch.testing.assert_close(comp_bn, eager_bn, rtol=1e-2, atol=1e-3)  # BatchNorm statistics move inside the graph
 
 
-def test_one_gpu_trains_with_every_lever_on(tmp_path, cache_dir):
-    levers = ["train.cuda_graphs=true", "loader.gpu_augment=true", "train.cache=shared", "mode=ddp", "gpus=1"]  # fused, bound
+@pytest.mark.parametrize("augment_on", ["gpu", "cpu"])
+def test_one_gpu_trains_with_every_lever_on(tmp_path, cache_dir, augment_on):
+    levers = ["train.cuda_graphs=true", f"loader.augment_on={augment_on}", "train.cache=shared", "mode=ddp", "gpus=1"]
     r = ddp_launch([*TINY, "train.epochs=3", *levers], cwd=tmp_path)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     summary = json.loads((run_dir_of(r) / "summary.json").read_text())
     assert summary["backend"] == "nccl" and summary["epochs_completed"] == 3
     assert summary["ranks"][0]["gpus"], "NVML figures missing"
     assert "CUDA graphs: forward and backward captured" in (run_dir_of(r) / "logs" / "rank0.log").read_text()
+    gpu_ms = summary["ranks"][0]["input_gpu_ms_per_image"]
+    assert (gpu_ms is not None and gpu_ms > 0) == (augment_on == "gpu"), gpu_ms
+
+
+def test_the_input_kernels_on_cuda_compute_what_their_torch_twins_compute():
+    """warp.py's Triton kernels against the PyTorch twins that CPU runs use, on the same CUDA tensors."""
+    from tests.test_gpu_input import load_case, render_case
+
+    from launcher.rank.data import warp
+
+    for kw in render_case(torch.device("cuda")):
+        ours, twin = kw["out"], kw["out"].clone()
+        warp.render(**kw)
+        warp._render_torch(**{**kw, "out": twin})
+        diff = (ours.float() - twin.float()).abs()
+        assert (diff > 1e-3).float().mean() < 1e-4 and diff.max() <= 1.0 + 1e-3, float(diff.max())
+    flat, meta, slots = load_case(torch.device("cuda"))
+    twin = slots.clone()
+    warp.load_into_slots(flat, meta, slots)
+    saved, warp.triton_usable = warp.triton_usable, lambda device: False
+    try:
+        warp.load_into_slots(flat, meta, twin)
+    finally:
+        warp.triton_usable = saved
+    assert (slots.int() - twin.int()).abs().max() <= 1
+
+
+def test_nvjpeg_decodes_what_the_cpu_decodes_and_names_what_it_cannot(tmp_path):
+    """Batched nvJPEG against torchvision's CPU decoder on the same JPEGs; a damaged file in the batch is retried
+    alone, reported by name, and trains as a grey image."""
+    from tests.test_gpu_input import encoded_batch_of, write_images
+
+    from launcher.rank.data.encoded import decode_on_cpu
+    from launcher.rank.data.gpu_input import Decoder
+
+    files = write_images(tmp_path, ["jpg", "jpg", "png", "corrupt", "jpg"])
+    batch = encoded_batch_of(files, decode_all=False)
+    logged = []
+    images, failed = Decoder(torch.device("cuda"), files, logged.append)(batch)
+    assert failed == [False, False, False, True, False]
+    assert len(logged) == 1 and files[3] in logged[0]
+    for i in (0, 1, 4):
+        cpu, _ = decode_on_cpu(open(files[i], "rb").read())
+        assert images[i].is_cuda and images[i].shape == cpu.shape
+        assert (images[i].cpu().float() - cpu.float()).abs().mean() < 2.0
 
 
 @pytest.mark.parametrize("model", ["yolo11n", "yolo26n"])

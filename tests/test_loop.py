@@ -33,7 +33,7 @@ class FakeInputs:
     def __init__(self, events: list):
         self.events, self.last_wait = events, 0.0
 
-    def begin_epoch(self, epoch: int, first_step: int) -> None:
+    def begin_epoch(self, epoch: int, first_step: int, first_ni: int = 0) -> None:
         self.events.append(("begin_epoch", epoch, first_step))
 
     def next(self, ni: int) -> dict:

@@ -93,3 +93,40 @@ def test_a_batch_reaches_the_step_scaled_with_its_largest_per_image_target_count
     out = to_device(batch, torch.device("cpu"), imgsz=8, stride=8)
     assert out["img"].dtype == torch.float32 and float(out["img"].max()) == 1.0
     assert out[MAX_TARGETS] == 2  # counted on the host, before the labels moved
+
+
+def test_the_background_thread_prepares_the_steps_in_order_across_epochs_and_restarts():
+    """loader.augment_on=gpu: a thread prepares batch ni, ni + 1, ... ahead of the loop; a restart (close_mosaic)
+    drops what it prepared and starts counting at the step the loop is at."""
+    pipe, loader, sampler = inputs(Clock(), background=True)
+    pipe.begin_epoch(0, 0, first_ni=0)
+    got = [pipe.next(ni) for ni in range(5)]
+    pipe.prefetch(5)  # a no-op: the thread is ahead already
+    assert [b["ni"] for b in got] == list(range(5)) and [b["raw"] for b in got] == [1, 2, 3, 4, 5]
+    pipe.begin_epoch(1, 0, first_ni=5)  # persistent: the same thread and iterator run on
+    assert pipe.next(5)["raw"] == 6 and loader.iterators == 1
+    pipe.restart()
+    pipe.begin_epoch(2, 0, first_ni=12)
+    assert loader.iterators == 2 and pipe.next(12) == {"raw": 1, "ni": 12}
+    with pytest.raises(RuntimeError, match="prepared batch 13, the loop asked for 14"):
+        pipe.next(14)
+    pipe.restart()
+    pipe.begin_epoch(3, 0, first_ni=20)
+    pipe.next(20)
+    held = pipe.batches_on_device(2, first_ni=0)  # ddp-bench's ceiling after its loop: the steps that come next
+    assert [b["ni"] for b in held] == [21, 22] and pipe._worker is None
+
+
+def test_a_failure_in_the_background_thread_reaches_the_loop():
+    def prepare(raw, ni):
+        if ni == 2:
+            raise ValueError("a damaged batch")
+        return {"ni": ni}
+
+    pipe = TrainInputs(SlowLoader(Clock(), 0.0), FakeSampler(), torch.device("cpu"), prepare, background=True)
+    pipe.begin_epoch(0, 0, first_ni=0)
+    assert pipe.next(0) == {"ni": 0} and pipe.next(1) == {"ni": 1}
+    with pytest.raises(RuntimeError, match="preparing a training batch failed") as raised:
+        pipe.next(2)
+    assert isinstance(raised.value.__cause__, ValueError)
+    pipe.close()

@@ -26,6 +26,7 @@ def aggregate(mode: str, size: int, ranks: list[dict]) -> dict:
         "size": size,
         "images_per_s": ips,
         "data_wait": max(r["data_wait"] for r in ranks),
+        "input_gpu_ms_per_image": _mean([r.get("input_gpu_ms_per_image") for r in ranks]),
         "gpu_util": sum(g["util_mean"] for g in gpus) / len(gpus) if gpus else None,
         "gpu_util_per_gpu": [round(g["util_mean"], 1) for g in gpus],
         "memory_peak_gib": max((g["memory_peak_gib"] for g in gpus), default=None),
@@ -117,19 +118,24 @@ def _stamps(in_flight: int) -> str:
             "and the host may queue that many steps ahead)")
 
 
+def _mean(values: list) -> float | None:
+    values = [v for v in values if v is not None]
+    return sum(values) / len(values) if values else None
+
+
 def markdown(report: dict) -> str:
     lines = [
         "# ddp-bench",
         "",
         f"Command: `{report['command']}`",
         "",
-        "| cell | images/s | speedup | efficiency | vs Ultralytics | GPU busy | data wait | ceiling images/s | of ceiling | peak GPU mem | host CPU | verdict |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+        "| cell | images/s | speedup | efficiency | vs Ultralytics | GPU busy | data wait | input GPU ms/img | ceiling images/s | of ceiling | peak GPU mem | host CPU | verdict |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
     for c in report["cells"]:
         label = f"{c['mode']} x{c['size']}" + (f" {c['variant']}" if c.get("variant") else "")
         if c.get("skip") or c.get("error"):
-            lines.append(f"| {label} | - | - | - | - | - | - | - | - | - | - | {c['verdict']} |")
+            lines.append(f"| {label} | - | - | - | - | - | - | - | - | - | - | - | {c['verdict']} |")
             continue
         lines.append(
             "| "
@@ -142,6 +148,7 @@ def markdown(report: dict) -> str:
                     _fmt(c["vs_ultralytics"], ".2f", suffix="x"),
                     _fmt(c["gpu_util"], ".0f", suffix=" %"),
                     _fmt(c["data_wait"], ".1f", 100, " %"),
+                    _fmt(c.get("input_gpu_ms_per_image"), ".3f"),
                     _fmt(c["ceiling_images_per_s"], ".1f"),
                     _fmt(c["pipeline_efficiency"], ".0f", 100, " %"),
                     _fmt(c["memory_peak_gib"], ".1f", suffix=" GiB"),
@@ -156,7 +163,7 @@ def markdown(report: dict) -> str:
         "",
         "Speedup is against size 1 of the same mode; efficiency = speedup / size. Steady state: "
         f"{report['settings']['warmup_steps']} warm-up steps dropped, {report['settings']['steps']} steps measured "
-        f"{_stamps(report['settings'].get('steps_in_flight', 0))}; GPU busy is NVML utilisation over the measured window; the data-free ceiling is the "
+        f"{_stamps(report['settings'].get('steps_in_flight', 0))}; GPU busy is NVML utilisation over the measured window; input GPU ms/img (loader.augment_on=gpu) is the time elapsed on the stream that prepares a batch, from its decode to its augmented images, per image: it includes waits behind the step's kernels and for the preparing thread, so it bounds the input's GPU cost from above (- for the CPU input); the data-free ceiling is the "
         "same trainer step on real batches held on the device.",
         "",
         f"Environment: {', '.join(env['gpus']) or 'no GPU'}; driver {env.get('driver')}; torch {env['torch']} "

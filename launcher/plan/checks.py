@@ -13,6 +13,8 @@ from launcher.problems import Problem
 
 AMP_VALUES = (True, False, "bf16")
 CACHE_VALUES = (False, "ram", "disk", "shared")
+AUGMENT_ON = ("cpu", "gpu")
+GPU_INPUT_UNSUPPORTED = ("mixup", "cutmix", "copy_paste")  # Ultralytics strengths the GPU pipeline does not do
 OPTIMIZERS = ("sgd", "adamw")
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs", "max-autotune")  # torch.compile's
 FUSED_VALUES = ("auto", True, False)
@@ -108,6 +110,39 @@ def extra_problems(extra: dict) -> list[Problem]:
             problems.append(Problem(f"train.extra.{key}: ddp-launch sets this itself; use {OWNED_ULTRALYTICS_ARGS[key]}"))
         elif key not in known:
             problems.append(Problem(f"train.extra.{key}: not an Ultralytics train argument"))
+    return problems
+
+
+def augment_on(loader: dict) -> str:
+    """loader.augment_on: `cpu` (the default: Ultralytics' transforms in the loader's workers) or `gpu` (the workers
+    read file bytes, the GPU decodes and augments). `gpu` on a CPU run runs the same tensor maths on the CPU (slow;
+    how CI tests it). The GPU pipeline is not the default yet: on the H200 machine it was slower than a fed CPU
+    pipeline (docs/benchmarks/README.md, section 6)."""
+    value = loader.get("augment_on", "cpu")
+    return value if value in AUGMENT_ON else "cpu"
+
+
+def input_problems(loader: dict, train: dict, *, augment_on: str) -> list[Problem]:
+    """What the chosen input pipeline cannot do, with the setting that can."""
+    problems: list[Problem] = []
+    one_of(loader.get("augment_on", "cpu"), AUGMENT_ON, "loader.augment_on", problems, "cpu or gpu")
+    if augment_on != "gpu":
+        return problems
+    extra = train.get("extra") or {}
+    for key in GPU_INPUT_UNSUPPORTED:
+        if extra.get(key):
+            problems.append(Problem(f"train.extra.{key}={extra[key]}: the GPU input pipeline does not do {key}; "
+                                    "use loader.augment_on=cpu (Ultralytics' transforms) or set it to 0"))
+    if extra.get("augmentations"):
+        problems.append(Problem("train.extra.augmentations: custom transforms run in Ultralytics' CPU pipeline; "
+                                "use loader.augment_on=cpu"))
+    if extra.get("rect"):
+        problems.append(Problem("train.extra.rect=true: the GPU input pipeline builds square mosaic batches; "
+                                "use loader.augment_on=cpu"))
+    if train.get("cache") in ("ram", "disk"):
+        problems.append(Problem(f"train.cache={train['cache']}: Ultralytics' caches hold decoded images for its CPU "
+                                "pipeline; with the input on the GPU use train.cache=shared (the files' bytes, one copy "
+                                "per node) or false, or loader.augment_on=cpu"))
     return problems
 
 

@@ -43,6 +43,7 @@ def describe(plan: LaunchPlan, model: ModelSpec | None, data: DatasetInfo | None
     lines += [
         f"loader          {plan.workers_per_rank} worker(s) per rank, {plan.threads_per_rank} thread(s) per rank,"
         f" {plan.cpus_per_node} usable core(s)",
+        f"input           {_input_text(plan)} (loader.augment_on)",
         f"rendezvous      {_rendezvous_text(plan)}",
         *([f"step            CUDA graphs {'on' if plan.cuda_graphs else 'off'} (train.cuda_graphs)"] if plan.device == "cuda" else []),
         f"restarts        {plan.max_restarts}; collective timeout {plan.timeout_s} s",
@@ -54,3 +55,11 @@ def describe(plan: LaunchPlan, model: ModelSpec | None, data: DatasetInfo | None
         lines.append(f"data            {data.name}: {data.spec.get('path')} ({count}){' - ' + data.note if data.note else ''}")
     lines += [f"note            {n}" for n in plan.notes]
     return "\n".join(lines)
+
+
+def _input_text(plan: LaunchPlan) -> str:
+    if plan.augment_on == "cpu":
+        return "CPU: Ultralytics' decode and transforms in the workers"
+    if plan.device == "cuda":
+        return "GPU: the workers read the files, nvJPEG decodes, one pass augments"
+    return "the GPU pipeline's tensor maths, run on the CPU (slow: for tests)"

@@ -24,6 +24,8 @@ MODES = ("auto", "ddp", "dp", "single")
 BACKENDS = ("auto", "nccl", "gloo")
 MULTI_NODE_DEFAULT_PORT = 29500  # torchrun's default; every node must agree on it, so it cannot be picked at random
 MAX_AUTO_WORKERS = 16
+# With the input on the GPU a worker only reads files (and decodes the few that nvJPEG cannot): four keep a rank fed.
+MAX_AUTO_WORKERS_GPU_INPUT = 4
 
 
 @dataclass(frozen=True)
@@ -67,6 +69,7 @@ class LaunchPlan:
     env: dict = field(default_factory=dict)  # the ranks' environment, on top of the launcher's own
     notes: tuple[str, ...] = ()
     cuda_graphs: bool = False  # train.cuda_graphs resolved: the network's step replayed as CUDA graphs
+    augment_on: str = "cpu"  # loader.augment_on resolved: gpu (bytes in, decode and augmentation on the GPU) | cpu
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -138,7 +141,9 @@ def make_plan(
 
     problems += checks.train_problems(train)
     problems += checks.step_problems(train, optim, device=top.device, mode=top.mode, hw=hw)
-    workers, threads = _loader_threads(loader, top, hw, problems, notes)
+    augment_on = checks.augment_on(loader)
+    problems += checks.input_problems(loader, train, augment_on=augment_on)
+    workers, threads = _loader_threads(loader, top, hw, problems, notes, augment_on)
     on_slurm = (cfg.get("launcher") or {}).get("name") == "slurm"
     rendezvous = _rendezvous(dist, top, on_slurm, port_is_free, problems, notes)
 
@@ -185,6 +190,7 @@ def make_plan(
         env=env,
         notes=tuple(notes),
         cuda_graphs=checks.uses_cuda_graphs(train, device=top.device, mode=top.mode),
+        augment_on=augment_on,
     )
     return plan, problems
 
@@ -268,7 +274,8 @@ def _backend(dist: dict, top: _Topology, hw: Hardware, problems: list[Problem]) 
     return backend
 
 
-def _loader_threads(loader: dict, top: _Topology, hw: Hardware, problems: list[Problem], notes: list[str]):
+def _loader_threads(loader: dict, top: _Topology, hw: Hardware, problems: list[Problem], notes: list[str],
+                    augment_on: str = "cpu"):
     """(loader workers, math threads) per rank, from the cores of the node."""
     cpus = max(1, hw.cpu_count)
     cores_per_rank = max(1, cpus // top.nproc)
@@ -278,7 +285,8 @@ def _loader_threads(loader: dict, top: _Topology, hw: Hardware, problems: list[P
         # main thread, the pin-memory thread copying every batch into page-locked memory, NCCL's and the monitor's
         # threads; fewer left it short of cores on the H200 (docs/benchmarks/README.md, section 3).
         reserved = max(2, cores_per_rank // 4) if top.device == "cuda" and cores_per_rank >= 4 else 1
-        workers = min(MAX_AUTO_WORKERS, max(0, cores_per_rank - reserved))
+        most = MAX_AUTO_WORKERS_GPU_INPUT if augment_on == "gpu" and top.device == "cuda" else MAX_AUTO_WORKERS
+        workers = min(most, max(0, cores_per_rank - reserved))
     else:
         workers = as_int(requested, "loader.workers", problems, 0) or 0
     if isinstance(loader.get("prefetch_factor"), int) and loader["prefetch_factor"] < 1:

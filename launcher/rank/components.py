@@ -23,9 +23,10 @@ from launcher.plan import lr as lrmod
 from launcher.plan.plan import LaunchPlan
 from launcher.rank import checkpoint_io
 from launcher.rank.data import affinity, image_cache
+from launcher.rank.data.encoded import EncodedImages, EncodedTrainDataset
 from launcher.rank.data.gpu_augment import GpuAugment
+from launcher.rank.data.gpu_input import Decoder, GpuInput, buffer_capacity
 from launcher.rank.data.pipeline import MAX_TARGETS, TrainInputs, max_targets_per_image, to_device
-from launcher.rank.data.raw_batches import RawTrainDataset
 from launcher.rank.data.sampler import EpochBatchSampler, EpochSeededDataset, sample_seed, worker_init
 from launcher.rank.dist import Comm, rank_info
 from launcher.rank.faults import FaultInjector
@@ -102,8 +103,8 @@ class Rank:
 
         # 4. the loaders and the optimizer
         self.cores = self._bind_cores()
-        self.train_dataset, self.gpu_augment = self._train_dataset()
-        self.generator = torch.Generator(device=self.device) if self.gpu_augment else None  # the augmentation's draws
+        self.train_dataset, self.gpu_input = self._train_dataset()
+        self.generator = torch.Generator(device=self.device) if self.gpu_input else None  # the augmentation's draws
         self.sampler = EpochBatchSampler(
             len(self.train_dataset), plan.batch_per_rank, num_replicas=self.comm.world_size if plan.mode == "ddp" else 1,
             rank=self.rank if plan.mode == "ddp" else 0, seed=int(cfg["seed"]),
@@ -111,6 +112,7 @@ class Rank:
         self.inputs = TrainInputs(
             self._train_loader(), self.sampler, self.device, self._prepare,
             fetch_ahead=bool(loader_cfg.get("fetch_ahead", True)), persistent=bool(loader_cfg["persistent_workers"]),
+            background=self.gpu_input is not None and bool(loader_cfg.get("fetch_ahead", True)),
         )
         self.val_loader = self.validator = None
         if validation:
@@ -178,12 +180,17 @@ class Rank:
 
     def _image_caches(self) -> dict[str, image_cache.ImageCache]:
         """Both splits' caches (held for the whole run: a cache in use is never evicted): the first process on the
-        node builds them with every core while the others wait at a file lock."""
+        node builds them with every core while the others wait at a file lock. With the input on the GPU the
+        training split's cache holds the files' bytes (compressed: a fraction of the decoded size)."""
         dirs = image_cache.default_dirs(Path(self.cfg["paths"]["cache"]).expanduser() / "images")
         imgsz = int(self.hyp.imgsz)  # the plan checked it: a multiple of the largest stride
-        return {split: datasets.ensure_split_cache(self.data[split], imgsz, dirs=dirs,
-                                                   channels=self.data.get("channels", 3), log=self.log)
-                for split in ("train", "val")}
+        caches = {split: datasets.ensure_split_cache(self.data[split], imgsz, dirs=dirs,
+                                                     channels=self.data.get("channels", 3), log=self.log)
+                  for split in (("val",) if self.plan.augment_on == "gpu" else ("train", "val"))}
+        if self.plan.augment_on == "gpu":
+            caches["train"] = image_cache.ensure_file_cache(datasets.split_images(self.data["train"]), dirs=dirs,
+                                                            log=self.log)
+        return caches
 
     def _bind_cores(self) -> affinity.CoreSplit | None:
         """loader.bind_cores on a GPU node: this process on its own cores, its loader workers on the others."""
@@ -201,16 +208,24 @@ class Rank:
         return affinity.BindWorker(self.cores.workers, inner) if self.cores else inner
 
     def _train_dataset(self):
-        """Ultralytics' augmenting training set, or the raw one whose batches the device augments."""
+        """Ultralytics' augmenting training set (loader.augment_on=cpu), or the files' bytes and labels, with the
+        GpuInput that decodes and augments them on the device (gpu)."""
         train, loader_cfg = self.cfg["train"], self.cfg["loader"]
-        if loader_cfg.get("gpu_augment"):
+        if self.plan.augment_on == "gpu":
             if self.device.type != "cuda":
-                self.log("loader.gpu_augment on the CPU: the same augmentation, computed by the training process")
-            inner = datasets.raw_train_dataset(self.hyp, self.data, self.plan.batch_per_rank)
-            if "train" in self.caches:
-                datasets.attach_cache(inner, self.caches["train"])
-            dataset = RawTrainDataset(inner, int(self.cfg["seed"]), partners=loader_cfg.get("mosaic_partners", "dataset"))
-            return dataset, GpuAugment(inner.imgsz, self.hyp)
+                self.log("loader.augment_on=gpu on the CPU: the same tensor maths, computed by the training process")
+            inner = datasets.raw_train_dataset(self.hyp, self.data, self.plan.batch_per_rank)  # labels, checks
+            if any(len(label.get("segments", [])) for label in inner.labels):
+                self.log("WARNING label files with polygons: the GPU input pipeline warps their boxes, where "
+                         "Ultralytics re-derives each box from the warped polygon (tighter under rotation and shear)")
+            images = EncodedImages.of(inner)
+            dataset = EncodedTrainDataset(images, labels=inner.labels, decode_all=self.device.type != "cuda",
+                                          cache=self.caches.get("train"))
+            augment = GpuAugment(inner.imgsz, self.hyp, out_dtype=self.input_dtype)
+            gpu_input = GpuInput(augment, Decoder(self.device, images.files, self.log), device=self.device,
+                                 capacity=buffer_capacity(len(images), self.plan.batch_per_rank),
+                                 partners_from_batch=not loader_cfg.get("mosaic_buffer", True))
+            return dataset, gpu_input
         dataset = datasets.train_dataset(self.hyp, self.data, self.plan.batch_per_rank, self.stride)
         if "train" in self.caches:
             datasets.attach_cache(dataset, self.caches["train"])
@@ -218,9 +233,21 @@ class Rank:
             datasets.set_mosaic_buffer(dataset, False)
         return dataset, None
 
+    @property
+    def input_dtype(self) -> torch.dtype:
+        """What the network's first layer computes in: the GPU pipeline writes its input in this type."""
+        return self.amp_dtype or torch.float32
+
+    def close_mosaic(self) -> None:
+        """Ultralytics' close_mosaic, on whichever pipeline augments (the loader's workers are restarted after it)."""
+        if self.gpu_input is not None:
+            self.gpu_input.close_mosaic()
+        else:
+            datasets.close_mosaic(self.train_dataset, self.hyp)
+
     def _train_loader(self):
         workers, loader_cfg = self.plan.workers_per_rank, self.cfg["loader"]
-        dataset = self.train_dataset if self.gpu_augment else EpochSeededDataset(self.train_dataset, int(self.cfg["seed"]))
+        dataset = self.train_dataset if self.gpu_input else EpochSeededDataset(self.train_dataset, int(self.cfg["seed"]))
         return torch.utils.data.DataLoader(
             dataset,
             batch_sampler=self.sampler,
@@ -232,11 +259,11 @@ class Rank:
         )
 
     def _prepare(self, raw, ni: int) -> dict:
-        """A loader batch made ready for the step: augmented on the device (its randomness a function of the seed,
-        the step and the rank alone), then moved and scaled."""
-        if self.gpu_augment is not None:
+        """A loader batch made ready for the step: decoded and augmented on the device (its randomness a function
+        of the seed, the step and the rank alone), or moved and scaled."""
+        if self.gpu_input is not None:
             self.generator.manual_seed(sample_seed(int(self.cfg["seed"]), ni, self.rank))
-            batch = self.gpu_augment(raw.to(self.device, non_blocking=True), self.generator)
+            batch = self.gpu_input(raw, self.generator)
             # counted on the stream that augments (it syncs once for the boxes anyway), not in the training step
             batch[MAX_TARGETS] = max_targets_per_image(batch["batch_idx"], len(batch["im_file"]), read_device=True)
             raw = batch
@@ -247,7 +274,9 @@ class Rank:
         None when the capture fails and train.cuda_graphs=auto (the network then trains eagerly)."""
         self.net.train()
         try:
-            graphed = GraphedDetector(self.net, self.plan.batch_per_rank, self.hyp.imgsz, self.amp_dtype)
+            graphed = GraphedDetector(self.net, self.plan.batch_per_rank, self.hyp.imgsz, self.amp_dtype,
+                                      input_dtype=self.input_dtype if self.gpu_input else torch.float32,
+                                      channels_last=self.gpu_input is not None)
         except Exception as e:  # a network with host syncs or data-dependent shapes in its forward
             failure = f"CUDA graph capture of the network failed ({type(e).__name__}: {e})"
             if self.cfg["train"].get("cuda_graphs", "auto") is True:

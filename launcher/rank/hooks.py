@@ -328,3 +328,23 @@ class AgreeToStop(Hook):
         self.heartbeat.waiting()
         loop.state.stop = self.comm.rank0_decides(loop.state.stop)
         self.heartbeat.working()
+
+
+class InputGpuTime(Hook):
+    """The GPU time the input pipeline took per image (decode, load, augment: gpu_input.GpuInput's events), over
+    the steps after the first `skip` (the kernels' compilation and the buffer's filling are not the steady state)."""
+
+    def __init__(self, gpu_input, skip: int):
+        self.gpu_input, self.skip = gpu_input, skip
+        self.ms = self.images = 0.0
+
+    def before_step(self, loop) -> None:
+        if loop.ni == self.skip:
+            self.gpu_input.take_gpu_time()  # dropped: the warm-up's
+
+    def after_train(self, loop) -> None:
+        self.ms, self.images = self.gpu_input.take_gpu_time()
+
+    @property
+    def ms_per_image(self) -> float | None:
+        return self.ms / self.images if self.images else None

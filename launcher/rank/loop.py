@@ -79,7 +79,7 @@ class TrainLoop:
                     state.epoch, state.step = epoch, 0
                     state.reset_loss()
                 self._call("before_epoch")
-                self.inputs.begin_epoch(epoch, state.step)
+                self.inputs.begin_epoch(epoch, state.step, self.ni)
                 while state.step < self.steps_per_epoch:
                     self._call("before_step")
                     self._run_step()

@@ -38,7 +38,7 @@ from launcher.rank.loop import Hook, TrainLoop
 from launcher.rank.metrics import report, results
 from launcher.rank.metrics.gpu_monitor import GpuMonitor
 from launcher.rank.metrics.meter import StepMeter
-from launcher.rank.ultralytics import build, checkpoint, datasets
+from launcher.rank.ultralytics import build, checkpoint
 from launcher.rank.ultralytics.validation import label_loss_items
 from launcher.run_folder import RunFolder, previous_of
 
@@ -64,10 +64,11 @@ def train(cfg: dict, plan: LaunchPlan, folder: RunFolder) -> dict | None:
         samples = h.RecordSamples() if cfg.get("debug", {}).get("record_samples") else None
         epochs, close = int(train_cfg["epochs"]), int(train_cfg["close_mosaic"])
         on_rank0 = r.rank == 0
+        input_time = h.InputGpuTime(r.gpu_input, METER_SKIP_STEPS) if r.gpu_input else None
         hooks: list[Hook | None] = [
             h.LRSchedule(r.schedule, plan.warmup_iterations or 0),
             h.ModelEpochs(train_mode=lambda: build.train_mode(r.net, r.frozen),
-                          close_mosaic=lambda: datasets.close_mosaic(r.train_dataset, r.hyp),
+                          close_mosaic=r.close_mosaic,
                           close_at=max(epochs - close, 0) if close else None, inputs=r.inputs,
                           criterion=r.net.criterion, ema=r.ema, net=r.net, log=r.log),
             h.Meter(meter, r.inputs, monitor),
@@ -86,6 +87,7 @@ def train(cfg: dict, plan: LaunchPlan, folder: RunFolder) -> dict | None:
             h.Progress(meter, r.optimizer, r.device, r.rank, int(cfg.get("log", {}).get("interval_steps", 20)),
                        r.log, monitor),
             h.InputBoundWarning(meter, plan.workers_per_rank, r.log, monitor),
+            input_time,
             h.AgreeToStop(r.comm, r.heartbeat),
         ]
         loop = TrainLoop(r.step, r.inputs, state, [x for x in hooks if x is not None], epochs=epochs,
@@ -97,7 +99,7 @@ def train(cfg: dict, plan: LaunchPlan, folder: RunFolder) -> dict | None:
               f"{len(r.train_dataset)} train / {len(r.val_loader.dataset)} val images; device {r.device}")
         loop.run()
         r.log(f"{state.epoch + 1 - first_epoch} epoch(s) in {(time.time() - started) / 60:.2f} min")
-        reports = _reports(r, meter, monitor, samples)
+        reports = _reports(r, meter, monitor, samples, input_time)
         if r.rank != 0:
             return None
         weights = r.folder.weights / ("best.pt" if (r.folder.weights / "best.pt").exists() else "last.pt")
@@ -119,7 +121,8 @@ def bench_cell(cfg: dict, plan: LaunchPlan, folder: RunFolder) -> dict | None:
         warmup, steps = int(bench["warmup_steps"]), int(bench["steps"])
         meter, monitor = _meter(r, warmup)
         cpu = _HostCpu(warmup, psutil.cpu_times)
-        hooks = [h.Meter(meter, r.inputs, monitor), h.Heartbeat(r.heartbeat), cpu,
+        input_time = h.InputGpuTime(r.gpu_input, warmup) if r.gpu_input else None
+        hooks = [h.Meter(meter, r.inputs, monitor), h.Heartbeat(r.heartbeat), cpu, input_time,
                  h.StopOnSignal(r.comm, r.heartbeat, r.inputs, log=r.log),
                  _BenchProgress(warmup + steps, r.log) if r.rank == 0 else None]
         build.train_mode(r.net, r.frozen)
@@ -128,7 +131,8 @@ def bench_cell(cfg: dict, plan: LaunchPlan, folder: RunFolder) -> dict | None:
         loop.run()
         ceiling = _ceiling(r, int(bench["ceiling_batches"]), max(steps // 2, 10), profile=bool(bench.get("profile")))
         rank_figures = {**report.rank_report(rank=r.rank, device=r.device, meter=meter, monitor=monitor, net=r.net,
-                                             loss_items=r.step.loss_items, state=r.state),
+                                             loss_items=r.step.loss_items, state=r.state,
+                                             input_gpu_ms=input_time.ms_per_image if input_time else None),
                         "ceiling_images_per_s": ceiling, "host_cpu": cpu.busy}
         reports = r.comm.gather(rank_figures)
         if r.rank != 0:
@@ -176,10 +180,11 @@ def _strip(r: Rank) -> None:
             checkpoint.strip(f)
 
 
-def _reports(r: Rank, meter, monitor, samples) -> list[dict]:
+def _reports(r: Rank, meter, monitor, samples, input_time) -> list[dict]:
     """Every rank's figures on every rank; each rank also writes its own into ranks/rank<N>.json."""
     mine = report.rank_report(rank=r.rank, device=r.device, meter=meter, monitor=monitor, net=r.net,
-                              loss_items=r.step.loss_items, state=r.state, samples=samples.seen if samples else None)
+                              loss_items=r.step.loss_items, state=r.state, samples=samples.seen if samples else None,
+                              input_gpu_ms=input_time.ms_per_image if input_time else None)
     r.folder.write_json(f"ranks/rank{r.rank}.json", mine)
     return r.comm.gather(mine)
 

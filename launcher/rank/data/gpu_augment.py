@@ -1,18 +1,16 @@
-"""Ultralytics 8.4.190's detection training augmentation, on tensors, on the training device (`loader.gpu_augment`).
+"""Ultralytics 8.4.190's detection training augmentation, on tensors, on the training device (loader.augment_on=gpu).
 
 Why: with Ultralytics' loader the CPU decodes, builds the mosaic, warps it, shifts its colours and flips it, several
-milliseconds of one core per 640-pixel image, while one GPU trains yolov8s at about a thousand images a second:
-many busy cores per GPU for augmentation alone (docs/benchmarks/README.md). Here the CPU only loads images
-(raw_batches.py) and the GPU does the rest.
+milliseconds of one core per 640-pixel image, while one GPU trains yolov8s at over a thousand images a second: a
+dozen busy cores per GPU (docs/benchmarks/README.md). Here the workers only read file bytes (encoded.py), the GPU
+decodes them into an image buffer (gpu_input.py) and this module does the rest:
 
-Split of work
-  CPU (raw_batches.py): `load_image(i)` for the sample's image and its mosaic partners (decode, resize the long side
-      to imgsz), bytes copied into one uint8 tensor, labels as pixel boxes: a `RawBatch`.
-  device (here): mosaic, RandomPerspective, RandomHSV, RandomFlip (up-down, left-right) and Format (BGR->RGB, boxes
-      as normalised xywh), giving the batch `YOLODataset.collate_fn` gives, so the trainer is unchanged:
+    augment = GpuAugment(imgsz, hyp, out_dtype=torch.float16)  # None: uint8, Ultralytics' collated batch
+    batch = augment(raw_batch, generator)  # generator: a torch.Generator on the batch's device
 
-      augment = GpuAugment(imgsz, trainer.args)
-      batch = augment(raw_batch.to(device, non_blocking=True), generator)  # generator: a torch.Generator on device
+A `RawBatch` names the images (the buffer's slots), which of them form each sample, and their labels in pixels;
+mosaic, RandomPerspective, RandomHSV, RandomFlip (up-down, left-right) and Format (RGB, boxes as normalised xywh) give
+the batch `YOLODataset.collate_fn` gives, its images rendered in one pass (warp.render).
 
 Semantics (ultralytics/data/augment.py, v8_transforms, read at 8.4.190), per output sample:
   * Mosaic (probability `mosaic`, 4 images): a 2S x 2S canvas of 114 (S = imgsz), centre xc, yc =
@@ -35,11 +33,12 @@ Where the device version differs, and why
   * The bilinear filter runs in float32 at the exact sub-pixel position, as OpenCV 5.0's warpAffine (the version
     installed with Ultralytics here) does: outputs agree except for one grey level on ~0.02 % of values (rounding
     order). OpenCV 4.x warps in fixed point (1/32 pixel), a grey level or two apart on edges.
-  * RandomHSV is reproduced operation for operation in tensors (OpenCV's integer BGR->HSV, the float64 LUTs, OpenCV's
-    float32 HSV->BGR): bit-identical to cv2 + LUTs for the same gains.
+  * RandomHSV is computed in float, in the same pass (warp.hsv_shift): the same transform as OpenCV's uint8 HSV and
+    Ultralytics' lookup tables, without their rounding (under one grey level on average, up to ~9 on saturated
+    bright pixels, where OpenCV's hue moves in 2-degree steps).
   * Randomness comes from a torch.Generator on the device (same distributions, different numbers from Python's
-    `random` and NumPy). Mosaic partners are chosen by the loader (raw_batches.py: uniformly over the dataset, or
-    among the batch), not from Ultralytics' per-worker buffer of recently loaded images.
+    `random` and NumPy). Mosaic partners are chosen by gpu_input.py from its buffer of recently decoded images,
+    as Ultralytics draws from its dataset's buffer of recently loaded ones.
   * Boxes are warped as boxes. When label files hold polygons, Ultralytics re-derives each box from the warped
     polygon (tighter under rotation, area threshold 0.01); here the box rule (0.10) applies to every dataset.
   * Not reproduced (refused when configured): mixup, cutmix, copy_paste, custom `augmentations`. Ultralytics also
@@ -47,8 +46,8 @@ Where the device version differs, and why
     installed, which it is not in this project's environments. Detection only, 3-channel images, 2x2 mosaic.
 
 Syncs: none in the sampling; one device-to-host sync per batch, where the surviving boxes are compacted (their
-number is data-dependent). Memory: about 100 bytes per output pixel of a pass, in passes of at most PIXELS_PER_PASS
-pixels: ~0.4 GB at the peak whatever the batch size.
+number is data-dependent). Memory: the output alone on CUDA (the Triton pass keeps nothing else); the PyTorch twin
+that CPU runs use works in passes of bounded size (warp.PIXELS_PER_PASS).
 """
 
 from __future__ import annotations
@@ -58,13 +57,9 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
-from launcher.rank.data.hsv import hsv_augment
+from launcher.rank.data.warp import BORDER, render
 
-BORDER = 114.0  # Ultralytics' pad value: the mosaic canvas and the warp's border
 UNSUPPORTED = ("mixup", "cutmix", "copy_paste")
-# Output pixels rendered per pass (10 images of 640): bounds the temporaries, about 100 bytes per pixel, whatever the
-# batch size, while each kernel still has millions of elements to work on.
-PIXELS_PER_PASS = 2**22
 
 
 @dataclass
@@ -88,6 +83,8 @@ class RawBatch:
     im_file: tuple[str, ...]
     ori_shape: tuple[tuple[int, int], ...]
     ratio_pad: tuple[tuple[float, float], ...]
+    rgb: bool = False  # the images' channel order: BGR as Ultralytics loads them, RGB as the GPU decoder writes them
+    valid: torch.Tensor | None = None  # (K,) bool: which label rows are labels (the image buffer pads them); None: all
 
     def _map_tensors(self, fn) -> RawBatch:
         tensors = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -149,11 +146,12 @@ class GpuAugment:
     sample (after close_mosaic) is never mosaicked; with four, each sample is, with probability `mosaic`.
     """
 
-    def __init__(self, imgsz: int, hyp):
+    def __init__(self, imgsz: int, hyp, out_dtype: torch.dtype | None = None):
         hyp = _hyp_dict(hyp)
+        self.out_dtype = out_dtype  # None: uint8 images as Ultralytics collates them; else the network's input
         used = [k for k in UNSUPPORTED if hyp.get(k)] + (["augmentations"] if hyp.get("augmentations") else [])
         if used:
-            raise ValueError(f"loader.gpu_augment does not implement {', '.join(used)}: set them to 0 or turn it off")
+            raise ValueError(f"the GPU input pipeline does not implement {', '.join(used)}: set them to 0 or use loader.augment_on=cpu")
         self.imgsz = int(imgsz)
         self.p_mosaic = float(hyp.get("mosaic", 1.0))
         self.degrees, self.translate = float(hyp.get("degrees", 0.0)), float(hyp.get("translate", 0.1))
@@ -267,8 +265,8 @@ class GpuAugment:
         return _Tiles(**{k: v.int() for k, v in tables.items()})  # int32: half the memory of per-pixel lookups
 
     def _render(self, raw: RawBatch, p: AugmentParams, tiles: _Tiles) -> torch.Tensor:
-        """(B, 3, S, S) uint8 RGB: each output pixel sampled through the inverse warp from the mosaic it would show,
-        then RandomHSV; in passes of at most PIXELS_PER_PASS output pixels."""
+        """The images, in one pass (warp.render): (B, 3, S, S) uint8 RGB in Ultralytics' batch format, or with
+        `out_dtype` the network's input itself (values / 255, channels_last)."""
         s = self.imgsz
         b = p.matrix.shape[0]
         dev = p.matrix.device
@@ -279,53 +277,15 @@ class GpuAugment:
         flip[:, 1, 1] = torch.where(p.flip_ud, -1.0, 1.0)
         flip[:, 1, 2] = torch.where(p.flip_ud, s - 1.0, 0.0)
         inverse = torch.linalg.inv_ex(p.matrix)[0] @ flip  # output pixel -> canvas; inv_ex: no check, no host sync
-
-        img = torch.empty((b, 3, s, s), dtype=torch.uint8, device=dev)
-        step = max(1, PIXELS_PER_PASS // (s * s))
-        for first in range(0, b, step):
-            rows = slice(first, first + step)
-            bgr = self._warp(raw, tiles.rows(rows), inverse[rows])
-            if any(self.hsv_gains):  # RandomHSV is skipped when every gain is 0 (its uint8 round trip is not lossless)
-                bgr = hsv_augment(bgr, p.hsv[rows])
-            img[rows] = bgr.to(torch.uint8).view(-1, s, s, 3).permute(0, 3, 1, 2).flip(1)  # RGB, CHW
-        if self.p_bgr > 0:  # Format leaves these samples BGR
-            img = torch.where(p.rgb[:, None, None, None], img, img.flip(1))
+        table = torch.stack((tiles.x_lo, tiles.x_hi, tiles.y_lo, tiles.y_hi, tiles.base), 1)
+        if self.out_dtype is None:
+            img = torch.empty((b, 3, s, s), dtype=torch.uint8, device=dev)
+        else:
+            img = torch.empty((b, 3, s, s), dtype=self.out_dtype, device=dev).to(memory_format=torch.channels_last)
+        gains = p.hsv if any(self.hsv_gains) else None  # RandomHSV is skipped when every gain is 0, as Ultralytics does
+        render(raw.images, table, torch.stack((tiles.xc, tiles.yc), 1), inverse, gains, ~p.rgb, img,
+               scale=1.0 if self.out_dtype is None else 1 / 255, bgr_slots=not raw.rgb)
         return img
-
-    def _warp(self, raw: RawBatch, tiles: _Tiles, inverse: torch.Tensor) -> torch.Tensor:
-        """(n, S*S, 3) float BGR, integer-valued like warpAffine's uint8 output: bilinear, 114 outside the tiles."""
-        s, dev = self.imgsz, inverse.device
-        axis = torch.arange(s, device=dev, dtype=torch.float32)
-        v, u = torch.meshgrid(axis, axis, indexing="ij")  # cv2's convention: pixel centres at integer coordinates
-        src = inverse @ torch.stack((u.reshape(-1), v.reshape(-1), torch.ones(s * s, device=dev)))  # (n, 3, S*S)
-        x, y = src[:, 0] / src[:, 2], src[:, 1] / src[:, 2]  # canvas coordinates (the divide is exact for affine M)
-        x0, y0 = x.floor(), y.floor()
-        fx, fy = x.sub_(x0), y.sub_(y0)  # in place: x and y are not needed again
-        x0, y0 = x0.int(), y0.int()
-        pixels = raw.images.view(-1, 3)
-        out = torch.zeros((*fx.shape, 3), device=dev)
-        outside = torch.zeros_like(fx)  # the weight of the taps that read the 114 border
-        for dx, dy in ((0, 0), (1, 0), (0, 1), (1, 1)):
-            weight = (fx if dx else 1 - fx) * (fy if dy else 1 - fy)
-            index, inside = self._lookup(tiles, x0 + dx, y0 + dy)
-            weight_inside = weight * inside
-            out.addcmul_(weight_inside[..., None], pixels.index_select(0, index.view(-1)).view(*index.shape, 3))
-            outside += weight - weight_inside
-        return out.add_(outside[..., None], alpha=BORDER).round_()
-
-    def _lookup(self, tiles: _Tiles, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """For integer canvas pixels (x, y) (n, P): their flat index in RawBatch.images, and whether a tile covers
-        them (else they are the canvas' 114)."""
-        right, bottom = x >= tiles.xc[:, None], y >= tiles.yc[:, None]
-
-        def quadrant(table):  # (n, 4) -> (n, P): the entry of the quadrant each pixel lies in
-            return torch.where(
-                bottom, torch.where(right, table[:, 3:], table[:, 2:3]), torch.where(right, table[:, 1:2], table[:, :1])
-            )
-
-        inside = (x >= quadrant(tiles.x_lo)) & (x < quadrant(tiles.x_hi))
-        inside &= (y >= quadrant(tiles.y_lo)) & (y < quadrant(tiles.y_hi))
-        return torch.where(inside, quadrant(tiles.base) + y * self.imgsz + x, 0), inside
 
     def _boxes(self, raw: RawBatch, p: AugmentParams, tiles: _Tiles):
         """Mosaic's shift and clip, RandomPerspective's warp and box_candidates, the flips, Format's xywh / S."""
@@ -336,6 +296,8 @@ class GpuAugment:
         xyxy = raw.labels[:, 3:7] + pad
         clipped = xyxy.clamp(0, 2 * s)  # Mosaic._cat_labels: clip to the canvas, drop what has no area left
         alive = torch.where(mosaic, (clipped[:, 2] > clipped[:, 0]) & (clipped[:, 3] > clipped[:, 1]), tile == 0)
+        if raw.valid is not None:
+            alive &= raw.valid
         xyxy = torch.where(mosaic[:, None], clipped, xyxy)
 
         left, top, right, bottom = xyxy.unbind(1)

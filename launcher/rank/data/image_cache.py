@@ -1,4 +1,5 @@
-"""A node-wide image cache: every image of a split decoded once into one file that all ranks and workers map.
+"""A node-wide image cache: every image of a split decoded once into one file that all ranks and workers map (or,
+for the GPU input pipeline, every file's bytes as they are: `ensure_file_cache`).
 
 Ultralytics' `cache='ram'` decodes the whole split in every rank: 8 ranks, 8 copies. Here the decoded images live in
 one file on the node -- in /dev/shm when it has room, else in a folder on disk -- and every rank and every DataLoader
@@ -59,6 +60,7 @@ ROW = 5  # index columns: offset, h0, w0, h, w
 SIZE_SAMPLE = 32  # images decoded to estimate the size of a cache before building it
 CHUNK = 16  # images per build task: few enough tasks for a million images, little left to finish when one fails
 PROGRESS_EVERY_S = 30.0
+FILE_BYTES = "file bytes"  # the rule of a cache of files as they are on disk (ensure_file_cache)
 
 
 class CacheError(RuntimeError):
@@ -83,7 +85,7 @@ def cache_key(files: Sequence[str], imgsz: int, channels: int, rule: str) -> str
 
 
 def cache_name(key: str, imgsz: int) -> str:
-    return f"images-{imgsz}px-{key[:16]}.bin"
+    return f"images-{imgsz}px-{key[:16]}.bin" if imgsz else f"files-{key[:16]}.bin"
 
 
 def default_dirs(disk_dir: str | Path) -> list[Path]:
@@ -187,7 +189,7 @@ def ensure_cache(
 ) -> ImageCache:
     """The cache of `files`, each as `load(path)` returns it at imgsz: mapped if it exists, else built first (the
     key covers `rule`, what `load` does). Safe to race."""
-    if not isinstance(imgsz, int) or channels not in (1, 3):
+    if not isinstance(imgsz, int) or channels not in (1, 3) or (imgsz == 0) != (rule == FILE_BYTES):
         raise ValueError(f"the image cache takes an int imgsz and 1 or 3 channels, not {imgsz!r} and {channels}")
     dirs = [Path(d) for d in dirs]
     files = list(files)
@@ -203,11 +205,28 @@ def ensure_cache(
                 need = _estimate_size(files, load)
                 target = _pick_dir(dirs, need, log)
                 threads = max(1, min(threads or len(os.sched_getaffinity(0)), len(files)))
-                log(f"image cache: decoding {len(files)} images (~{_size(need)}) into {target}: {threads} threads")
+                verb = "copying" if rule == FILE_BYTES else "decoding"
+                log(f"image cache: {verb} {len(files)} images (~{_size(need)}) into {target}: {threads} threads")
                 _build(files, load, (imgsz, channels, rule), key, target / name, threads, log)
                 cache = ImageCache(target / name, key)
-    log(f"image cache: {len(cache)} images at {imgsz}px, {_size(cache.nbytes)}, mapped from {cache.path}")
+    what = f"at {imgsz}px" if imgsz else "as files"
+    log(f"image cache: {len(cache)} images {what}, {_size(cache.nbytes)}, mapped from {cache.path}")
     return cache
+
+
+def ensure_file_cache(files: Sequence[str], *, dirs: Sequence[str | Path], threads: int | None = None,
+                      log: Log = print) -> ImageCache:
+    """The cache of `files`' bytes, undecoded (the GPU input pipeline decodes them): row i is a (1, n, 1) view of
+    file i's n bytes. The same file format, lock and clean-up as the decoded caches; imgsz 0 names it."""
+    return ensure_cache(files, 0, load=_file_bytes, rule=FILE_BYTES, channels=1, dirs=dirs, threads=threads, log=log)
+
+
+def _file_bytes(path: str):
+    try:
+        data = np.fromfile(path, np.uint8)
+    except OSError:
+        return None, (0, 0), (0, 0)
+    return data.reshape(1, -1, 1), (0, 0), (1, len(data))
 
 
 def _open_existing(dirs: Sequence[Path], name: str, key: str, log: Log | None = None) -> ImageCache | None:

@@ -7,22 +7,31 @@ where it must be: at the run's first step, after close_mosaic (`restart()`), or 
 `loader.persistent_workers=false`.
 
 With fetch-ahead (`loader.fetch_ahead`, on by default) the loop asks for the next batch while the GPU still runs
-the step just launched (`prefetch`): on CUDA its host-to-device copy, and its augmentation with loader.gpu_augment,
-run on a side stream, so the copy engine and the step overlap and the next step starts on data already on the
-device. Only the loader's own delay counts as data wait then (`last_wait`).
+the step just launched (`prefetch`): on CUDA its host-to-device copy runs on a side stream, so the copy engine and
+the step overlap and the next step starts on data already on the device. Only the loader's own delay counts as data
+wait then (`last_wait`).
+
+With the input pipeline on the GPU (`background=True`) preparing a batch is host work too -- nvJPEG's batched
+decode ends in a synchronisation, the surviving boxes are counted -- so it runs in a thread of its own, on its own
+stream, `AHEAD` batches ahead of the loop and across epoch boundaries: the training thread only launches steps, and
+waits (data wait) only when the thread has nothing ready.
 """
 
 from __future__ import annotations
 
 import math
+import queue
 import random
+import threading
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 
 import torch
 from torch import nn
 
 MAX_TARGETS = "max_targets"  # batch key: the largest number of targets in one image, known to the host
+AHEAD = 2  # batches the background thread prepares ahead of the step (each a batch of the network's input)
 
 
 def max_targets_per_image(batch_idx: torch.Tensor, batch_size: int, *, read_device: bool = False) -> int | None:
@@ -43,7 +52,8 @@ def to_device(batch: dict, device: torch.device, *, imgsz: int, stride: int, mul
     for k, v in batch.items():
         if isinstance(v, torch.Tensor):
             batch[k] = v.to(device, non_blocking=device.type != "cpu")
-    batch["img"] = batch["img"].float() / 255
+    if not batch["img"].is_floating_point():  # the GPU pipeline writes the network's input, already scaled
+        batch["img"] = batch["img"].float() / 255
     if multi_scale > 0:
         imgs = batch["img"]
         low, high = max(stride, int(imgsz * (1 - multi_scale))), int(imgsz * (1 + multi_scale) + stride)
@@ -56,20 +66,24 @@ def to_device(batch: dict, device: torch.device, *, imgsz: int, stride: int, mul
 
 class TrainInputs:
     """`next(ni)` and `prefetch(ni)` for the loop; `prepare(raw, ni)` makes a loader batch ready for the step (the
-    GPU augmentation with loader.gpu_augment, then to_device), its randomness a function of the step `ni`."""
+    GPU input pipeline's decode and augmentation, then to_device), its randomness a function of the step `ni`."""
 
     def __init__(self, loader, sampler, device: torch.device, prepare: Callable[[object, int], dict], *,
-                 fetch_ahead: bool = True, persistent: bool = True, clock=time.perf_counter):
+                 fetch_ahead: bool = True, persistent: bool = True, background: bool = False,
+                 clock=time.perf_counter):
         self.loader, self.sampler, self.device, self.prepare = loader, sampler, device, prepare
         self.fetch_ahead, self.persistent, self.clock = fetch_ahead, persistent, clock
+        self.background = background
+        self._worker: _Preparer | None = None
         self.last_wait = 0.0
         self._iterator = None
         self._ahead: tuple[dict, torch.cuda.Event | None, float] | None = None  # batch, copy done, wait it cost
         self._copy_stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
 
-    def begin_epoch(self, epoch: int, first_step: int) -> None:
+    def begin_epoch(self, epoch: int, first_step: int, first_ni: int = 0) -> None:
+        """`first_ni`: the run's step counter at this epoch's first step (the background thread counts from it)."""
         if self._iterator is None or not self.persistent:
-            self._start(epoch, first_step)
+            self._start(epoch, first_step, first_ni)
 
     def restart(self) -> None:
         """Start new workers at the next epoch (the dataset changed: close_mosaic). Batches already prefetched by
@@ -77,6 +91,11 @@ class TrainInputs:
         self.close()
 
     def next(self, ni: int) -> dict:
+        if self._worker is not None:
+            start = self.clock()
+            self._ahead = self._worker.take(ni)
+            self._ahead = (*self._ahead[:2], self.clock() - start)
+            return self._take_ahead()
         if self._ahead is not None:
             return self._take_ahead()
         start = self.clock()
@@ -86,7 +105,7 @@ class TrainInputs:
 
     def prefetch(self, ni: int) -> None:
         """Fetch batch `ni` now, while the GPU runs the step just launched."""
-        if not self.fetch_ahead:
+        if not self.fetch_ahead or self._worker is not None:  # the thread is ahead already
             return
         start = self.clock()
         raw = next(self._iterator)
@@ -116,17 +135,78 @@ class TrainInputs:
     def batches_on_device(self, n: int, first_ni: int) -> list[dict]:
         """`n` batches taken now and kept (the data-free ceiling of ddp-bench); then the workers stop, so that they
         do not compete with the step for the cores."""
+        if self._worker is not None:  # the thread prepares the run's next steps: these are they
+            first_ni = self._worker.expected
         batches = [self.next(first_ni + j) for j in range(n)]
         self.close()
         return batches
 
-    def _start(self, epoch: int, first_step: int) -> None:
+    def _start(self, epoch: int, first_step: int, first_ni: int = 0) -> None:
         self.close()
         self.sampler.start_at(epoch, first_step)
         self._iterator = iter(self.loader)
+        if self.background:
+            self._worker = _Preparer(self._iterator, self.prepare, self.device, first_ni)
 
     def close(self) -> None:
+        if self._worker is not None:
+            self._worker.stop()  # before the workers go: the thread may be waiting for their next batch
+            self._worker = None
         self._ahead = None  # a batch fetched ahead belongs to the iterator that is going
         if self._iterator is not None and hasattr(self._iterator, "_shutdown_workers"):
             self._iterator._shutdown_workers()
         self._iterator = None
+
+
+class _Preparer:
+    """A thread that prepares batches ni, ni + 1, ... from `iterator` on its own CUDA stream, AHEAD at a time."""
+
+    def __init__(self, iterator, prepare, device: torch.device, first_ni: int):
+        self.iterator, self.prepare, self.device = iterator, prepare, device
+        self.ready: queue.Queue = queue.Queue(maxsize=AHEAD)
+        self.expected = first_ni  # the step the next take() is for
+        self._stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, args=(first_ni,), name="input-prepare", daemon=True)
+        self.thread.start()
+
+    def _run(self, ni: int) -> None:
+        cuda = self.device.type == "cuda"
+        stream = torch.cuda.Stream(device=self.device) if cuda else None
+        try:
+            with torch.cuda.device(self.device) if cuda else nullcontext(), torch.cuda.stream(stream):
+                while not self._stop.is_set():
+                    batch = self.prepare(next(self.iterator), ni)
+                    done = None
+                    if cuda:
+                        done = torch.cuda.Event()
+                        done.record(stream)
+                    self._put((ni, batch, done))
+                    ni += 1
+        except BaseException as e:  # noqa: BLE001 - handed to the training thread, which raises it
+            self._put((None, e, None))
+
+    def _put(self, item) -> None:
+        while not self._stop.is_set():
+            try:
+                self.ready.put(item, timeout=0.1)
+                return
+            except queue.Full:
+                continue
+
+    def take(self, ni: int) -> tuple[dict, torch.cuda.Event]:
+        tag, batch, done = self.ready.get()
+        if tag is None:
+            raise RuntimeError("preparing a training batch failed") from batch
+        if tag != ni:
+            raise RuntimeError(f"the input thread prepared batch {tag}, the loop asked for {ni}")
+        self.expected = ni + 1
+        return batch, done
+
+    def stop(self) -> None:
+        self._stop.set()
+        while self.thread.is_alive():
+            try:  # make room, so that a put in progress returns
+                self.ready.get(timeout=0.1)
+            except queue.Empty:
+                pass
+            self.thread.join(timeout=0.1)

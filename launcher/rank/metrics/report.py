@@ -26,7 +26,8 @@ def host_cpu_busy(start, end) -> float:
     return 1 - idle / total if total > 0 else 0.0
 
 
-def rank_report(*, rank: int, device, meter, monitor, net, loss_items: dict | None, state, samples=None) -> dict:
+def rank_report(*, rank: int, device, meter, monitor, net, loss_items: dict | None, state, samples=None,
+                input_gpu_ms: float | None = None) -> dict:
     m = meter.summary()
     gpus = [vars(g) for g in monitor.stats()] if monitor is not None else []
     return {
@@ -34,6 +35,9 @@ def rank_report(*, rank: int, device, meter, monitor, net, loss_items: dict | No
         "device": str(device),
         "images_per_s": m.images_per_s,
         "data_wait": m.data_wait,
+        # loader.augment_on=gpu: elapsed on the preparing stream per image, decode to augmented batch (an upper bound
+        # of its GPU cost: it includes waits behind the step); None for the CPU input
+        "input_gpu_ms_per_image": input_gpu_ms,
         "steps_measured": m.steps_measured,
         "step_ms": m.step_ms,
         "gpus": gpus,

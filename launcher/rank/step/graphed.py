@@ -24,11 +24,14 @@ from torch.utils import _pytree as pytree
 class GraphedDetector(nn.Module):
     """A DetectionModel whose train-mode forward on `(batch, 3, imgsz, imgsz)` images replays a CUDA graph."""
 
-    def __init__(self, net: nn.Module, batch: int, imgsz: int, amp_dtype: torch.dtype | None):
+    def __init__(self, net: nn.Module, batch: int, imgsz: int, amp_dtype: torch.dtype | None, *,
+                 input_dtype: torch.dtype = torch.float32, channels_last: bool = False):
         super().__init__()
         self.net = net
         self.shape = (batch, 3, imgsz, imgsz)
         self.amp_dtype = amp_dtype
+        # the graph's input buffer as the pipeline writes batches: each replay then copies without converting
+        self.input_dtype, self.input_format = input_dtype, torch.channels_last if channels_last else torch.contiguous_format
         self._spec = None  # the structure of the network's output (dicts and lists of tensors), seen at capture
         self._graphed = self._capture()
 
@@ -39,7 +42,7 @@ class GraphedDetector(nn.Module):
 
     def _capture(self):
         device = next(self.net.parameters()).device
-        sample = torch.rand(self.shape, device=device)
+        sample = torch.rand(self.shape, device=device).to(self.input_dtype, memory_format=self.input_format)
         saved = {k: v.detach().clone() for k, v in self.net.named_buffers()}  # warm-up runs move BN statistics
         flat = _FlatForward(self)
         try:

@@ -1,4 +1,5 @@
-"""Ultralytics' datasets as a rank uses them: the augmenting training set, the raw one behind loader.gpu_augment, the
+"""Ultralytics' datasets as a rank uses them: the augmenting training set, the unaugmented one whose files and labels
+the GPU input pipeline reads (loader.augment_on=gpu), the
 validation loader, and the node-shared image cache served through a dataset's own image lists."""
 
 from __future__ import annotations
@@ -33,10 +34,11 @@ def train_dataset(hyp, data: dict, batch: int, stride: int):
 
 
 def raw_train_dataset(hyp, data: dict, batch: int) -> YOLODataset:
-    """The training split without Ultralytics' transforms (loader.gpu_augment reads `load_image` and `labels`):
+    """The training split without Ultralytics' transforms (the GPU input pipeline reads its `labels`, which its
+    checks built, and the test suite its `load_image`):
     square, the train split's `fraction` applied, no recent-image buffer filling with copies."""
     if hyp.rect:
-        raise ValueError("loader.gpu_augment builds square mosaic batches: rect=True is not supported with it")
+        raise ValueError("the GPU input pipeline builds square mosaic batches: rect=True is not supported with it")
     with torch_distributed_zero_first(LOCAL_RANK):
         return YOLODataset(
             img_path=data["train"], imgsz=hyp.imgsz, batch_size=batch, augment=False, hyp=hyp, rect=False,
@@ -61,12 +63,9 @@ def _val_worker_init(worker_id: int) -> None:
     seed_worker(worker_id)
 
 
-def close_mosaic(dataset, hyp) -> None:
+def close_mosaic(dataset: YOLODataset, hyp) -> None:
     """No mosaic from now on (Ultralytics' close_mosaic); the loader's workers must be started again."""
-    if isinstance(dataset, YOLODataset):
-        dataset.close_mosaic(hyp=copy(hyp))
-    else:
-        dataset.close_mosaic()  # raw_batches.RawTrainDataset: one tile per sample from now on
+    dataset.close_mosaic(hyp=copy(hyp))
 
 
 def set_mosaic_buffer(dataset, enabled: bool) -> None:

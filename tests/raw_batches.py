@@ -1,4 +1,6 @@
-"""The CPU half of `loader.gpu_augment`: training samples as raw image pixels and pixel boxes (a gpu_augment.RawBatch).
+"""A test helper: Ultralytics' own `load_image` as gpu_augment.RawBatches (BGR pixels and pixel boxes), so that the
+device augmentation can be compared draw for draw with Ultralytics' pipeline on the very images it loads. (The rank's
+GPU input pipeline reads file bytes instead: rank/data/encoded.py and gpu_input.py.)
 
 Per sample the CPU does only what Ultralytics' `load_image` does -- read (or take from a cache) and resize the long
 side to imgsz -- for the sample's own image and, while mosaic is on, its 3 mosaic partners; mosaic, warp, colour and
@@ -27,7 +29,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from launcher.rank.data.gpu_augment import BORDER, RawBatch
+from launcher.rank.data.gpu_augment import RawBatch
+from launcher.rank.data.warp import BORDER
 from launcher.rank.data.sampler import sample_seed
 
 PARTNERS = ("dataset", "batch")

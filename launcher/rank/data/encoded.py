@@ -1,0 +1,170 @@
+"""The CPU half of the GPU input pipeline (`loader.augment_on=gpu`): a training sample is its file's bytes and its labels.
+
+A loader worker reads the file (or takes its bytes from the node-shared cache, which then holds compressed files)
+and does not decode it, except where the GPU decoder cannot: a file that is not a JPEG (PNG, BMP, WebP, ...), and a
+JPEG whose EXIF orientation is not upright (nvJPEG ignores it; OpenCV, and so Ultralytics, applies it). Those are
+decoded here, by torchvision on the CPU, into the planar RGB the GPU decoder would give. On a CPU rank everything is
+decoded here (`decode_all`): there is no GPU to do it.
+
+    dataset = EncodedTrainDataset(EncodedImages.of(ultralytics_dataset), decode_all=device.type == "cpu")
+    # with train.cache=shared: cache=image_cache.ensure_file_cache(files, ...), the files' bytes mapped
+    loader = DataLoader(dataset, batch_sampler=EpochBatchSampler(...), collate_fn=dataset.collate_fn)
+
+Labels are read once, in the rank, from the dataset Ultralytics built (its label cache and image checks), and
+travel to the workers as a few flat arrays.
+"""
+
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+JPEG_MAGIC = b"\xff\xd8\xff"
+EXIF_ORIENTATION = 0x0112
+
+
+class EncodedImages(NamedTuple):
+    """A split's files and labels: labels of image i are rows starts[i]:starts[i+1] of `cls` and `xywh`."""
+
+    files: list[str]
+    cls: np.ndarray  # (K,) float32
+    xywh: np.ndarray  # (K, 4) float32, normalised to the image
+    starts: np.ndarray  # (n + 1,) int64
+
+    @classmethod
+    def of(cls, dataset) -> EncodedImages:
+        """From an Ultralytics YOLODataset's `im_files` and `labels` (after its checks dropped unreadable files)."""
+        labels = dataset.labels
+        counts = [len(np.asarray(lb["cls"]).reshape(-1)) for lb in labels]
+        starts = np.concatenate(([0], np.cumsum(counts))).astype(np.int64)
+        classes = [np.asarray(lb["cls"], np.float32).reshape(-1) for lb in labels]
+        boxes = [np.asarray(lb["bboxes"], np.float32).reshape(-1, 4) for lb in labels]
+        return cls(
+            files=[lb["im_file"] for lb in labels],
+            cls=np.concatenate(classes) if classes else np.zeros(0, np.float32),
+            xywh=np.concatenate(boxes) if boxes else np.zeros((0, 4), np.float32),
+            starts=starts,
+        )
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def labels(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        lo, hi = self.starts[i], self.starts[i + 1]
+        return self.cls[lo:hi], self.xywh[lo:hi]
+
+
+class EncodedSample(NamedTuple):
+    index: int
+    payload: torch.Tensor  # (n,) uint8 JPEG bytes, or a decoded (3, h, w) uint8 RGB image
+    error: str  # why the CPU could not decode it ("" when it could, or did not try)
+
+
+@dataclass
+class EncodedBatch:
+    """A batch as the workers hand it over. `payloads[i]` is 1-D (bytes for the GPU decoder) or 3-D (decoded)."""
+
+    indices: list[int]
+    payloads: list[torch.Tensor]
+    errors: list[str]
+    cls: torch.Tensor  # (K,) float32: the labels of every sample, in sample order
+    xywh: torch.Tensor  # (K, 4) float32
+    counts: torch.Tensor  # (B,) int64: labels per sample
+
+    def pin_memory(self) -> EncodedBatch:
+        """Called by the DataLoader's pin-memory thread: the bytes and decoded images go to the GPU from pinned pages."""
+        self.payloads = [p.pin_memory() for p in self.payloads]
+        return self
+
+
+class EncodedTrainDataset(Dataset):
+    """(epoch, index) keys, as sampler.EpochBatchSampler gives them, to EncodedSamples; `collate_fn` makes a batch."""
+
+    def __init__(self, images: EncodedImages, *, labels: list[dict] | None = None, decode_all: bool = False,
+                 cache=None):
+        self.images, self.decode_all = images, decode_all
+        self.labels = labels  # Ultralytics' label dicts, what its trainer reads off a training set (class weights)
+        self.cache = cache  # an image_cache.ImageCache of the files' bytes, or None
+        self._rows = cache.rows(images.files) if cache is not None else None
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    def read(self, i: int) -> bytes | np.ndarray:
+        if self._rows is not None:
+            return self.cache.image(int(self._rows[i]))[0].reshape(-1)  # a read-only view of the mapped file
+        with open(self.images.files[i], "rb") as f:
+            return f.read()
+
+    def __getitem__(self, key: tuple[int, int]) -> EncodedSample:
+        _, index = key
+        data = self.read(index)
+        if not self.decode_all and bytes(data[:3]) == JPEG_MAGIC and exif_orientation(data) == 1:
+            return EncodedSample(index, torch.frombuffer(bytearray(data), dtype=torch.uint8), "")
+        image, error = decode_on_cpu(data)
+        return EncodedSample(index, image, error)
+
+    def collate_fn(self, samples: list[EncodedSample]) -> EncodedBatch:
+        labels = [self.images.labels(s.index) for s in samples]
+        return EncodedBatch(
+            indices=[s.index for s in samples],
+            payloads=[s.payload for s in samples],
+            errors=[s.error for s in samples],
+            cls=torch.from_numpy(np.concatenate([c for c, _ in labels])),
+            xywh=torch.from_numpy(np.concatenate([b for _, b in labels])).view(-1, 4),
+            counts=torch.tensor([len(c) for c, _ in labels], dtype=torch.int64),
+        )
+
+
+def decode_on_cpu(data) -> tuple[torch.Tensor, str]:
+    """Any image file's bytes -> (3, h, w) uint8 RGB with its EXIF orientation applied, as OpenCV reads it; an
+    empty (3, 0, 0) tensor and the reason when nothing can decode it."""
+    from torchvision.io import ImageReadMode, decode_image
+
+    buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    try:
+        return decode_image(buffer, mode=ImageReadMode.RGB, apply_exif_orientation=True), ""
+    except (RuntimeError, ValueError) as e:  # torchvision's decoders raise RuntimeError on damaged data
+        torchvision_error = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    try:  # Pillow reads formats torchvision does not (TIFF, MPO, ...), as Ultralytics' checks do
+        from PIL import Image, ImageOps
+
+        with Image.open(io.BytesIO(bytes(data))) as im:
+            rgb = np.asarray(ImageOps.exif_transpose(im).convert("RGB"))
+        return torch.from_numpy(rgb.copy()).permute(2, 0, 1).contiguous(), ""
+    except Exception as e:  # noqa: BLE001 - any failure means the same: this file cannot be decoded
+        return torch.zeros((3, 0, 0), dtype=torch.uint8), f"{torchvision_error}; Pillow: {type(e).__name__}: {e}"
+
+
+def exif_orientation(data) -> int:
+    """The EXIF orientation tag of JPEG bytes (1, upright, when there is none), read from the APP1 segment alone."""
+    head = bytes(data[: 1 << 16])  # markers before the image data; EXIF sits in the first APP1 segment
+    pos = 2
+    while pos + 4 <= len(head) and head[pos] == 0xFF:
+        marker, length = head[pos + 1], int.from_bytes(head[pos + 2 : pos + 4], "big")
+        if marker == 0xE1 and head[pos + 4 : pos + 10] == b"Exif\x00\x00":
+            return _tiff_orientation(head[pos + 10 : pos + 2 + length])
+        if marker in (0xDA, 0xD9):  # start of scan, end of image: no EXIF before the pixels
+            return 1
+        pos += 2 + length
+    return 1
+
+
+def _tiff_orientation(tiff: bytes) -> int:
+    if len(tiff) < 8 or tiff[:2] not in (b"II", b"MM"):
+        return 1
+    order = "little" if tiff[:2] == b"II" else "big"
+    ifd = int.from_bytes(tiff[4:8], order)
+    if ifd + 2 > len(tiff):
+        return 1
+    for k in range(int.from_bytes(tiff[ifd : ifd + 2], order)):
+        entry = tiff[ifd + 2 + 12 * k : ifd + 14 + 12 * k]
+        if len(entry) == 12 and int.from_bytes(entry[:2], order) == EXIF_ORIENTATION:
+            value = int.from_bytes(entry[8:10], order)
+            return value if 1 <= value <= 8 else 1
+    return 1

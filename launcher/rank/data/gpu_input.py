@@ -1,0 +1,228 @@
+"""The device half of the GPU input pipeline: file bytes in, the network's augmented input out.
+
+Per batch, on the stream that prepares it (pipeline.TrainInputs runs this on a side stream during the step before):
+  1. decode: the JPEGs in one batched nvJPEG call (torchvision.io.decode_jpeg on CUDA); images the workers decoded
+     (non-JPEG files, rotated JPEGs: encoded.py) are copied up; a batch nvJPEG refuses is retried image by image,
+     and an image it still refuses is decoded on the CPU. A file nothing can decode is named in the rank's log once
+     and trains as a grey image without labels: the run goes on, and says so.
+  2. load: each image resized into a slot of the image buffer (warp.load_into_slots: Ultralytics' load_image), its
+     labels stored beside it in the slot's pixels.
+  3. mosaic partners: drawn uniformly from the buffer's filled slots, the images decoded most recently, as
+     Ultralytics' Mosaic draws from its dataset's buffer of recently loaded images (min(n, 8 batches, 1000) of them).
+     With loader.mosaic_buffer=false from the same batch, so that a batch depends on its keys and the seed alone
+     (a resumed run repeats the uninterrupted one). After close_mosaic there are none.
+  4. augment: gpu_augment.GpuAugment with the buffer as its images: one pass writes the network's input, then the
+     boxes (one host sync, where the surviving boxes are counted).
+
+The buffer costs capacity x imgsz^2 x 3 bytes of GPU memory (512 slots at 640 px: 0.6 GiB).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from launcher.rank.data.encoded import EncodedBatch, decode_on_cpu
+from launcher.rank.data.gpu_augment import GpuAugment, RawBatch
+from launcher.rank.data.warp import BORDER, load_into_slots
+
+
+def buffer_capacity(images: int, batch: int) -> int:
+    """Ultralytics' BaseDataset.max_buffer_length for an augmenting dataset, never less than one batch."""
+    return max(batch, min(images, batch * 8, 1000))
+
+
+def resized_shape(h0: int, w0: int, imgsz: int) -> tuple[int, int]:
+    """BaseDataset.load_image's size: the long side to imgsz, rounded up, at most imgsz."""
+    r = imgsz / max(h0, w0)
+    if r == 1:
+        return h0, w0
+    return min(math.ceil(h0 * r), imgsz), min(math.ceil(w0 * r), imgsz)
+
+
+class Decoder:
+    """EncodedBatch -> one (3, h, w) uint8 RGB image per sample on `device`, and which samples could not be decoded."""
+
+    def __init__(self, device: torch.device, files: list[str], log=print):
+        self.device, self.files, self.log = device, files, log
+        self.reported: set[int] = set()  # images already named in the log
+
+    def __call__(self, batch: EncodedBatch) -> tuple[list[torch.Tensor | None], list[bool]]:
+        images: list[torch.Tensor | None] = [None] * len(batch.payloads)
+        failed = [False] * len(images)
+        encoded = [i for i, p in enumerate(batch.payloads) if p.dim() == 1]
+        for i, payload in enumerate(batch.payloads):
+            if payload.dim() == 3:
+                if payload.numel() == 0:
+                    failed[i] = self._report(batch.indices[i], batch.errors[i])
+                else:
+                    images[i] = payload.to(self.device, non_blocking=True)
+        if encoded:
+            for i, image in zip(encoded, self._decode_jpegs([batch.payloads[i] for i in encoded])):
+                if image is None:
+                    image, error = decode_on_cpu(batch.payloads[i].numpy())
+                    if image.numel() == 0:
+                        failed[i] = self._report(batch.indices[i], error)
+                        continue
+                    image = image.to(self.device)
+                images[i] = image
+        return images, failed
+
+    def _decode_jpegs(self, data: list[torch.Tensor]) -> list[torch.Tensor | None]:
+        from torchvision.io import ImageReadMode, decode_jpeg
+
+        if self.device.type != "cuda":  # a CPU rank's workers decode everything; this serves a stray JPEG
+            return [None] * len(data)
+        try:
+            return list(decode_jpeg(data, mode=ImageReadMode.RGB, device=self.device))
+        except RuntimeError:  # one image nvJPEG refuses fails the whole batch: find it
+            out = []
+            for d in data:
+                try:
+                    out.append(decode_jpeg(d, mode=ImageReadMode.RGB, device=self.device))
+                except RuntimeError:
+                    out.append(None)  # the CPU tries next
+            return out
+
+    def _report(self, index: int, error: str) -> bool:
+        if index not in self.reported:
+            self.reported.add(index)
+            self.log(f"WARNING could not decode {self.files[index]} ({error}): it trains as a grey image without "
+                     "labels; remove or replace the file")
+        return True
+
+
+class GpuInput:
+    """`GpuInput(...)(encoded_batch, generator)` -> the training batch, images already the network's input."""
+
+    def __init__(self, augment: GpuAugment, decoder: Decoder, *, capacity: int, device: torch.device,
+                 mosaic: bool = True, partners_from_batch: bool = False, timed: bool = True):
+        s = augment.imgsz
+        self.augment, self.decode, self.device, self.mosaic = augment, decoder, device, mosaic
+        self.partners_from_batch = partners_from_batch  # loader.mosaic_buffer=false: a batch depends on its keys alone
+        self.slots = torch.full((capacity, s, s, 3), int(BORDER), dtype=torch.uint8, device=device)
+        self.sizes = torch.ones((capacity, 2), dtype=torch.int64, device=device)  # (h, w) of each slot's image
+        self.labels = torch.zeros((capacity, 8, 5), dtype=torch.float32, device=device)  # class, x1, y1, x2, y2
+        self.counts = torch.zeros(capacity, dtype=torch.int64, device=device)
+        self.head = self.filled = 0
+        self.timed = timed and device.type == "cuda"
+        self._events: list[tuple[torch.cuda.Event, torch.cuda.Event, int]] = []
+        self.gpu_ms = 0.0  # GPU time of the batches whose events have completed (decode to augmented batch)
+        self.gpu_images = 0
+
+    @property
+    def capacity(self) -> int:
+        return len(self.slots)
+
+    def close_mosaic(self) -> None:
+        """No mosaic partners from now on (Ultralytics' close_mosaic)."""
+        self.mosaic = False
+
+    def __call__(self, batch: EncodedBatch, generator: torch.Generator) -> dict:
+        b, s = len(batch.payloads), self.augment.imgsz
+        if b > self.capacity:
+            raise ValueError(f"a batch of {b} does not fit an image buffer of {self.capacity}")
+        start = self._event()
+        images, failed = self.decode(batch)
+        own = [(self.head + i) % self.capacity for i in range(b)]
+        self.head = (self.head + b) % self.capacity
+        self.filled = min(self.filled + b, self.capacity)
+
+        shapes, meta, offset = [], [], 0
+        for slot, image in zip(own, images):
+            h0, w0 = image.shape[1:] if image is not None else (s, s)
+            h, w = resized_shape(h0, w0, s)
+            shapes.append((h0, w0, h, w))
+            if image is not None:
+                meta.append((offset, h0, w0, slot, h, w))
+                offset += image.numel()
+        present = [im.reshape(-1) for im in images if im is not None]
+        if present:
+            flat = torch.cat(present) if len(present) > 1 else present[0]
+            load_into_slots(flat, torch.tensor(meta, dtype=torch.int64).to(self.device, non_blocking=True), self.slots)
+        slots = torch.tensor(own, dtype=torch.int64)
+        for slot, bad in zip(own, failed):
+            if bad:
+                self.slots[slot].fill_(int(BORDER))
+        self._store_labels(batch, slots, shapes, failed)
+
+        groups = slots.to(self.device, non_blocking=True)[:, None]
+        if self.mosaic:
+            if self.partners_from_batch:
+                partners = groups[torch.randint(0, b, (b * 3,), generator=generator, device=self.device), 0]
+            else:
+                partners = torch.randint(0, self.filled, (b * 3,), generator=generator, device=self.device)
+            groups = torch.cat((groups, partners.view(b, 3)), 1)
+        out = self.augment(self._raw(batch, groups, shapes), generator)
+        if start is not None:
+            end = self._event()
+            self._events.append((start, end, b))
+            self._collect()
+        return out
+
+    def _store_labels(self, batch: EncodedBatch, slots: torch.Tensor, shapes, failed) -> None:
+        """The batch's boxes, in pixels of their slot's image, into the label store (grown when an image has more)."""
+        counts = batch.counts.clone()
+        counts[torch.tensor(failed, dtype=torch.bool)] = 0
+        most = int(counts.max()) if len(counts) else 0
+        if most > self.labels.shape[1]:
+            grown = torch.zeros((self.capacity, 2 ** math.ceil(math.log2(most)), 5), device=self.device)
+            grown[:, : self.labels.shape[1]] = self.labels
+            self.labels = grown
+        width = self.labels.shape[1]
+        rows = np.zeros((len(slots), width, 5), np.float32)
+        start = 0
+        for k, n in enumerate(batch.counts.tolist()):
+            if counts[k]:
+                h, w = shapes[k][2:]
+                xywh = batch.xywh[start : start + n].numpy() * np.array([w, h, w, h], np.float32)
+                rows[k, :n, 0] = batch.cls[start : start + n].numpy()
+                rows[k, :n, 1:3] = xywh[:, :2] - xywh[:, 2:] / 2
+                rows[k, :n, 3:5] = xywh[:, :2] + xywh[:, 2:] / 2
+            start += n
+        hw = torch.tensor([sh[2:] for sh in shapes], dtype=torch.int64)
+        dev_slots = slots.to(self.device, non_blocking=True)
+        self.labels.index_copy_(0, dev_slots, torch.from_numpy(rows).to(self.device, non_blocking=True))
+        self.counts.index_copy_(0, dev_slots, counts.to(self.device, non_blocking=True))
+        self.sizes.index_copy_(0, dev_slots, hw.to(self.device, non_blocking=True))
+
+    def _raw(self, batch: EncodedBatch, groups: torch.Tensor, shapes) -> RawBatch:
+        """The augmentation's view of the buffer: every label row of every tile, padding rows marked invalid."""
+        b, t = groups.shape
+        width = self.labels.shape[1]
+        labels = self.labels[groups]  # (B, T, width, 5)
+        valid = torch.arange(width, device=self.device) < self.counts[groups][..., None]
+        sample = torch.arange(b, device=self.device).view(b, 1, 1).expand(b, t, width)
+        tile = torch.arange(t, device=self.device).view(1, t, 1).expand(b, t, width)
+        rows = torch.cat((sample[..., None].float(), tile[..., None].float(), labels), -1).view(-1, 7)
+        files = self.decode.files
+        return RawBatch(
+            images=self.slots, sizes=self.sizes, groups=groups, labels=rows, valid=valid.view(-1), rgb=True,
+            im_file=tuple(files[i] for i in batch.indices),
+            ori_shape=tuple(sh[:2] for sh in shapes),
+            ratio_pad=tuple((sh[2] / sh[0], sh[3] / sh[1]) for sh in shapes),
+        )
+
+    # --- GPU time ---------------------------------------------------------------------------------------------------
+    def _event(self) -> torch.cuda.Event | None:
+        if not self.timed:
+            return None
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def _collect(self) -> None:
+        """Add up the batches whose events have completed; never waits."""
+        while self._events and self._events[0][1].query():
+            start, end, images = self._events.pop(0)
+            self.gpu_ms += start.elapsed_time(end)
+            self.gpu_images += images
+
+    def take_gpu_time(self) -> tuple[float, int]:
+        """(GPU milliseconds, images) of the input work measured since the last call."""
+        self._collect()
+        taken = (self.gpu_ms, self.gpu_images)
+        self.gpu_ms, self.gpu_images = 0.0, 0
+        return taken
