@@ -57,7 +57,7 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
-from launcher.rank.data.warp import BORDER, render
+from launcher.rank.data.warp import render
 
 UNSUPPORTED = ("mixup", "cutmix", "copy_paste")
 
@@ -129,9 +129,6 @@ class _Tiles:
     y_lo: torch.Tensor
     y_hi: torch.Tensor
     base: torch.Tensor  # flat pixel index in RawBatch.images of canvas pixel (0, 0) seen through this tile
-
-    def rows(self, samples: slice) -> _Tiles:
-        return _Tiles(**{f.name: getattr(self, f.name)[samples] for f in fields(self)})
 
 
 def _hyp_dict(hyp) -> dict:

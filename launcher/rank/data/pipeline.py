@@ -93,8 +93,8 @@ class TrainInputs:
     def next(self, ni: int) -> dict:
         if self._worker is not None:
             start = self.clock()
-            self._ahead = self._worker.take(ni)
-            self._ahead = (*self._ahead[:2], self.clock() - start)
+            batch, done = self._worker.take(ni)
+            self._ahead = (batch, done, self.clock() - start)
             return self._take_ahead()
         if self._ahead is not None:
             return self._take_ahead()
