@@ -97,6 +97,10 @@ class RunFolder:
         return self.path / "summary.json"
 
     @property
+    def env_file(self) -> Path:
+        return self.path / "env.txt"  # the environment report (ddp-env) of rank 0's node
+
+    @property
     def weights(self) -> Path:
         return self.path / "weights"
 

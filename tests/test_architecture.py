@@ -21,7 +21,8 @@ LAYERS = [
     {"run_folder"},
     {"launch", "rank"},
     {"entry"},
-    {"cli", "bench"},
+    {"cli", "bench", "env"},
+    {"api"},  # the Python API calls what both console scripts do
 ]
 LAYER = {room: i for i, rooms in enumerate(LAYERS) for room in rooms}
 NO_TORCH = {"problems", "inputs", "plan"}  # pure: planning runs before anything heavy is imported

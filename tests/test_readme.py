@@ -96,7 +96,11 @@ def test_every_readme_benchmark_command(command, tmp_path, cache_dir):
 
 
 # Commands run by another test, with more knobs: the test named runs the command's arguments first, as written.
-RUN_ELSEWHERE = {"ddp-launch gpus=0 nproc=2 train.epochs=2": "tests/test_e2e_ddp.py"}
+RUN_ELSEWHERE = {
+    "ddp-launch gpus=0 nproc=2 train.epochs=2": "tests/test_e2e_ddp.py",
+    "ddp-launch -m dry_run=true seed=1,2,3": "tests/test_sweeps.py",
+    "ddp-launch -m train.epochs=1 seed=1,2": "tests/test_sweeps.py",
+}
 
 
 def test_the_commands_run_elsewhere_are_in_the_readme():

@@ -27,9 +27,9 @@ RESUME_KEYS = ("gpus", "nproc", "nnodes", "node_rank", "mode", "dist.master_addr
                "dist.timeout_s", "dist.max_restarts")
 
 
-def start(cfg: dict, run_dir: Path, base_dir: Path) -> int:
+def start(cfg: dict, run_dir: Path, base_dir: Path, on_plan=None) -> int:
     """Plan the composed config, then start it (or print it: dry_run=true). Returns the exit code; PlanError when
-    the plan cannot run, before anything is written."""
+    the plan cannot run, before anything is written. `on_plan(plan)` sees the plan once it is checked (the API)."""
     dry_run = bool(cfg.get("dry_run"))
     env = environments.get(cfg["launcher"]["name"])
     cfg = env.planning_config(cfg)
@@ -56,6 +56,8 @@ def start(cfg: dict, run_dir: Path, base_dir: Path) -> int:
         say(f"WARNING: {w.message} (a real run would refuse)")
     if errors:
         raise PlanError(errors)
+    if on_plan is not None:
+        on_plan(plan)
     if dry_run:
         say("\n" + env.dry_run_text(cfg, plan, run_dir))
         say("\ndry run: nothing started")

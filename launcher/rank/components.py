@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from launcher.machine.report import report as environment_report
 from launcher.plan import lr as lrmod
 from launcher.plan.plan import LaunchPlan
 from launcher.rank import checkpoint_io
@@ -84,6 +85,7 @@ class Rank:
                 self.heartbeat = Heartbeat(self.comm.store, self.rank, world, plan.timeout_s, folder)
         if self.rank == 0:
             build.save_args(self.hyp, folder.path)
+            folder.env_file.write_text(environment_report())  # what a bug report needs (ddp-env prints the same)
         # 3. the network, and the resume state
         self.state = TrainState(world_size=world, global_batch=plan.global_batch, device=self.device)
         checkpoint_io.remove_stale_temporaries(folder.weights)  # left by a writer that was SIGKILLed

@@ -238,7 +238,7 @@ def sbatch_script(slurm_cfg: dict, plan: LaunchPlan, run_dir: Path, env: dict[st
     lines = [
         "#!/bin/bash",
         "# Written by ddp-launch (launcher=slurm). Submit it again with: sbatch " + shlex.quote(str(run_dir / SCRIPT_NAME)),
-        f"# {nodes} node(s) x {plan.nproc_per_node} rank(s); on each node launcher.job runs torchrun, checkpoints on",
+        f"# {nodes} node(s) x {plan.nproc_per_node} rank(s); on each node the job task runs torchrun, checkpoints on",
         "# the warning signal and requeues the job, which resumes from weights/last.pt in the same run folder.",
         *directives,
         "",

@@ -1,0 +1,33 @@
+"""`ddp-env`: the environment report, as the README shows the command, on this (GPU-less) machine."""
+
+from __future__ import annotations
+
+import shlex
+
+import pytest
+
+from launcher.machine.hardware import Gpu, Hardware
+from launcher.machine.report import report
+from tests.conftest import ddp_launch
+from tests.test_readme import readme_commands
+
+
+@pytest.mark.parametrize("command", readme_commands("ddp-env"))
+def test_every_readme_ddp_env_command_prints_the_report(command, tmp_path):
+    r = ddp_launch(shlex.split(command)[1:], cwd=tmp_path, tool="ddp-env", timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    for section in ("versions:", "GPUs:", "GPU links:", "CPU and memory:", "SLURM:", "environment:"):
+        assert f"\n{section}\n" in r.stdout, section
+    assert "ultralytics     8.4.190" in r.stdout and "torch " in r.stdout and "CUDA build" in r.stdout
+    assert "no GPU is visible" in r.stdout and "/dev/shm" in r.stdout
+
+
+def test_the_report_names_each_gpu_and_says_why_links_are_missing(monkeypatch):
+    monkeypatch.setattr("shutil.which", lambda tool: None)  # no nvidia-smi, no SLURM commands
+    monkeypatch.setenv("NCCL_DEBUG", "INFO")
+    gpus = tuple(Gpu(i, "NVIDIA H200", 139.8, f"GPU-{i}") for i in range(2))
+    text = report(Hardware(gpus=gpus, cpu_count=32, driver="580.1"), with_torch=False)
+    assert "cuda:0 NVIDIA H200, 140 GiB, GPU-0" in text and "cuda:1 NVIDIA H200" in text and "driver 580.1" in text
+    assert "nvidia-smi is not on PATH" in text
+    assert "none on PATH (launcher=slurm needs sbatch)" in text
+    assert "NCCL_DEBUG=INFO" in text

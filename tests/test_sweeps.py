@@ -1,0 +1,53 @@
+"""Hydra sweeps (`ddp-launch -m`): every job runs, each in its own run folder; a refused job does not stop the sweep;
+the invocation exits with the worst job's code. The README's two sweep commands run here, as written first."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.conftest import ddp_launch
+
+TINY_RUN = ["train.imgsz=64", "data.synthetic.train_images=32", "data.synthetic.val_images=8",
+            "train.batch_per_device=8", "train.close_mosaic=0"]
+
+
+def job_folders(cwd: Path) -> list[Path]:
+    """The sweep's job folders, in job order (multirun/<date>/<time>/<job number>)."""
+    return sorted((p for p in cwd.glob("multirun/*/*/*") if p.is_dir()), key=lambda p: int(p.name))
+
+
+def job_overrides(folder: Path) -> list[str]:
+    return yaml.safe_load((folder / ".hydra" / "overrides.yaml").read_text())
+
+
+def test_a_dry_run_sweep_plans_every_job_in_its_own_folder(tmp_path, cache_dir):
+    r = ddp_launch(["-m", "dry_run=true", "seed=1,2,3"], cwd=tmp_path)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert r.stdout.count("dry run: nothing started") == 3
+    folders = job_folders(tmp_path)
+    assert [f.name for f in folders] == ["0", "1", "2"]
+    assert [[o for o in job_overrides(f) if o.startswith("seed=")] for f in folders] == [["seed=1"], ["seed=2"], ["seed=3"]]
+
+
+def test_a_refused_job_is_reported_and_the_sweep_goes_on_to_exit_with_the_worst_code(tmp_path, cache_dir):
+    r = ddp_launch(["-m", "dry_run=true", "train.imgsz=65,64"], cwd=tmp_path)
+    assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "train.imgsz=65: must be a multiple of 32" in r.stderr
+    assert r.stdout.count("dry run: nothing started") == 1  # the job after the refused one ran
+
+
+@pytest.mark.slow
+def test_a_sweep_trains_every_job_into_its_own_run_folder(tmp_path, cache_dir):
+    r = ddp_launch(["-m", "train.epochs=1", "seed=1,2", *TINY_RUN], cwd=tmp_path)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    folders = job_folders(tmp_path)
+    assert len(folders) == 2
+    for folder, seed in zip(folders, (1, 2)):
+        summary = json.loads((folder / "summary.json").read_text())
+        assert summary["status"] == "finished" and summary["epochs_completed"] == 1
+        assert yaml.safe_load((folder / "config.yaml").read_text())["seed"] == seed
+        assert (folder / "env.txt").read_text().startswith("ddp-env: the environment of this node")
