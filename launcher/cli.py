@@ -6,13 +6,14 @@ Hydra composes once, here. The ranks read the resolved config from the run folde
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from launcher.entry import Jobs, conf_dir
+from launcher.entry import GROUPS, Jobs, conf_dir, print_help_if_asked
 
 jobs = Jobs()
 
@@ -36,6 +37,10 @@ def _hydra_entry(cfg: DictConfig) -> int:
 
 
 def main() -> None:
+    conf = Path(conf_dir())
+    if print_help_if_asked(sys.argv[1:], "ddp-launch", "train Ultralytics YOLO on every GPU and node, through torchrun",
+                           groups={g: GROUPS[g] for g in ("model", "data", "launcher", "experiment")}, files=[(conf / "config.yaml", "")]):
+        return
     _hydra_entry()
     jobs.exit()
 

@@ -38,3 +38,59 @@ class Jobs:
 
     def exit(self) -> None:
         sys.exit(max(self.codes, default=0))  # --help, --cfg: no job ran
+
+
+# --- --help: every key with its comment, read from the config files themselves ------------------------------------
+GROUPS = {  # the config groups a user picks from, and what each one chooses
+    "model": "the network: a YOLO family and size from its YAML, or model=checkpoint model.weights=X.pt",
+    "data": "the dataset: built-in synthetic shapes, COCO, VOC, or data=custom data.path=your data YAML",
+    "launcher": "where the ranks run: local (torchrun here) or slurm (a batch job)",
+    "experiment": "a whole recipe, added with +experiment=NAME",
+    "bench": "ddp-bench's cells and how long each is measured",
+}
+SKIPPED_SECTIONS = ("defaults", "hydra")  # composition and Hydra's own settings: not the user's keys
+
+
+def config_keys(path: Path, prefix: str = "") -> list[tuple[str, str, str]]:
+    """(dotted key, default, comment) for every key of a config file, from its lines: the comment after a key is its
+    documentation (conf/ is written that way), so --help cannot drift from the files."""
+    keys, stack = [], []  # stack: (indent, name) of the mappings the current line lies in
+    for line in path.read_text().splitlines():
+        body = line.split(" #", 1)[0].rstrip() if not line.lstrip().startswith("#") else ""
+        if not body.strip() or body.lstrip().startswith("-") or ":" not in body:
+            continue
+        indent = len(body) - len(body.lstrip())
+        name, _, value = body.strip().partition(":")
+        while stack and stack[-1][0] >= indent:
+            stack.pop()
+        path_parts = [n for _, n in stack] + [name]
+        comment = line.split(" #", 1)[1].strip() if " #" in line else ""
+        if path_parts[0] not in SKIPPED_SECTIONS and (value.strip() or comment):
+            keys.append((prefix + ".".join(path_parts), value.strip(), comment))
+        stack.append((indent, name))
+    return keys
+
+
+def help_text(app: str, description: str, *, groups: dict[str, str], files: list[tuple[Path, str]]) -> str:
+    """What `app --help` prints: the app, its groups and their options, then every key with default and comment."""
+    conf = Path(conf_dir())
+    lines = [f"{app}: {description}", "", f"Usage: {app} [KEY=VALUE ...] [GROUP=OPTION ...] [+experiment=NAME]",
+             f"       {app} -m KEY=A,B ...   (a sweep: one job per value)", "", "Config groups:"]
+    for group, what in groups.items():
+        options = sorted(p.stem for p in (conf / group).glob("*.yaml"))
+        lines.append(f"  {group:<12} {what}\n      {', '.join(options)}")
+    lines += ["", "Keys (default, then what it does):"]
+    for path, prefix in files:
+        for key, default, comment in config_keys(path, prefix):
+            lines.append(f"  {key} = {default or '...'}" + (f"\n      {comment}" if comment else ""))
+    lines += ["", f"{app} --cfg job prints the composed config; --hydra-help shows Hydra's own options."]
+    return "\n".join(lines)
+
+
+def print_help_if_asked(argv: list[str], app: str, description: str, *, groups: dict[str, str],
+                        files: list[tuple[Path, str]]) -> bool:
+    """`--help`/`-h`: this app's own help (Hydra's would list every config group, Hydra's among them)."""
+    if "--help" not in argv and "-h" not in argv:
+        return False
+    print(help_text(app, description, groups=groups, files=files))
+    return True

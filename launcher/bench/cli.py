@@ -19,7 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from launcher.bench import report
 from launcher.bench.cells import Cell, plan_cells
-from launcher.entry import Jobs, conf_dir
+from launcher.entry import GROUPS, Jobs, conf_dir, print_help_if_asked
 from launcher.inputs.data import resolve_data
 from launcher.inputs.models import resolve_model
 from launcher.launch import torchrun
@@ -185,6 +185,11 @@ def _hydra_entry(cfg: DictConfig) -> int:
 
 
 def main() -> None:
+    conf = Path(conf_dir())
+    if print_help_if_asked(sys.argv[1:], "ddp-bench", "single vs DataParallel vs DDP throughput, and where the time goes",
+                           groups={g: GROUPS[g] for g in ("model", "data", "bench")}, files=[(conf / "bench" / "default.yaml", "bench.")]):
+        print("Every ddp-launch key works here too: ddp-launch --help lists them.")
+        return
     _hydra_entry()
     jobs.exit()
 
