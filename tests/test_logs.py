@@ -41,3 +41,59 @@ def test_a_last_line_without_a_newline_is_shown_when_the_run_ends(tmp_path):
     log.write_text("done: 2 epoch(s)\nTraceback (most recent call last): cut off")
     streamer.stop()
     assert out.getvalue() == "done: 2 epoch(s)\nTraceback (most recent call last): cut off\n"
+
+
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def progress(epoch: int, step: int, steps: int = 4, eta: str = "eta epoch 0:02, run 0:10") -> str:
+    return f"[rank 0] epoch {epoch}/2 step {step}/{steps} | loss box 1.5 cls 2 | 20.0 img/s, data wait 1% | lr 0.01 | {eta}"
+
+
+def test_on_a_terminal_rank_0s_progress_is_a_bar_per_epoch_and_other_lines_print_above_it(tmp_path, monkeypatch):
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    log = tmp_path / "rank0.log"
+    log.write_text("")
+    out = Terminal()
+    streamer = LogStreamer([log], prefix=False, out=out)
+    assert streamer.bar is not None
+    lines = ["[rank 0] training 2 epoch(s)", progress(1, 2), progress(1, 4), "[rank 0] closing mosaic", progress(2, 2)]
+    log.write_text("\n".join(lines) + "\n")
+    streamer.pump()
+    streamer.bar.close()
+    shown = out.getvalue()
+    assert "[rank 0] training 2 epoch(s)" in shown and "[rank 0] closing mosaic" in shown
+    assert "epoch 1/2" in shown and "4/4" in shown and "epoch 2/2" in shown and "eta epoch 0:02, run 0:10" in shown
+    assert "step 2/4 |" not in shown  # drawn as a bar, not printed as the line
+
+
+def test_in_a_file_under_slurm_or_for_every_rank_the_lines_stay_lines(tmp_path, monkeypatch):
+    log = tmp_path / "rank0.log"
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    assert LogStreamer([log], prefix=False, out=io.StringIO()).bar is None  # not a terminal
+    assert LogStreamer([log], prefix=True, out=Terminal()).bar is None  # every rank's lines
+    monkeypatch.setenv("SLURM_JOB_ID", "12345")
+    assert LogStreamer([log], prefix=False, out=Terminal()).bar is None  # a job's output is a file
+
+
+def test_the_time_left_counts_steps_at_their_mean_time_and_the_epoch_boundaries():
+    from launcher.rank.hooks import Eta, clock_text
+
+    t = [0.0]
+    eta = Eta(clock=lambda: t[0])
+    eta.epoch_started()
+    t[0] = 10.0
+    eta.step_done()  # the first step: workers starting, not counted
+    assert eta.left(steps_in_epoch=3, steps_after=4, epochs_after=1) is None
+    for _ in range(3):
+        t[0] += 2.0
+        eta.step_done()
+    eta.epoch_ended()
+    t[0] += 7.0  # validation and the next epoch's first step
+    eta.epoch_started()
+    eta.step_done()
+    assert eta.boundary_s == 7.0
+    assert eta.left(steps_in_epoch=3, steps_after=4, epochs_after=1) == (6.0, 6.0 + 8.0 + 7.0)
+    assert [clock_text(s) for s in (7, 125, 3723)] == ["0:07", "2:05", "1:02:03"]

@@ -6,9 +6,14 @@ crashes); the launcher follows those files and copies what they gain to its own 
 
 from __future__ import annotations
 
+import os
+import re
 import sys
 import threading
 from pathlib import Path
+
+# rank 0's progress line (rank/hooks.py, Progress): what the live bar is drawn from
+PROGRESS_LINE = re.compile(r"^(?:\[rank 0\] )?epoch (\d+)/(\d+) step (\d+)/(\d+) \| (.*)$")
 
 
 def say(msg: str = "", prefix: str = "") -> None:
@@ -19,19 +24,28 @@ class LogStreamer(threading.Thread):
     """Copies what rank log files gain to the console while the job runs (rank 0 only, or every rank).
 
     `keep` filters lines; with `prefix` each line is shown as "[rank1] ...". A line still being written (no newline
-    yet) is held back until it ends, or until stop().
+    yet) is held back until it ends, or until stop(). With `bar` (default: rank 0 alone, on a terminal, outside a
+    SLURM job) rank 0's progress lines become a live bar per epoch, the other lines printed above it; the log files
+    keep every line.
     """
 
-    def __init__(self, files: list[Path], prefix: bool, out=None, period: float = 0.2, keep=None):
+    def __init__(self, files: list[Path], prefix: bool, out=None, period: float = 0.2, keep=None,
+                 bar: bool | None = None):
         super().__init__(daemon=True)
         self.files, self.prefix, self.period = files, prefix, period
         self.keep = keep or (lambda line: True)
         self.out = out or sys.stdout
+        if bar is None:
+            bar = not prefix and _is_terminal(self.out) and "SLURM_JOB_ID" not in os.environ
+        self.bar = ProgressBar(self.out) if bar else None
         self.offsets = {f: (f.stat().st_size if f.exists() else 0) for f in files}  # only what the run adds
         self._done = threading.Event()
         self._partial: dict[Path, str] = {}
 
     def _show(self, f: Path, line: str) -> None:
+        if self.bar is not None:
+            self.bar.line(line)
+            return
         self.out.write(f"[{f.stem}] {line}\n" if self.prefix else f"{line}\n")
 
     def pump(self) -> None:
@@ -60,8 +74,54 @@ class LogStreamer(threading.Thread):
         self.pump()
         for f, rest in self._partial.items():
             self._show(f, rest)
+        if self.bar is not None:
+            self.bar.close()
         self.out.flush()
 
     def stop(self) -> None:
         self._done.set()
         self.join()
+
+
+def _is_terminal(out) -> bool:
+    try:
+        return out.isatty()
+    except (AttributeError, ValueError):
+        return False
+
+
+class ProgressBar:
+    """Progress lines drawn as one tqdm bar per epoch (steps done, rate, and the line's losses, speed and time left);
+    any other line is printed above the bar. The bar of a finished epoch stays, with its last line."""
+
+    def __init__(self, out):
+        from tqdm import tqdm
+
+        self.tqdm, self.out = tqdm, out
+        self.current = None  # (epoch, the bar)
+
+    def line(self, text: str) -> None:
+        m = PROGRESS_LINE.match(text)
+        if m is None:
+            if self.current is not None:
+                self.tqdm.write(text, file=self.out)
+            else:
+                self.out.write(text + "\n")
+            return
+        epoch, epochs, step, steps, rest = int(m[1]), int(m[2]), int(m[3]), int(m[4]), m[5]
+        if self.current is None or self.current[0] != epoch:
+            self.close()
+            bar = self.tqdm(total=steps, desc=f"epoch {epoch}/{epochs}", file=self.out, leave=True,
+                            dynamic_ncols=True, bar_format="{desc} {bar} {n_fmt}/{total_fmt}{postfix}")
+            self.current = (epoch, bar)
+        bar = self.current[1]
+        bar.n = step
+        bar.set_postfix_str(rest, refresh=False)
+        bar.refresh()
+        if step >= steps:
+            self.close()
+
+    def close(self) -> None:
+        if self.current is not None:
+            self.current[1].close()
+            self.current = None

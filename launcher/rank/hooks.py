@@ -160,20 +160,28 @@ class StopOnSignal(Hook):
 
 
 class Progress(Hook):
-    """A line per rank every `every` steps and at each epoch end: losses, images/s, data wait, lr, memory, and after
-    a validation mAP; GPU utilisation at the epoch end."""
+    """A line per rank every `every` steps and at each epoch end: losses, images/s, data wait, lr, memory, the time
+    left for the epoch and the run, and after a validation mAP; GPU utilisation at the epoch end. The launcher
+    shows rank 0's lines as a live bar on a terminal (launch/logs.py)."""
 
-    def __init__(self, meter, optimizer, device: torch.device, rank: int, every: int, log, monitor=None):
+    def __init__(self, meter, optimizer, device: torch.device, rank: int, every: int, log, monitor=None,
+                 clock=time.monotonic):
         self.meter, self.optimizer, self.device, self.rank = meter, optimizer, device, rank
         self.every, self.log, self.monitor = every, log, monitor
+        self.eta = Eta(clock)
+
+    def before_epoch(self, loop: TrainLoop) -> None:
+        self.eta.epoch_started()
 
     def after_step(self, loop: TrainLoop) -> None:
+        self.eta.step_done()
         step = loop.state.step
         if self.every and step % self.every == 0 and step < loop.steps_per_epoch:
             self._line(loop)
 
     def after_epoch(self, loop: TrainLoop) -> None:
         self._line(loop, end_of_epoch=True)
+        self.eta.epoch_ended()
 
     def _line(self, loop: TrainLoop, end_of_epoch: bool = False) -> None:
         state = loop.state
@@ -182,6 +190,11 @@ class Progress(Hook):
         speed = f"{ips:.1f} img/s, data wait {100 * wait:.0f}%" if ips else "warming up"
         line = (f"epoch {state.epoch + 1}/{loop.epochs} step {state.step}/{loop.steps_per_epoch} | loss {losses} | "
                 f"{speed} | lr {self.optimizer.param_groups[0]['lr']:.5g}")
+        left = self.eta.left(steps_in_epoch=loop.steps_per_epoch - state.step,
+                             steps_after=(loop.epochs - state.epoch - 1) * loop.steps_per_epoch,
+                             epochs_after=loop.epochs - state.epoch - 1)
+        if left is not None:
+            line += f" | eta epoch {clock_text(left[0])}, run {clock_text(left[1])}"
         if self.device.type == "cuda":
             line += f" | mem {torch.cuda.max_memory_allocated(self.device) / 2**30:.2f}G"
         if end_of_epoch and self.monitor is not None and self.monitor.available:
@@ -192,6 +205,49 @@ class Progress(Hook):
             m = state.metrics
             line += f" | mAP50 {m.get('metrics/mAP50(B)', 0):.4f} mAP50-95 {m.get('metrics/mAP50-95(B)', 0):.4f}"
         self.log(line)
+
+
+class Eta:
+    """The time left, from what the run took so far: a step's wall time (its mean since the epoch's second step:
+    the first one waits for workers and warm-up) and the last epoch boundary (validation, checkpoint, close_mosaic)."""
+
+    def __init__(self, clock=time.monotonic):
+        self.clock = clock
+        self.step_s: float | None = None
+        self.boundary_s = 0.0  # the last epoch's end to the next epoch's first step, validation included
+        self._epoch_first = self._last = self._ended = None
+        self._steps = 0
+
+    def epoch_started(self) -> None:
+        self._epoch_first, self._steps = None, 0
+
+    def step_done(self) -> None:
+        now = self.clock()
+        if self._ended is not None:
+            self.boundary_s, self._ended = now - self._ended, None
+        if self._epoch_first is None:
+            self._epoch_first = now
+        else:
+            self._steps += 1
+            self.step_s = (now - self._epoch_first) / self._steps
+        self._last = now
+
+    def epoch_ended(self) -> None:
+        self._ended = self._last
+
+    def left(self, *, steps_in_epoch: int, steps_after: int, epochs_after: int) -> tuple[float, float] | None:
+        """(seconds left in this epoch, in the run), or None before a step's time is known."""
+        if self.step_s is None:
+            return None
+        epoch = steps_in_epoch * self.step_s
+        return epoch, epoch + steps_after * self.step_s + epochs_after * self.boundary_s
+
+
+def clock_text(seconds: float) -> str:
+    """1:02:03, 2:03 or 0:07."""
+    seconds = max(0, round(seconds))
+    hours, rest = divmod(seconds, 3600)
+    return f"{hours}:{rest // 60:02d}:{rest % 60:02d}" if hours else f"{rest // 60}:{rest % 60:02d}"
 
 
 class InputBoundWarning(Hook):
