@@ -111,7 +111,7 @@ def test_a_run_from_model_weights_with_adamw_follows_the_cosine_schedule(run, tm
     _, first = run
     weights = json.loads((first / "summary.json").read_text())["weights"]
     args = ["model=checkpoint", f"model.weights={weights}", "optim.name=adamw", "optim.cos_lr=true",
-            "optim.warmup_epochs=0", "optim.base_lr=0.002", "train.epochs=3", *TINY]
+            "optim.warmup_epochs=0", "optim.base_lr=0.002", "train.epochs=3", "train.plots=false", *TINY]
     r = ddp_launch(args, cwd=tmp_path)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     run_dir = run_dir_of(r)
@@ -127,3 +127,10 @@ def test_a_run_from_model_weights_with_adamw_follows_the_cosine_schedule(run, tm
     assert [float(r["lr/pg0"]) for r in rows] == pytest.approx([summary["lr0"] * f for f in cosine], rel=1e-4)
     scratch = list(csv.DictReader(open(first / "results.csv")))
     assert float(rows[0]["train/box_loss"]) < float(scratch[0]["train/box_loss"])  # it did not start from scratch
+    assert not list(run_dir.glob("*.png")) and not list(run_dir.glob("*.jpg"))  # train.plots=false
+
+
+def test_rank_0_writes_the_plots_of_a_two_rank_run(run):
+    _, run_dir = run
+    for plot in ("labels.jpg", "results.png", "BoxPR_curve.png", "confusion_matrix_normalized.png"):
+        assert (run_dir / plot).stat().st_size > 0, plot

@@ -11,6 +11,8 @@ import yaml
 
 from tests.conftest import ddp_launch
 
+PLOTS = ("labels.jpg", "results.png", "BoxPR_curve.png", "BoxF1_curve.png", "confusion_matrix.png",
+         "val_batch0_pred.jpg")
 TINY_RUN = ["train.imgsz=64", "data.synthetic.train_images=32", "data.synthetic.val_images=8",
             "train.batch_per_device=8", "train.close_mosaic=0"]
 
@@ -51,3 +53,5 @@ def test_a_sweep_trains_every_job_into_its_own_run_folder(tmp_path, cache_dir):
         assert summary["status"] == "finished" and summary["epochs_completed"] == 1
         assert yaml.safe_load((folder / "config.yaml").read_text())["seed"] == seed
         assert (folder / "env.txt").read_text().startswith("ddp-env: the environment of this node")
+        for plot in PLOTS:  # train.plots is on by default
+            assert (folder / plot).stat().st_size > 0, plot

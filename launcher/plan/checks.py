@@ -57,6 +57,7 @@ OWNED_ULTRALYTICS_ARGS = {
     "task": "(ddp-launch trains detectors)",
     "rect": "(rectangular batches cannot be shuffled across ranks)",
     "time": "train.epochs",
+    "plots": "train.plots",
 }
 
 
@@ -135,9 +136,6 @@ def input_problems(loader: dict, train: dict, *, augment_on: str) -> list[Proble
                                     "use loader.augment_on=cpu (Ultralytics' transforms) or set it to 0"))
     if extra.get("augmentations"):
         problems.append(Problem("train.extra.augmentations: custom transforms run in Ultralytics' CPU pipeline; "
-                                "use loader.augment_on=cpu"))
-    if extra.get("rect"):
-        problems.append(Problem("train.extra.rect=true: the GPU input pipeline builds square mosaic batches; "
                                 "use loader.augment_on=cpu"))
     if train.get("cache") in ("ram", "disk"):
         problems.append(Problem(f"train.cache={train['cache']}: Ultralytics' caches hold decoded images for its CPU "

@@ -307,6 +307,24 @@ class Evaluate(Hook):
         clear_memory(self.device)
 
 
+class Plots(Hook):
+    """Rank 0: labels.jpg at the start, results.png after every validated epoch (after ResultsCsv wrote its row), in
+    the plotter's thread; the run ends once they are written. The final validation's plots: runs._validate."""
+
+    def __init__(self, plotter, results_csv: Path, labels: list[dict], names: dict):
+        self.plotter, self.results_csv, self.labels, self.names = plotter, results_csv, labels, names
+
+    def before_train(self, loop: TrainLoop) -> None:
+        self.plotter.labels(self.labels, self.names)
+
+    def after_epoch(self, loop: TrainLoop) -> None:
+        if loop.state.validated:
+            self.plotter.results(self.results_csv)
+
+    def after_train(self, loop: TrainLoop) -> None:
+        self.plotter.close()
+
+
 class ResultsCsv(Hook):
     """Rank 0: results.csv, a row per epoch in Ultralytics' format (metrics `nan` on epochs not validated)."""
 

@@ -13,13 +13,16 @@ and per epoch (after_epoch):
   ModelEpochs     the loss's and the EMA's end-of-epoch updates, before the EMA is validated;
   Evaluate        validation (every rank, sharded) at the interval and after the last epoch;
   ResultsCsv      rank 0's row, with this epoch's metrics: written before the checkpoint, which embeds results.csv;
+  Plots           rank 0's results.png from that row, queued to the plotter's thread (train.plots);
   EarlyStop       rank 0 decides on the new fitness, before the checkpoint records its memory;
   Checkpoint      rank 0's last.pt / best.pt / epochN.pt;
   Progress        the epoch's line, with its mAP;
   InputBoundWarning  once per run, from the meter's window so far;
   AgreeToStop     last: the ranks take rank 0's stop decision, after all of rank 0's work of the epoch.
 LRSchedule and ModelEpochs act before each epoch (lr, train mode, close_mosaic) and LRSchedule before each step
-(warmup). after_train runs in list order: the final validation of best.pt before the checkpoints are stripped.
+(warmup). after_train runs in list order: the final validation of best.pt (with Ultralytics' plots) before the
+plotter is waited for and before the checkpoints are stripped. InputGpuTime (loader.augment_on=gpu) only reads the
+input's GPU time at its window's start and at the end.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from launcher.rank.metrics import report, results
 from launcher.rank.metrics.gpu_monitor import GpuMonitor
 from launcher.rank.metrics.meter import StepMeter
 from launcher.rank.ultralytics import build, checkpoint
+from launcher.rank.ultralytics.plots import Plotter
 from launcher.rank.ultralytics.validation import label_loss_items
 from launcher.run_folder import RunFolder, previous_of
 
@@ -82,6 +86,8 @@ def train(cfg: dict, plan: LaunchPlan, folder: RunFolder) -> dict | None:
                        device=r.device, log=r.log),
             h.ResultsCsv(folder.path / "results.csv", r.validator.metric_keys, r.schedule.lrs, label_loss_items)
             if on_rank0 else None,
+            h.Plots(Plotter(folder.path, r.log), folder.path / "results.csv", r.train_dataset.labels, r.data["names"])
+            if on_rank0 and train_cfg.get("plots", True) else None,
             early_stop,
             h.Checkpoint(checkpointer, int(train_cfg["save_period"]), lambda: _strip(r)) if on_rank0 else None,
             h.Progress(meter, r.optimizer, r.device, r.rank, int(cfg.get("log", {}).get("interval_steps", 20)),
@@ -149,9 +155,11 @@ _EMA = object()
 
 
 def _validate(r: Rank, loop: TrainLoop, weights=_EMA):
-    """Validate the EMA, or `weights` in its place (best.pt's: rank 0's, None on the other ranks)."""
+    """Validate the EMA, or `weights` in its place (best.pt's: rank 0's, None on the other ranks). The final
+    validation (the last epoch's, then best.pt's when it is another epoch) writes Ultralytics' plots."""
+    final = weights is not _EMA or loop.final_epoch
     kwargs = dict(device=r.device, data=r.data, amp=r.amp_dtype is not None, loss_items=r.step.loss_items or r.state.tloss,
-                  epoch=r.state.epoch, epochs=loop.epochs)
+                  epoch=r.state.epoch, epochs=loop.epochs, plots=final and bool(r.cfg["train"].get("plots", True)))
     if weights is _EMA:
         return r.validator.validate(r.ema, r.comm, **kwargs)
     return r.validator.validate_weights(weights, r.ema, r.comm, **kwargs)

@@ -7,6 +7,7 @@ EMA, the loss items, the early stopper's possible_stop, epoch/epochs, world size
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from copy import copy
 from types import SimpleNamespace
 
@@ -15,6 +16,7 @@ from ultralytics.models.yolo.detect import DetectionValidator
 from ultralytics.utils import callbacks
 
 from launcher.rank.dist import Comm
+from launcher.rank.ultralytics.plots import PLOT_LOCK
 
 
 def label_loss_items(loss_items: dict | None, prefix: str = "train") -> dict:
@@ -23,10 +25,11 @@ def label_loss_items(loss_items: dict | None, prefix: str = "train") -> dict:
 
 
 class _TrainerView:
-    def __init__(self, *, device, data, amp, ema, loss_items, epoch, epochs, world_size):
+    def __init__(self, *, device, data, amp, ema, loss_items, epoch, epochs, world_size, plots=False):
         self.device, self.data, self.amp, self.ema = device, data, amp, ema
         self.loss_items, self.epoch, self.epochs, self.world_size = loss_items, epoch, epochs, world_size
-        self.stopper = SimpleNamespace(possible_stop=False)  # plots are off: only read to decide them
+        # the validator plots in training only at the last epoch or a possible early stop: `plots` decides here
+        self.stopper = SimpleNamespace(possible_stop=plots)
 
     @staticmethod
     def label_loss_items(loss_items=None, prefix="train"):
@@ -46,12 +49,22 @@ class Validator:
     def metric_keys(self) -> list[str]:
         return list(self.validator.metrics.keys)
 
-    def validate(self, ema, comm: Comm, *, device, data, amp: bool, loss_items: dict, epoch: int, epochs: int):
+    def validate(self, ema, comm: Comm, *, device, data, amp: bool, loss_items: dict, epoch: int, epochs: int,
+                 plots: bool = False):
+        """`plots`: Ultralytics' validation plots (curves, confusion matrices, batches), drawn by rank 0, this time;
+        every rank must pass the same value."""
         if comm.distributed:  # BaseTrainer.validate: rank 0's EMA buffers (BatchNorm statistics) on every rank
             comm.broadcast_from_rank0(list(ema.ema.buffers()))
         view = _TrainerView(device=device, data=data, amp=amp, ema=ema, loss_items=loss_items, epoch=epoch,
-                            epochs=epochs, world_size=comm.world_size)
-        metrics = self.validator(trainer=view)
+                            epochs=epochs, world_size=comm.world_size, plots=plots)
+        # the same on every rank: with plots the validator also sums the confusion matrix over the ranks (a collective);
+        # only rank 0 draws (Ultralytics checks RANK), so only rank 0 keeps the other plots waiting
+        self.validator.args.plots = plots
+        try:
+            with PLOT_LOCK if plots and comm.rank == 0 else nullcontext():
+                metrics = self.validator(trainer=view)
+        finally:
+            self.validator.args.plots = False
         if metrics is None:
             return None, None
         return metrics, metrics.pop("fitness", None)

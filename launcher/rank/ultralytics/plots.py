@@ -1,0 +1,73 @@
+"""Ultralytics' training plots, written by rank 0 into the run folder (`train.plots`, on by default).
+
+* labels.jpg: the training labels' classes, positions and sizes (`plot_labels`), at the start;
+* results.png: the losses, metrics and learning rates of results.csv by epoch (`plot_results`), after every
+  validated epoch;
+* the final validation's curves (PR, F1, P, R) and confusion matrices, and its first batches with labels and
+  predictions: Ultralytics' validator writes them when its `plots` argument is on (validation.py turns it on for
+  the final validation, on rank 0).
+
+The first two run in a thread of their own, off the training's path. matplotlib's pyplot is not thread-safe, so
+every plot holds PLOT_LOCK. Ultralytics reads results.csv and the labels with polars for these two; where polars is
+missing (the GPU machines' image), they are skipped with one warning and the validator's plots are still written.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+PLOT_LOCK = threading.Lock()
+
+
+class Plotter:
+    """`labels(...)` and `results(csv)` queue a plot; `close()` waits for what is queued. Failures are warnings."""
+
+    def __init__(self, run_dir: Path, log):
+        self.run_dir, self.log = Path(run_dir), log
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="plots")
+        self.pending: list[Future] = []
+        self.usable = importlib.util.find_spec("polars") is not None
+        if not self.usable:
+            log("WARNING plots: labels.jpg and results.png need polars (pip install polars); the final "
+                "validation's curves and confusion matrix are still written")
+
+    def labels(self, labels: list[dict], names: dict) -> None:
+        self._submit("labels.jpg", _plot_labels, labels, names, self.run_dir)
+
+    def results(self, csv: Path) -> None:
+        self._submit("results.png", _plot_results, csv, self.run_dir)
+
+    def _submit(self, what: str, fn, *args) -> None:
+        if not self.usable:
+            return
+        self.pending = [f for f in self.pending if not f.done()]
+        self.pending.append(self.pool.submit(self._run, what, fn, *args))
+
+    def _run(self, what: str, fn, *args) -> None:
+        try:
+            with PLOT_LOCK:
+                fn(*args)
+        except Exception as e:  # noqa: BLE001 - a plot never ends a training run
+            self.log(f"WARNING plots: {what} failed ({type(e).__name__}: {e})")
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
+
+
+def _plot_labels(labels: list[dict], names: dict, run_dir: Path) -> None:
+    from ultralytics.utils.plotting import plot_labels
+
+    boxes = np.concatenate([np.asarray(lb["bboxes"]).reshape(-1, 4) for lb in labels], 0)
+    cls = np.concatenate([np.asarray(lb["cls"]).reshape(-1) for lb in labels], 0)
+    plot_labels(boxes, cls, names=names, save_dir=run_dir)
+
+
+def _plot_results(csv: Path, run_dir: Path) -> None:
+    from ultralytics.utils.plotting import plot_results
+
+    plot_results(file=csv, dir=run_dir)
