@@ -47,7 +47,7 @@ def compose_config(overrides: list[str] | None = None) -> dict:
 def ddp_launch(
     args: list[str], cwd: Path, timeout: int = 900, env: dict | None = None, tool: str = "ddp-launch"
 ) -> subprocess.CompletedProcess:
-    """Run an installed console script (ddp-launch, ddp-bench), as a user does."""
+    """Run an installed console script (ddp-launch, ddp-bench), as a user does; `env` adds variables (None unsets)."""
     exe = str(Path(sys.executable).parent / tool)
     exe = exe if Path(exe).exists() else shutil.which(tool) or tool
     return subprocess.run(
@@ -56,7 +56,7 @@ def ddp_launch(
         capture_output=True,
         text=True,
         timeout=timeout,
-        env={**os.environ, **(env or {})},
+        env={k: v for k, v in {**os.environ, **(env or {})}.items() if v is not None},  # None: unset it
     )
 
 

@@ -104,6 +104,7 @@ RUN_ELSEWHERE = {
     "ddp-launch gpus=0 nproc=2 train.epochs=2": "tests/test_e2e_ddp.py",
     "ddp-launch -m dry_run=true seed=1,2,3": "tests/test_sweeps.py",
     "ddp-launch -m train.epochs=1 seed=1,2": "tests/test_sweeps.py",
+    "ddp-launch log.integrations=[tensorboard]": "tests/test_tracking.py",
 }
 
 

@@ -6,6 +6,8 @@ launch is collected, not just the first.
 
 from __future__ import annotations
 
+import importlib.util
+
 from launcher.inputs import ultralytics_files
 from launcher.machine.hardware import Hardware
 from launcher.plan.environment import NCCL_DEBUG_LEVELS, TORCH_DEBUG_LEVELS
@@ -14,6 +16,9 @@ from launcher.problems import Problem
 AMP_VALUES = (True, False, "bf16")
 CACHE_VALUES = (False, "ram", "disk", "shared")
 AUGMENT_ON = ("cpu", "gpu")
+# log.integrations: Ultralytics' settings key -> the package its callbacks need (also its pip name)
+INTEGRATIONS = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow", "clearml": "clearml",
+                "comet": "comet_ml", "dvc": "dvclive"}
 GPU_INPUT_UNSUPPORTED = ("mixup", "cutmix", "copy_paste")  # Ultralytics strengths the GPU pipeline does not do
 OPTIMIZERS = ("sgd", "adamw")
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs", "max-autotune")  # torch.compile's
@@ -141,6 +146,22 @@ def input_problems(loader: dict, train: dict, *, augment_on: str) -> list[Proble
         problems.append(Problem(f"train.cache={train['cache']}: Ultralytics' caches hold decoded images for its CPU "
                                 "pipeline; with the input on the GPU use train.cache=shared (the files' bytes, one copy "
                                 "per node) or false, or loader.augment_on=cpu"))
+    return problems
+
+
+def integration_problems(log_cfg: dict) -> list[Problem]:
+    """log.integrations: known names, each with its package installed on this machine."""
+    names = log_cfg.get("integrations") or []
+    if isinstance(names, str) or not isinstance(names, (list, tuple)):
+        return [Problem(f"log.integrations={names!r}: expected a list, e.g. log.integrations=[tensorboard]")]
+    problems = []
+    for name in names:
+        if name not in INTEGRATIONS:
+            problems.append(Problem(f"log.integrations: {name!r} is not one of {', '.join(INTEGRATIONS)}"))
+        elif importlib.util.find_spec(INTEGRATIONS[name]) is None:
+            package = INTEGRATIONS[name]
+            problems.append(Problem(f"log.integrations=[{name}]: the {package} package is not installed: pip install "
+                                    f"{package}", environment=True))
     return problems
 
 

@@ -143,6 +143,7 @@ def make_plan(
     problems += checks.step_problems(train, optim, device=top.device, mode=top.mode, hw=hw)
     augment_on = checks.augment_on(loader)
     problems += checks.input_problems(loader, train, augment_on=augment_on)
+    problems += checks.integration_problems(cfg.get("log") or {})
     workers, threads = _loader_threads(loader, top, hw, problems, notes, augment_on)
     on_slurm = (cfg.get("launcher") or {}).get("name") == "slurm"
     rendezvous = _rendezvous(dist, top, on_slurm, port_is_free, problems, notes)

@@ -14,6 +14,7 @@ and per epoch (after_epoch):
   Evaluate        validation (every rank, sharded) at the interval and after the last epoch;
   ResultsCsv      rank 0's row, with this epoch's metrics: written before the checkpoint, which embeds results.csv;
   Plots           rank 0's results.png from that row, queued to the plotter's thread (train.plots);
+  Tracking        rank 0's Ultralytics integration callbacks (log.integrations), with the epoch's losses and metrics;
   EarlyStop       rank 0 decides on the new fitness, before the checkpoint records its memory;
   Checkpoint      rank 0's last.pt / best.pt / epochN.pt;
   Progress        the epoch's line, with its mAP;
@@ -43,6 +44,7 @@ from launcher.rank.metrics.gpu_monitor import GpuMonitor
 from launcher.rank.metrics.meter import StepMeter
 from launcher.rank.ultralytics import build, checkpoint
 from launcher.rank.ultralytics.plots import Plotter
+from launcher.rank.ultralytics.tracking import Tracking
 from launcher.rank.ultralytics.validation import label_loss_items
 from launcher.run_folder import RunFolder, previous_of
 
@@ -68,6 +70,7 @@ def train(cfg: dict, plan: LaunchPlan, folder: RunFolder) -> dict | None:
         samples = h.RecordSamples() if cfg.get("debug", {}).get("record_samples") else None
         epochs, close = int(train_cfg["epochs"]), int(train_cfg["close_mosaic"])
         on_rank0 = r.rank == 0
+        integrations = cfg.get("log", {}).get("integrations") or []
         input_time = h.InputGpuTime(r.gpu_input, METER_SKIP_STEPS) if r.gpu_input else None
         hooks: list[Hook | None] = [
             h.LRSchedule(r.schedule, plan.warmup_iterations or 0),
@@ -88,6 +91,8 @@ def train(cfg: dict, plan: LaunchPlan, folder: RunFolder) -> dict | None:
             if on_rank0 else None,
             h.Plots(Plotter(folder.path, r.log), folder.path / "results.csv", r.train_dataset.labels, r.data["names"])
             if on_rank0 and train_cfg.get("plots", True) else None,
+            Tracking(list(integrations), run_dir=folder.path, hyp=r.hyp, data=r.data, net=r.net, lrs=r.schedule.lrs,
+                     log=r.log) if on_rank0 and integrations else None,
             early_stop,
             h.Checkpoint(checkpointer, int(train_cfg["save_period"]), lambda: _strip(r)) if on_rank0 else None,
             h.Progress(meter, r.optimizer, r.device, r.rank, int(cfg.get("log", {}).get("interval_steps", 20)),
