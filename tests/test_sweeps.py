@@ -55,3 +55,14 @@ def test_a_sweep_trains_every_job_into_its_own_run_folder(tmp_path, cache_dir):
         assert (folder / "env.txt").read_text().startswith("ddp-env: the environment of this node")
         for plot in PLOTS:  # train.plots is on by default
             assert (folder / plot).stat().st_size > 0, plot
+
+
+def test_on_slurm_each_job_of_a_sweep_is_its_own_batch_job(tmp_path, cache_dir):
+    """launcher=slurm: every job of the sweep writes its own job script into its own run folder (a dry run prints
+    them; tests/test_slurm_cluster.py submits a job for real)."""
+    r = ddp_launch(["-m", "launcher=slurm", "dry_run=true", "seed=1,2"], cwd=tmp_path)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    folders = job_folders(tmp_path)
+    assert len(folders) == 2 and r.stdout.count("dry run: nothing started") == 2
+    for folder in folders:
+        assert f"sbatch script ({folder}/job.sbatch)" in r.stdout
