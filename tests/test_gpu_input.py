@@ -20,7 +20,8 @@ from PIL import Image
 from launcher.rank.data import image_cache, warp
 from launcher.rank.data.encoded import EncodedImages, EncodedTrainDataset, decode_on_cpu, exif_orientation
 from launcher.rank.data.gpu_augment import GpuAugment
-from launcher.rank.data.gpu_input import Decoder, GpuInput, buffer_capacity, resized_shape
+from launcher.rank.data.gpu_input import Decoder, GpuInput, buffer_capacity, resized_shape, upload
+from launcher.rank.data.pipeline import MAX_TARGETS
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -223,6 +224,8 @@ def test_every_box_frames_its_object_through_decode_load_mosaic_warp_and_flips(t
     checked = 0
     for k in range(2):
         batch = gi(ds.collate_fn([ds[(0, i)] for i in range(8 * k, 8 * k + 8)]), torch.Generator().manual_seed(k))
+        # the sync-free loss pads every image's targets to this: it must be the batch's true largest count
+        assert batch[MAX_TARGETS] == int(torch.bincount(batch["batch_idx"].long(), minlength=8).max()) > 2
         for j in range(len(batch["cls"])):
             b, c = int(batch["batch_idx"][j]), int(batch["cls"][j])
             twins = ((batch["batch_idx"] == b) & (batch["cls"][:, 0] == c)).sum()
@@ -293,19 +296,31 @@ def _plan(overrides: list[str], gpus: int = 1, cpus: int = 16):
     return make_plan(compose_config(overrides), hw, None, port_is_free=lambda port: True)
 
 
-def test_the_gpu_input_is_chosen_by_its_key_and_needs_four_workers():
-    default, problems = _plan([])
-    assert not problems and default.augment_on == "cpu" and default.workers_per_rank == 12
+def test_auto_takes_the_gpu_input_where_cores_are_few_and_it_needs_four_workers():
+    few, problems = _plan([], cpus=8)
+    assert not problems and few.augment_on == "gpu" and few.workers_per_rank == 4
+    assert [n for n in few.notes if "loader.augment_on=auto: the input on the GPU (8 core(s) per rank" in n]
+    many, problems = _plan([])  # 16 cores: Ultralytics' pipeline keeps up
+    assert not problems and many.augment_on == "cpu" and many.workers_per_rank == 12 and not many.notes
+    assert _plan([], gpus=8, cpus=64)[0].augment_on == "gpu"  # 8 cores per rank
     gpu_input, problems = _plan(["loader.augment_on=gpu"])
     assert not problems and gpu_input.augment_on == "gpu" and gpu_input.workers_per_rank == 4
+    assert _plan([], gpus=0, cpus=2)[0].augment_on == "cpu"  # no GPU: Ultralytics' pipeline in the workers
     on_cpu, problems = _plan(["loader.augment_on=gpu"], gpus=0, cpus=2)  # the tensor maths on the CPU (CI)
     assert on_cpu.augment_on == "gpu" and not problems
+
+
+@pytest.mark.parametrize("override", ["+train.extra.mixup=0.1", "+train.extra.copy_paste=0.2", "train.cache=ram"])
+def test_auto_takes_the_cpu_pipeline_for_what_only_it_does_and_says_so(override):
+    plan, problems = _plan([override], cpus=8)
+    assert not problems and plan.augment_on == "cpu"
+    assert [n for n in plan.notes if "loader.augment_on=auto" in n and override.lstrip("+").split("=")[0] in n]
 
 
 @pytest.mark.parametrize(("override", "advice"), [
     ("+train.extra.mixup=0.1", "loader.augment_on=cpu"),
     ("train.cache=ram", "train.cache=shared"),
-    ("loader.augment_on=gpus", "cpu or gpu"),
+    ("loader.augment_on=gpus", "auto, cpu or gpu"),
 ])
 def test_what_the_gpu_input_cannot_do_is_refused_with_the_setting_that_can(override, advice):
     _, problems = _plan(["loader.augment_on=gpu", override])
@@ -317,4 +332,17 @@ def test_the_dry_run_names_the_input_pipeline(tmp_path, cache_dir):
 
     r = ddp_launch(["dry_run=true", "loader.augment_on=gpu"], cwd=tmp_path)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
-    assert "input           the GPU pipeline's tensor maths, run on the CPU" in r.stdout
+    expected = ("GPU: the workers read the files, nvJPEG decodes, one pass augments" if torch.cuda.is_available()
+                else "the GPU pipeline's tensor maths, run on the CPU")
+    assert f"input           {expected}" in r.stdout
+
+
+def test_the_batch_tables_go_up_in_one_copy_each_where_it_was():
+    devices = [torch.device("cpu")] + ([torch.device("cuda")] if torch.cuda.is_available() else [])
+    for device in devices:
+        arrays = [np.arange(3, dtype=np.int64), np.zeros((0, 6), np.int64), np.full((2, 3, 5), 1.5, np.float32),
+                  np.array([[7, 8]], np.int64), np.arange(3, dtype=np.float32)]  # 12 bytes: the next is realigned
+        moved = upload(arrays, device)
+        for a, t in zip(arrays, moved):
+            assert t.device.type == device.type and t.shape == a.shape
+            assert np.array_equal(t.cpu().numpy(), a)

@@ -4,6 +4,9 @@ clock; the CPU path (on CUDA the fetched batch is copied on a side stream, tests
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 import torch
 
@@ -95,19 +98,27 @@ def test_a_batch_reaches_the_step_scaled_with_its_largest_per_image_target_count
     assert out[MAX_TARGETS] == 2  # counted on the host, before the labels moved
 
 
-def test_the_background_thread_prepares_the_steps_in_order_across_epochs_and_restarts():
-    """loader.augment_on=gpu: a thread prepares batch ni, ni + 1, ... ahead of the loop; a restart (close_mosaic)
-    drops what it prepared and starts counting at the step the loop is at."""
-    pipe, loader, sampler = inputs(Clock(), background=True)
+def decode_in_its_thread(raw):
+    assert threading.current_thread().name == "input-decode"  # the loop's thread and the preparing one never wait
+    return raw * 10
+
+
+@pytest.mark.parametrize("decode", [None, decode_in_its_thread])
+def test_the_background_threads_prepare_the_steps_in_order_across_epochs_and_restarts(decode):
+    """loader.augment_on=gpu: threads prepare batch ni, ni + 1, ... ahead of the loop (with `decode`, one decodes,
+    the other prepares what it decoded); a restart (close_mosaic) drops what they prepared and starts counting at
+    the step the loop is at."""
+    pipe, loader, sampler = inputs(Clock(), background=True, decode=decode)
+    k = 10 if decode else 1
     pipe.begin_epoch(0, 0, first_ni=0)
     got = [pipe.next(ni) for ni in range(5)]
     pipe.prefetch(5)  # a no-op: the thread is ahead already
-    assert [b["ni"] for b in got] == list(range(5)) and [b["raw"] for b in got] == [1, 2, 3, 4, 5]
-    pipe.begin_epoch(1, 0, first_ni=5)  # persistent: the same thread and iterator run on
-    assert pipe.next(5)["raw"] == 6 and loader.iterators == 1
+    assert [b["ni"] for b in got] == list(range(5)) and [b["raw"] for b in got] == [k, 2 * k, 3 * k, 4 * k, 5 * k]
+    pipe.begin_epoch(1, 0, first_ni=5)  # persistent: the same threads and iterator run on
+    assert pipe.next(5)["raw"] == 6 * k and loader.iterators == 1
     pipe.restart()
     pipe.begin_epoch(2, 0, first_ni=12)
-    assert loader.iterators == 2 and pipe.next(12) == {"raw": 1, "ni": 12}
+    assert loader.iterators == 2 and pipe.next(12) == {"raw": k, "ni": 12}
     with pytest.raises(RuntimeError, match="prepared batch 13, the loop asked for 14"):
         pipe.next(14)
     pipe.restart()
@@ -117,16 +128,39 @@ def test_the_background_thread_prepares_the_steps_in_order_across_epochs_and_res
     assert [b["ni"] for b in held] == [21, 22] and pipe._worker is None
 
 
-def test_a_failure_in_the_background_thread_reaches_the_loop():
+@pytest.mark.parametrize("fails_in", ["prepare", "decode"])
+def test_a_failure_in_the_background_threads_reaches_the_loop(fails_in):
     def prepare(raw, ni):
-        if ni == 2:
+        if fails_in == "prepare" and ni == 2:
             raise ValueError("a damaged batch")
         return {"ni": ni}
 
-    pipe = TrainInputs(SlowLoader(Clock(), 0.0), FakeSampler(), torch.device("cpu"), prepare, background=True)
+    def decode(raw):
+        if fails_in == "decode" and raw == 3:  # the loader's third batch: step 2's
+            raise ValueError("a damaged batch")
+        return raw
+
+    pipe = TrainInputs(SlowLoader(Clock(), 0.0), FakeSampler(), torch.device("cpu"), prepare, decode=decode,
+                       background=True)
     pipe.begin_epoch(0, 0, first_ni=0)
     assert pipe.next(0) == {"ni": 0} and pipe.next(1) == {"ni": 1}
     with pytest.raises(RuntimeError, match="preparing a training batch failed") as raised:
         pipe.next(2)
     assert isinstance(raised.value.__cause__, ValueError)
     pipe.close()
+    assert not any(thread.is_alive() for thread in threading.enumerate() if thread.name.startswith("input-"))
+
+
+def test_stopping_returns_while_the_decode_thread_waits_for_the_loader():
+    class Stuck:
+        def __iter__(self):
+            yield 1
+            time.sleep(0.5)  # the loader's workers, slow to hand over the next batch
+            yield 2
+
+    pipe = TrainInputs(Stuck(), FakeSampler(), torch.device("cpu"), lambda raw, ni: {"raw": raw}, decode=lambda r: r,
+                       background=True)
+    pipe.begin_epoch(0, 0, first_ni=0)
+    assert pipe.next(0) == {"raw": 1}
+    pipe.close()  # the preparing thread waits for the decode thread, which waits for the loader
+    assert not any(thread.is_alive() for thread in threading.enumerate() if thread.name.startswith("input-"))

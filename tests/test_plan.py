@@ -107,13 +107,16 @@ def test_warmup_leaves_the_last_epoch_alone():
 
 # --- loader ------------------------------------------------------------------------------------------------------
 def test_auto_workers_leave_a_gpu_rank_a_quarter_of_its_cores_and_are_capped_at_16():
-    plan, _ = plan_for(["gpus=8"], hw=GPU_BOX)
+    cpu_input = "loader.augment_on=cpu"  # Ultralytics' transforms in the workers: they need every core they can get
+    plan, _ = plan_for(["gpus=8", cpu_input], hw=GPU_BOX)
     assert plan.workers_per_rank == 12  # 128 cores / 8 ranks - 4 (the training process's threads, measured)
     assert plan.threads_per_rank == 4
-    plan, _ = plan_for(["gpus=4"], hw=Hardware(gpus=GPU_BOX.gpus[:4], cpu_count=24, nccl_available=True))
+    plan, _ = plan_for(["gpus=4", cpu_input], hw=Hardware(gpus=GPU_BOX.gpus[:4], cpu_count=24, nccl_available=True))
     assert plan.workers_per_rank == 4  # 6 cores per rank: at least 2 stay with the training process
-    plan, _ = plan_for(["gpus=1"], hw=GPU_BOX)
+    plan, _ = plan_for(["gpus=1", cpu_input], hw=GPU_BOX)
     assert plan.workers_per_rank == 16
+    plan, _ = plan_for(["gpus=8"], hw=Hardware(gpus=GPU_BOX.gpus, cpu_count=64, nccl_available=True))
+    assert plan.augment_on == "gpu" and plan.workers_per_rank == 4  # 8 cores per rank: the input on the GPU
     plan, _ = plan_for(["gpus=0", "nproc=2"], hw=CPU_BOX)
     assert plan.workers_per_rank == 0
 

@@ -15,11 +15,13 @@ from launcher.problems import Problem
 
 AMP_VALUES = (True, False, "bf16")
 CACHE_VALUES = (False, "ram", "disk", "shared")
-AUGMENT_ON = ("cpu", "gpu")
+AUGMENT_ON = ("auto", "cpu", "gpu")
 # log.integrations: Ultralytics' settings key -> the package its callbacks need (also its pip name)
 INTEGRATIONS = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow", "clearml": "clearml",
                 "comet": "comet_ml", "dvc": "dvclive"}
+GPU_INPUT_BELOW_CORES = 12  # loader.augment_on=auto: the GPU input for ranks with fewer cores (see augment_on)
 GPU_INPUT_UNSUPPORTED = ("mixup", "cutmix", "copy_paste")  # Ultralytics strengths the GPU pipeline does not do
+# (rank/data/gpu_augment.py refuses them too, from this tuple)
 OPTIMIZERS = ("sgd", "adamw")
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs", "max-autotune")  # torch.compile's
 FUSED_VALUES = ("auto", True, False)
@@ -119,19 +121,43 @@ def extra_problems(extra: dict) -> list[Problem]:
     return problems
 
 
-def augment_on(loader: dict) -> str:
-    """loader.augment_on: `cpu` (the default: Ultralytics' transforms in the loader's workers) or `gpu` (the workers
-    read file bytes, the GPU decodes and augments). `gpu` on a CPU run runs the same tensor maths on the CPU (slow;
-    how CI tests it). The GPU pipeline is not the default yet: on the H200 machine it was slower than a fed CPU
-    pipeline (docs/benchmarks/README.md, section 6)."""
-    value = loader.get("augment_on", "cpu")
-    return value if value in AUGMENT_ON else "cpu"
+def augment_on(loader: dict, train: dict, device: str, cores_per_rank: int) -> tuple[str, str | None]:
+    """loader.augment_on resolved to `cpu` (Ultralytics' transforms in the loader's workers) or `gpu` (the workers
+    read file bytes, the GPU decodes and augments), and a note when `auto` chose the GPU input or was kept from it.
+
+    `auto` (the default) takes the GPU input on a CUDA rank with fewer than GPU_INPUT_BELOW_CORES cores. Measured on
+    an H200 (docs/benchmarks/README.md, section 6): with 4 cores the CPU pipeline fed yolov8s 126 images/s against
+    1,102 for the GPU input; with 16 they were level at 640 px (1,079 and 1,160; 1,156 and 1,194), and at 320 px the
+    CPU pipeline was faster (2,125 against 1,336: the GPU input's host work shares the training process's
+    interpreter). `gpu` on a CPU run runs the same tensor maths on the CPU (slow; how CI tests it)."""
+    value = loader.get("augment_on", "auto")
+    if value in ("cpu", "gpu"):
+        return value, None
+    if value != "auto" or device != "cuda" or cores_per_rank >= GPU_INPUT_BELOW_CORES:  # a wrong value: input_problems
+        return "cpu", None
+    needs = cpu_only_settings(train)
+    if needs:
+        return "cpu", (f"loader.augment_on=auto: Ultralytics' CPU pipeline, for {', '.join(needs)} (the GPU "
+                       f"pipeline does not do it), with {cores_per_rank} core(s) per rank: it may starve the GPU")
+    return "gpu", (f"loader.augment_on=auto: the input on the GPU ({cores_per_rank} core(s) per rank; Ultralytics' "
+                   f"CPU pipeline needs about {GPU_INPUT_BELOW_CORES} per GPU to keep up)")
+
+
+def cpu_only_settings(train: dict) -> list[str]:
+    """The settings of this run that only Ultralytics' CPU pipeline implements."""
+    extra = train.get("extra") or {}
+    needs = [f"train.extra.{key}={extra[key]}" for key in GPU_INPUT_UNSUPPORTED if extra.get(key)]
+    if extra.get("augmentations"):
+        needs.append("train.extra.augmentations")
+    if train.get("cache") in ("ram", "disk"):
+        needs.append(f"train.cache={train['cache']}")
+    return needs
 
 
 def input_problems(loader: dict, train: dict, *, augment_on: str) -> list[Problem]:
     """What the chosen input pipeline cannot do, with the setting that can."""
     problems: list[Problem] = []
-    one_of(loader.get("augment_on", "cpu"), AUGMENT_ON, "loader.augment_on", problems, "cpu or gpu")
+    one_of(loader.get("augment_on", "auto"), AUGMENT_ON, "loader.augment_on", problems, "auto, cpu or gpu")
     if augment_on != "gpu":
         return problems
     extra = train.get("extra") or {}

@@ -141,7 +141,8 @@ def make_plan(
 
     problems += checks.train_problems(train)
     problems += checks.step_problems(train, optim, device=top.device, mode=top.mode, hw=hw)
-    augment_on = checks.augment_on(loader)
+    augment_on, why = checks.augment_on(loader, train, top.device, max(1, hw.cpu_count // top.nproc))
+    notes += [why] if why else []
     problems += checks.input_problems(loader, train, augment_on=augment_on)
     problems += checks.integration_problems(cfg.get("log") or {})
     workers, threads = _loader_threads(loader, top, hw, problems, notes, augment_on)

@@ -27,7 +27,7 @@ from launcher.rank.data import affinity, image_cache
 from launcher.rank.data.encoded import EncodedImages, EncodedTrainDataset
 from launcher.rank.data.gpu_augment import GpuAugment
 from launcher.rank.data.gpu_input import Decoder, GpuInput, buffer_capacity
-from launcher.rank.data.pipeline import MAX_TARGETS, TrainInputs, max_targets_per_image, to_device
+from launcher.rank.data.pipeline import TrainInputs, to_device
 from launcher.rank.data.sampler import EpochBatchSampler, EpochSeededDataset, sample_seed, worker_init
 from launcher.rank.dist import Comm, rank_info
 from launcher.rank.faults import FaultInjector
@@ -113,6 +113,7 @@ class Rank:
         )
         self.inputs = TrainInputs(
             self._train_loader(), self.sampler, self.device, self._prepare,
+            decode=self.gpu_input.decoded if self.gpu_input is not None else None,
             fetch_ahead=bool(loader_cfg.get("fetch_ahead", True)), persistent=bool(loader_cfg["persistent_workers"]),
             background=self.gpu_input is not None and bool(loader_cfg.get("fetch_ahead", True)),
         )
@@ -261,14 +262,12 @@ class Rank:
         )
 
     def _prepare(self, raw, ni: int) -> dict:
-        """A loader batch made ready for the step: decoded and augmented on the device (its randomness a function
-        of the seed, the step and the rank alone), or moved and scaled."""
+        """A loader batch made ready for the step: augmented on the device once decoded (GpuInput.decoded, which the
+        input pipeline calls first; the randomness a function of the seed, the step and the rank alone), or moved
+        and scaled."""
         if self.gpu_input is not None:
             self.generator.manual_seed(sample_seed(int(self.cfg["seed"]), ni, self.rank))
-            batch = self.gpu_input(raw, self.generator)
-            # counted on the stream that augments (it syncs once for the boxes anyway), not in the training step
-            batch[MAX_TARGETS] = max_targets_per_image(batch["batch_idx"], len(batch["im_file"]), read_device=True)
-            raw = batch
+            raw = self.gpu_input(raw, self.generator)  # carries MAX_TARGETS, read with its box count
         return to_device(raw, self.device, imgsz=self.hyp.imgsz, stride=self.stride, multi_scale=self.hyp.multi_scale)
 
     def _graphed(self) -> nn.Module | None:

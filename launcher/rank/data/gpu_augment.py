@@ -45,9 +45,10 @@ Where the device version differs, and why
     applies Albumentations blur/median blur/grey/CLAHE at p=0.01 each, but only when the albumentations package is
     installed, which it is not in this project's environments. Detection only, 3-channel images, 2x2 mosaic.
 
-Syncs: none in the sampling; one device-to-host sync per batch, where the surviving boxes are compacted (their
-number is data-dependent). Memory: the output alone on CUDA (the Triton pass keeps nothing else); the PyTorch twin
-that CPU runs use works in passes of bounded size (warp.PIXELS_PER_PASS).
+Syncs: none in the sampling; one device-to-host read per batch, of how many boxes survive and the most in one image
+(their number is data-dependent; the batch carries the latter as MAX_TARGETS, for the sync-free loss). Memory: the
+output alone on CUDA (the Triton pass keeps nothing else); the PyTorch twin that CPU runs use works in passes of
+bounded size (warp.PIXELS_PER_PASS).
 """
 
 from __future__ import annotations
@@ -57,9 +58,10 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
+from launcher.plan.checks import GPU_INPUT_UNSUPPORTED
+from launcher.rank.data.pipeline import MAX_TARGETS
 from launcher.rank.data.warp import render
 
-UNSUPPORTED = ("mixup", "cutmix", "copy_paste")
 
 
 @dataclass
@@ -146,7 +148,7 @@ class GpuAugment:
     def __init__(self, imgsz: int, hyp, out_dtype: torch.dtype | None = None):
         hyp = _hyp_dict(hyp)
         self.out_dtype = out_dtype  # None: uint8 images as Ultralytics collates them; else the network's input
-        used = [k for k in UNSUPPORTED if hyp.get(k)] + (["augmentations"] if hyp.get("augmentations") else [])
+        used = [k for k in GPU_INPUT_UNSUPPORTED if hyp.get(k)] + (["augmentations"] if hyp.get("augmentations") else [])
         if used:
             raise ValueError(f"the GPU input pipeline does not implement {', '.join(used)}: set them to 0 or use loader.augment_on=cpu")
         self.imgsz = int(imgsz)
@@ -224,9 +226,10 @@ class GpuAugment:
         tiles = self._tiles(raw, p)
         # Boxes first: their host sync then waits for a few small kernels, and the image kernels queued after it
         # run while the host goes on to queue the training step.
-        batch_idx, cls, bboxes = self._boxes(raw, p, tiles)
+        batch_idx, cls, bboxes, most = self._boxes(raw, p, tiles)
         img = self._render(raw, p, tiles)
         return {
+            MAX_TARGETS: most,
             "batch_idx": batch_idx,
             "bboxes": bboxes,
             "cls": cls,
@@ -311,8 +314,10 @@ class GpuAugment:
         y2 = torch.where(p.flip_ud[sample], s - warped[:, 1], warped[:, 3])
         xywh = torch.stack(((x1 + x2) / 2, (y1 + y2) / 2, x2 - x1, y2 - y1), 1) / s
 
-        kept = keep.nonzero().squeeze(1)  # the one host sync: how many boxes survive
-        return sample[kept].float(), raw.labels[kept, 2:3], xywh[kept]
+        per_sample = torch.zeros(len(p.scale), dtype=torch.int64, device=keep.device).index_add_(0, sample, keep.long())
+        total, most = torch.stack((per_sample.sum(), per_sample.max())).tolist()  # the one host sync
+        kept = torch.sort(keep.to(torch.uint8), descending=True, stable=True).indices[:total]  # in order, no sync
+        return sample[kept].float(), raw.labels[kept, 2:3], xywh[kept], most
 
 
 def box_candidates(before: torch.Tensor, after: torch.Tensor) -> torch.Tensor:

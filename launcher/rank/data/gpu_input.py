@@ -1,18 +1,20 @@
 """The device half of the GPU input pipeline: file bytes in, the network's augmented input out.
 
-Per batch, on the stream that prepares it (pipeline.TrainInputs runs this on a side stream during the step before):
+Per batch, on the stream that prepares it (pipeline.TrainInputs runs step 1 in a thread of its own, the rest in
+another, on a side stream, while the steps before it run):
   1. decode: the JPEGs in one batched nvJPEG call (torchvision.io.decode_jpeg on CUDA); images the workers decoded
      (non-JPEG files, rotated JPEGs: encoded.py) are copied up; a batch nvJPEG refuses is retried image by image,
      and an image it still refuses is decoded on the CPU. A file nothing can decode is named in the rank's log once
      and trains as a grey image without labels: the run goes on, and says so.
   2. load: each image resized into a slot of the image buffer (warp.load_into_slots: Ultralytics' load_image), its
-     labels stored beside it in the slot's pixels.
+     labels stored beside it in the slot's pixels; what the host knows of the batch (slots, sizes, labels) goes up
+     in one pinned copy (`upload`).
   3. mosaic partners: drawn uniformly from the buffer's filled slots, the images decoded most recently, as
      Ultralytics' Mosaic draws from its dataset's buffer of recently loaded images (min(n, 8 batches, 1000) of them).
      With loader.mosaic_buffer=false from the same batch, so that a batch depends on its keys and the seed alone
      (a resumed run repeats the uninterrupted one). After close_mosaic there are none.
-  4. augment: gpu_augment.GpuAugment with the buffer as its images: one pass writes the network's input, then the
-     boxes (one host sync, where the surviving boxes are counted).
+  4. augment: gpu_augment.GpuAugment with the buffer as its images: the boxes (one host read: how many survive,
+     and the most in one image), then one pass writes the network's input.
 
 The buffer costs capacity x imgsz^2 x 3 bytes of GPU memory (512 slots at 640 px: 0.6 GiB).
 """
@@ -20,6 +22,7 @@ The buffer costs capacity x imgsz^2 x 3 bytes of GPU memory (512 slots at 640 px
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -56,7 +59,8 @@ class Decoder:
         for i, payload in enumerate(batch.payloads):
             if payload.dim() == 3:
                 if payload.numel() == 0:
-                    failed[i] = self._report(batch.indices[i], batch.errors[i])
+                    failed[i] = True
+                    self._report(batch.indices[i], batch.errors[i])
                 else:
                     images[i] = payload.to(self.device, non_blocking=True)
         if encoded:
@@ -64,7 +68,8 @@ class Decoder:
                 if image is None:
                     image, error = decode_on_cpu(batch.payloads[i].numpy())
                     if image.numel() == 0:
-                        failed[i] = self._report(batch.indices[i], error)
+                        failed[i] = True
+                        self._report(batch.indices[i], error)
                         continue
                     image = image.to(self.device)
                 images[i] = image
@@ -86,16 +91,46 @@ class Decoder:
                     out.append(None)  # the CPU tries next
             return out
 
-    def _report(self, index: int, error: str) -> bool:
+    def _report(self, index: int, error: str) -> None:
         if index not in self.reported:
             self.reported.add(index)
             self.log(f"WARNING could not decode {self.files[index]} ({error}): it trains as a grey image without "
                      "labels; remove or replace the file")
-        return True
+
+
+def upload(arrays: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:
+    """Host arrays to `device` in one copy: packed (each at an 8-byte boundary) into one pinned buffer on CUDA, so
+    that the copy is queued on the current stream and the host goes on at once (a copy from pageable memory waits)."""
+    ends = np.cumsum([(a.nbytes + 7) // 8 * 8 for a in arrays])
+    cuda = device.type == "cuda"
+    host = torch.empty(int(ends[-1]) if len(ends) else 0, dtype=torch.uint8, pin_memory=cuda)
+    packed = host.numpy()
+    for a, end in zip(arrays, ends):
+        start = end - (a.nbytes + 7) // 8 * 8
+        packed[start : start + a.nbytes] = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+    moved = host.to(device, non_blocking=cuda)  # the host caching allocator keeps the pages until the copy is done
+    out = []
+    for a, end in zip(arrays, ends):
+        start = int(end - (a.nbytes + 7) // 8 * 8)
+        out.append(moved[start : start + a.nbytes].view(TORCH_DTYPES[a.dtype]).view(a.shape))
+    return out
+
+
+TORCH_DTYPES = {np.dtype(np.int64): torch.int64, np.dtype(np.float32): torch.float32}
+
+
+class Decoded(NamedTuple):
+    """Step 1's result: a batch's images on the device (None where none could be decoded), and which failed."""
+
+    batch: EncodedBatch
+    images: list[torch.Tensor | None]
+    failed: list[bool]
 
 
 class GpuInput:
-    """`GpuInput(...)(encoded_batch, generator)` -> the training batch, images already the network's input."""
+    """`GpuInput(...)(encoded_batch, generator)` -> the training batch, images already the network's input.
+    `decoded(encoded_batch)` is step 1 alone (pipeline.TrainInputs runs it in a thread of its own: it waits for
+    nvJPEG); then `GpuInput(...)(decoded, generator)` does the rest."""
 
     def __init__(self, augment: GpuAugment, decoder: Decoder, *, capacity: int, device: torch.device,
                  mosaic: bool = True, partners_from_batch: bool = False, timed: bool = True):
@@ -120,35 +155,47 @@ class GpuInput:
         """No mosaic partners from now on (Ultralytics' close_mosaic)."""
         self.mosaic = False
 
-    def __call__(self, batch: EncodedBatch, generator: torch.Generator) -> dict:
+    def decoded(self, batch: EncodedBatch) -> Decoded:
+        return Decoded(batch, *self.decode(batch))
+
+    def __call__(self, batch: EncodedBatch | Decoded, generator: torch.Generator) -> dict:
+        start = self._event()
+        batch, images, failed = batch if isinstance(batch, Decoded) else self.decoded(batch)
         b, s = len(batch.payloads), self.augment.imgsz
         if b > self.capacity:
             raise ValueError(f"a batch of {b} does not fit an image buffer of {self.capacity}")
-        start = self._event()
-        images, failed = self.decode(batch)
-        own = [(self.head + i) % self.capacity for i in range(b)]
+        own = np.arange(self.head, self.head + b, dtype=np.int64) % self.capacity
         self.head = (self.head + b) % self.capacity
         self.filled = min(self.filled + b, self.capacity)
 
         shapes, meta, offset = [], [], 0
-        for slot, image in zip(own, images):
+        for slot, image in zip(own.tolist(), images):
             h0, w0 = image.shape[1:] if image is not None else (s, s)
             h, w = resized_shape(h0, w0, s)
             shapes.append((h0, w0, h, w))
             if image is not None:
                 meta.append((offset, h0, w0, slot, h, w))
                 offset += image.numel()
+        counts = batch.counts.numpy().copy()
+        counts[np.asarray(failed, dtype=bool)] = 0
+        self._fit_labels(int(counts.max()) if b else 0)
+        hw = np.array([sh[2:] for sh in shapes], np.int64).reshape(b, 2)
+        # Everything the host knows about the batch goes up in one pinned copy: the thread waits for no transfer
+        slots, counts, hw, meta, rows = upload(
+            [own, counts, hw, np.array(meta, np.int64).reshape(-1, 6), self._label_rows(batch, counts, shapes)],
+            self.device,
+        )
         present = [im.reshape(-1) for im in images if im is not None]
         if present:
-            flat = torch.cat(present) if len(present) > 1 else present[0]
-            load_into_slots(flat, torch.tensor(meta, dtype=torch.int64).to(self.device, non_blocking=True), self.slots)
-        slots = torch.tensor(own, dtype=torch.int64)
-        for slot, bad in zip(own, failed):
+            load_into_slots(torch.cat(present) if len(present) > 1 else present[0], meta, self.slots)
+        for slot, bad in zip(own.tolist(), failed):
             if bad:
                 self.slots[slot].fill_(int(BORDER))
-        self._store_labels(batch, slots, shapes, failed)
+        self.labels.index_copy_(0, slots, rows)
+        self.counts.index_copy_(0, slots, counts)
+        self.sizes.index_copy_(0, slots, hw)
 
-        groups = slots.to(self.device, non_blocking=True)[:, None]
+        groups = slots[:, None]
         if self.mosaic:
             if self.partners_from_batch:
                 partners = groups[torch.randint(0, b, (b * 3,), generator=generator, device=self.device), 0]
@@ -162,17 +209,17 @@ class GpuInput:
             self._collect()
         return out
 
-    def _store_labels(self, batch: EncodedBatch, slots: torch.Tensor, shapes, failed) -> None:
-        """The batch's boxes, in pixels of their slot's image, into the label store (grown when an image has more)."""
-        counts = batch.counts.clone()
-        counts[torch.tensor(failed, dtype=torch.bool)] = 0
-        most = int(counts.max()) if len(counts) else 0
+    def _fit_labels(self, most: int) -> None:
+        """Grow the label store when an image has more boxes than a slot holds (to the next power of two)."""
         if most > self.labels.shape[1]:
             grown = torch.zeros((self.capacity, 2 ** math.ceil(math.log2(most)), 5), device=self.device)
             grown[:, : self.labels.shape[1]] = self.labels
             self.labels = grown
-        width = self.labels.shape[1]
-        rows = np.zeros((len(slots), width, 5), np.float32)
+
+    def _label_rows(self, batch: EncodedBatch, counts: np.ndarray, shapes) -> np.ndarray:
+        """The batch's boxes as the label store holds them: (B, width, 5) rows of class, x1, y1, x2, y2 in pixels of
+        their slot's image; an image that could not be decoded has none."""
+        rows = np.zeros((len(shapes), self.labels.shape[1], 5), np.float32)
         start = 0
         for k, n in enumerate(batch.counts.tolist()):
             if counts[k]:
@@ -182,11 +229,7 @@ class GpuInput:
                 rows[k, :n, 1:3] = xywh[:, :2] - xywh[:, 2:] / 2
                 rows[k, :n, 3:5] = xywh[:, :2] + xywh[:, 2:] / 2
             start += n
-        hw = torch.tensor([sh[2:] for sh in shapes], dtype=torch.int64)
-        dev_slots = slots.to(self.device, non_blocking=True)
-        self.labels.index_copy_(0, dev_slots, torch.from_numpy(rows).to(self.device, non_blocking=True))
-        self.counts.index_copy_(0, dev_slots, counts.to(self.device, non_blocking=True))
-        self.sizes.index_copy_(0, dev_slots, hw.to(self.device, non_blocking=True))
+        return rows
 
     def _raw(self, batch: EncodedBatch, groups: torch.Tensor, shapes) -> RawBatch:
         """The augmentation's view of the buffer: every label row of every tile, padding rows marked invalid."""

@@ -11,10 +11,12 @@ the step just launched (`prefetch`): on CUDA its host-to-device copy runs on a s
 the step overlap and the next step starts on data already on the device. Only the loader's own delay counts as data
 wait then (`last_wait`).
 
-With the input pipeline on the GPU (`background=True`) preparing a batch is host work too -- nvJPEG's batched
-decode ends in a synchronisation, the surviving boxes are counted -- so it runs in a thread of its own, on its own
-stream, `AHEAD` batches ahead of the loop and across epoch boundaries: the training thread only launches steps, and
-waits (data wait) only when the thread has nothing ready.
+With the input pipeline on the GPU (`background=True`) preparing a batch is host work too, so it runs in threads
+of their own, on a high-priority stream of their own, `AHEAD` batches ahead of the loop and across epoch boundaries:
+the training thread only launches steps, and waits (data wait) only when nothing is ready. Two threads, because
+nvJPEG's batched decode (`decode`) waits for the device several times longer than it computes while the step runs,
+and the rest (the augmentation's launches, the box count) should not wait behind it: one thread reads the loader and
+decodes, the other augments what the first decoded.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import random
 import threading
 import time
 from collections.abc import Callable
-from contextlib import nullcontext
+from contextlib import ExitStack
 
 import torch
 from torch import nn
@@ -34,10 +36,10 @@ MAX_TARGETS = "max_targets"  # batch key: the largest number of targets in one i
 AHEAD = 2  # batches the background thread prepares ahead of the step (each a batch of the network's input)
 
 
-def max_targets_per_image(batch_idx: torch.Tensor, batch_size: int, *, read_device: bool = False) -> int | None:
-    """The largest number of targets in one image of the batch. From labels on the CPU it costs nothing; from labels
-    on a GPU only with `read_device` (one number read back: a sync on the current stream), else None."""
-    if batch_idx.device.type != "cpu" and not read_device:
+def max_targets_per_image(batch_idx: torch.Tensor, batch_size: int) -> int | None:
+    """The largest number of targets in one image of the batch, from labels on the CPU (it costs nothing there); None
+    for labels on a GPU (reading it back would be a sync; the GPU pipeline reads it with its box count)."""
+    if batch_idx.device.type != "cpu":
         return None
     if batch_idx.numel() == 0:
         return 0
@@ -65,20 +67,25 @@ def to_device(batch: dict, device: torch.device, *, imgsz: int, stride: int, mul
 
 
 class TrainInputs:
-    """`next(ni)` and `prefetch(ni)` for the loop; `prepare(raw, ni)` makes a loader batch ready for the step (the
-    GPU input pipeline's decode and augmentation, then to_device), its randomness a function of the step `ni`."""
+    """`next(ni)` and `prefetch(ni)` for the loop; `prepare(decode(raw), ni)` makes a loader batch ready for the
+    step (the GPU input pipeline's decode, then its augmentation and to_device), its randomness a function of the
+    step `ni`. `decode` (None: nothing) is the part that waits: with `background` it has a thread of its own."""
 
     def __init__(self, loader, sampler, device: torch.device, prepare: Callable[[object, int], dict], *,
-                 fetch_ahead: bool = True, persistent: bool = True, background: bool = False,
-                 clock=time.perf_counter):
-        self.loader, self.sampler, self.device, self.prepare = loader, sampler, device, prepare
+                 decode: Callable[[object], object] | None = None, fetch_ahead: bool = True, persistent: bool = True,
+                 background: bool = False, clock=time.perf_counter):
+        self.loader, self.sampler, self.device = loader, sampler, device
+        self.decode, self._prepare_decoded = decode, prepare
         self.fetch_ahead, self.persistent, self.clock = fetch_ahead, persistent, clock
         self.background = background
         self._worker: _Preparer | None = None
         self.last_wait = 0.0
         self._iterator = None
         self._ahead: tuple[dict, torch.cuda.Event | None, float] | None = None  # batch, copy done, wait it cost
-        self._copy_stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
+        self._copy_stream = torch.cuda.Stream(device=device) if device.type == "cuda" and not background else None
+
+    def prepare(self, raw, ni: int) -> dict:
+        return self._prepare_decoded(raw if self.decode is None else self.decode(raw), ni)
 
     def begin_epoch(self, epoch: int, first_step: int, first_ni: int = 0) -> None:
         """`first_ni`: the run's step counter at this epoch's first step (the background thread counts from it)."""
@@ -146,7 +153,7 @@ class TrainInputs:
         self.sampler.start_at(epoch, first_step)
         self._iterator = iter(self.loader)
         if self.background:
-            self._worker = _Preparer(self._iterator, self.prepare, self.device, first_ni)
+            self._worker = _Preparer(self._iterator, self._prepare_decoded, self.device, first_ni, self.decode)
 
     def close(self) -> None:
         if self._worker is not None:
@@ -159,36 +166,75 @@ class TrainInputs:
 
 
 class _Preparer:
-    """A thread that prepares batches ni, ni + 1, ... from `iterator` on its own CUDA stream, AHEAD at a time."""
+    """Threads that prepare batches ni, ni + 1, ... from `iterator`, AHEAD at a time, on one CUDA stream of their own
+    (high priority: its kernels are short, and the next step waits for them). With `decode`, one thread reads and
+    decodes, the other prepares what it decoded; both issue work to the same stream, so the device runs it in order
+    and the allocator's stream of every tensor is the stream that uses it."""
 
-    def __init__(self, iterator, prepare, device: torch.device, first_ni: int):
-        self.iterator, self.prepare, self.device = iterator, prepare, device
+    def __init__(self, iterator, prepare, device: torch.device, first_ni: int, decode=None):
+        self.iterator, self.prepare, self.device, self.decode = iterator, prepare, device, decode
+        self.stream = torch.cuda.Stream(device=device, priority=-1) if device.type == "cuda" else None
         self.ready: queue.Queue = queue.Queue(maxsize=AHEAD)
+        self.decoded: queue.Queue | None = queue.Queue(maxsize=AHEAD) if decode is not None else None
         self.expected = first_ni  # the step the next take() is for
         self._stop = threading.Event()
-        self.thread = threading.Thread(target=self._run, args=(first_ni,), name="input-prepare", daemon=True)
-        self.thread.start()
+        self.threads = [threading.Thread(target=self._run, args=(first_ni,), name="input-prepare", daemon=True)]
+        if decode is not None:
+            self.threads.append(threading.Thread(target=self._decode, name="input-decode", daemon=True))
+        for thread in self.threads:
+            thread.start()
 
-    def _run(self, ni: int) -> None:
-        cuda = self.device.type == "cuda"
-        stream = torch.cuda.Stream(device=self.device) if cuda else None
+    def _on_stream(self) -> ExitStack:
+        """The calling thread's current device and stream become the preparer's."""
+        stack = ExitStack()
+        if self.stream is not None:
+            stack.enter_context(torch.cuda.device(self.device))
+            stack.enter_context(torch.cuda.stream(self.stream))
+        return stack
+
+    def _decode(self) -> None:
         try:
-            with torch.cuda.device(self.device) if cuda else nullcontext(), torch.cuda.stream(stream):
+            with self._on_stream():
                 while not self._stop.is_set():
-                    batch = self.prepare(next(self.iterator), ni)
-                    done = None
-                    if cuda:
-                        done = torch.cuda.Event()
-                        done.record(stream)
-                    self._put((ni, batch, done))
-                    ni += 1
-        except BaseException as e:  # noqa: BLE001 - handed to the training thread, which raises it
-            self._put((None, e, None))
+                    self._put(self.decoded, (True, self.decode(next(self.iterator))))
+        except BaseException as e:  # noqa: BLE001 - handed on to the preparing thread, which hands it on
+            self._put(self.decoded, (False, e))
 
-    def _put(self, item) -> None:
+    def _next_raw(self):
+        """The next loader batch, decoded when there is a decode thread; None once stopped."""
+        if self.decoded is None:
+            return next(self.iterator)
         while not self._stop.is_set():
             try:
-                self.ready.put(item, timeout=0.1)
+                ok, item = self.decoded.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            if not ok:
+                raise item
+            return item
+        return None
+
+    def _run(self, ni: int) -> None:
+        try:
+            with self._on_stream():
+                while not self._stop.is_set():
+                    raw = self._next_raw()
+                    if raw is None:
+                        return
+                    batch = self.prepare(raw, ni)
+                    done = None
+                    if self.stream is not None:
+                        done = torch.cuda.Event()
+                        done.record(self.stream)
+                    self._put(self.ready, (ni, batch, done))
+                    ni += 1
+        except BaseException as e:  # noqa: BLE001 - handed to the training thread, which raises it
+            self._put(self.ready, (None, e, None))
+
+    def _put(self, q: queue.Queue, item) -> None:
+        while not self._stop.is_set():
+            try:
+                q.put(item, timeout=0.1)
                 return
             except queue.Full:
                 continue
@@ -204,9 +250,13 @@ class _Preparer:
 
     def stop(self) -> None:
         self._stop.set()
-        while self.thread.is_alive():
-            try:  # make room, so that a put in progress returns
-                self.ready.get(timeout=0.1)
-            except queue.Empty:
-                pass
-            self.thread.join(timeout=0.1)
+        while any(thread.is_alive() for thread in self.threads):
+            for q in (self.ready, self.decoded):
+                try:  # make room, so that a put in progress returns; a get in progress gets an item
+                    if q is not None:
+                        q.get_nowait()
+                except queue.Empty:
+                    pass
+            for thread in self.threads:
+                thread.join(timeout=0.05)
+

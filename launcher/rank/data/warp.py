@@ -35,10 +35,6 @@ def triton_usable(device: torch.device) -> bool:
 
 
 # --- the shared maths, on tensors -----------------------------------------------------------------------------------
-def round_half_even(x: torch.Tensor) -> torch.Tensor:
-    return torch.round(x)  # what warpAffine's saturate_cast does; the kernel spells it out
-
-
 def hsv_shift(r: torch.Tensor, g: torch.Tensor, b: torch.Tensor, gains: torch.Tensor):
     """RandomHSV in float on values in 0..255: hue + 180 gain_h (OpenCV's 0..180 hue, modulo 180), saturation and
     value times (1 + gain), clipped. `gains` (n, 3) broadcast against (n, P) channels. Ultralytics does the same
@@ -70,7 +66,7 @@ def load_into_slots(flat: torch.Tensor, meta: torch.Tensor, slots: torch.Tensor)
         return
     if triton_usable(slots.device):
         s = slots.shape[1]
-        grid = (triton_cdiv(s * s, BLOCK), len(meta))
+        grid = (-(-s * s // BLOCK), len(meta))
         _kernels().load[grid](flat, meta, slots, s, BLOCK=BLOCK)
         return
     _load_torch(flat, meta, slots)
@@ -81,7 +77,7 @@ def _load_torch(flat: torch.Tensor, meta: torch.Tensor, slots: torch.Tensor) -> 
         img = flat[offset : offset + 3 * h0 * w0].view(1, 3, h0, w0).float()
         if (h, w) != (h0, w0):  # cv2.INTER_LINEAR's taps: (i + 0.5) n0 / n - 0.5, clamped at the edges
             img = torch.nn.functional.interpolate(img, size=(h, w), mode="bilinear", align_corners=False)
-        slots[slot, :h, :w] = round_half_even(img[0]).clamp(0, 255).to(torch.uint8).permute(1, 2, 0)
+        slots[slot, :h, :w] = torch.round(img[0]).clamp(0, 255).to(torch.uint8).permute(1, 2, 0)
 
 
 # --- render: slots to the network's input ---------------------------------------------------------------------------
@@ -102,7 +98,7 @@ def render(slots: torch.Tensor, tiles: torch.Tensor, centre: torch.Tensor, inver
     if triton_usable(out.device):
         b, _, s, _ = out.shape
         k = _kernels()
-        grid = (triton_cdiv(s * s, BLOCK), b)
+        grid = (-(-s * s // BLOCK), b)
         hsv = gains is not None
         k.render[grid](
             slots, tiles.contiguous(), centre.contiguous(), inverse.reshape(b, 9).contiguous(),
@@ -141,7 +137,7 @@ def _render_torch(slots, tiles, centre, inverse, gains, swap, out, *, scale, bgr
             tap = pixels.index_select(0, index.view(-1)).view(*index.shape, 3).float()
             tap = torch.where(inside[..., None], tap, torch.full_like(tap, BORDER))
             acc += weight[..., None] * tap
-        acc = round_half_even(acc)
+        acc = torch.round(acc)  # half to even, as warpAffine's saturate_cast
         c0, c1, c2 = acc.unbind(-1)
         red, green, blue = (c2, c1, c0) if bgr_slots else (c0, c1, c2)
         if gains is not None:
@@ -151,7 +147,7 @@ def _render_torch(slots, tiles, centre, inverse, gains, swap, out, *, scale, bgr
         for c, plane in enumerate(planes):
             plane = plane * scale
             if not out.dtype.is_floating_point:
-                plane = round_half_even(plane).clamp(0, 255)
+                plane = torch.round(plane).clamp(0, 255)
             out[rows, c] = plane.view(-1, s, s).to(out.dtype)
 
 
@@ -170,10 +166,6 @@ def _lookup(tiles, centre, x, y, s):
 
 
 # --- the Triton kernels ---------------------------------------------------------------------------------------------
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 try:  # the kernels are compiled on first launch; without Triton only the twins run
     import triton
     import triton.language as tl
