@@ -6,18 +6,10 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from launcher.plan.keys import conf_dir  # the unknown-key check reads the same files
 from launcher.problems import PlanError
 
 EXIT_PLAN_ERROR = 2
-
-
-def conf_dir() -> str:
-    """The Hydra configs: `launcher/conf` in an installed wheel, the repository's `conf/` in a checkout."""
-    here = Path(__file__).resolve().parent
-    for candidate in (here / "conf", here.parent / "conf"):
-        if (candidate / "config.yaml").is_file():
-            return str(candidate)
-    raise FileNotFoundError(f"ddp-launch's Hydra configs are missing (looked in {here / 'conf'} and {here.parent / 'conf'})")
 
 
 class Jobs:

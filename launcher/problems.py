@@ -2,7 +2,16 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
+
+# Terminal escape sequences (colours, cursor moves): Ultralytics colours its messages (colorstr) even into files
+ANSI_ESCAPE = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b[@-Z\\-_]")
+
+
+def plain_text(text: str) -> str:
+    """`text` without terminal escape sequences: what a record or a log file keeps of a coloured message."""
+    return ANSI_ESCAPE.sub("", text)
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ from pathlib import Path
 from launcher.inputs.data import DatasetInfo
 from launcher.inputs.models import ModelSpec
 from launcher.plan.plan import LaunchPlan
-from launcher.problems import PlanError, Problem
+from launcher.problems import PlanError, Problem, plain_text
 
 FINISHED = "finished"
 TMP_MARK = ".tmp-"  # in the name of a file being written (a writer killed mid-write leaves it behind)
@@ -185,8 +185,8 @@ class RunFolder:
         """ranks/rank<N>.failed.json: what made rank N fail. The earliest is the run's root cause."""
         record = {
             "rank": rank,
-            "error": error,
-            "traceback": detail[-8000:],
+            "error": plain_text(error),
+            "traceback": plain_text(detail)[-8000:],
             "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
             "phase": phase,  # init: the process group never came up (dist.fallback=dp retries) | train
             "time": time.time() if when is None else when,

@@ -105,3 +105,55 @@ def test_the_command_line_exits_non_zero_with_the_message(args, expected, tmp_pa
     assert expected in r.stderr + r.stdout
     if args[0].startswith("model="):
         assert "yolov8n" in r.stderr  # Hydra lists the choices
+
+
+@pytest.mark.parametrize("override,expected", [
+    ("+train.epoch=3", "train.epoch: not a ddp-launch key; did you mean train.epochs?"),
+    ("+optim.base_lrr=0.1", "optim.base_lrr: not a ddp-launch key; did you mean optim.base_lr?"),
+    ("+dist.nccl.debugg=INFO", "dist.nccl.debugg: not a ddp-launch key; did you mean dist.nccl.debug?"),
+    ("+seeds=1", "seeds: not a ddp-launch key; did you mean seed?"),
+    ("+train.extra.fliplrr=0.5", "train.extra.fliplrr: not an Ultralytics train argument; did you mean train.extra.fliplr?"),
+])
+def test_an_unknown_key_is_refused_naming_the_closest_one(override, expected, tmp_path, cache_dir):
+    assert expected in refused([override], tmp_path)
+
+
+def test_free_keys_and_every_shipped_group_option_are_known(tmp_path, cache_dir):
+    from launcher.plan import checks, keys
+
+    for overrides in (["+train.extra.mosaic=0.5"], ["launcher=slurm"], ["model=checkpoint"], ["data=coco"],
+                      ["+experiment=coco"], ["data=custom"]):
+        assert checks.unknown_key_problems(compose_config(overrides), keys.known_keys()) == [], overrides
+
+
+# (key, value) pairs of train.extra, each refused or passed exactly as Ultralytics' own check_cfg does
+EXTRA_VALUES = [("fliplr", 7), ("fliplr", 0.5), ("mosaic", -0.1), ("hsv_h", "x"), ("mixup", True), ("degrees", "9"),
+                ("degrees", 45), ("max_det", 0), ("max_det", 2.0), ("single_cls", 1), ("single_cls", True),
+                ("fraction", 0), ("fraction", 50), ("fraction", [0.5, 1.0]), ("scale", 1.5), ("scale", [0.5, 2.0]),
+                ("copy_paste_mode", 3), ("dropout", None), ("cls", None)]
+
+
+@pytest.mark.parametrize("key,value", EXTRA_VALUES)
+def test_train_extra_values_are_checked_as_ultralytics_checks_them(key, value):
+    from ultralytics.cfg import DEFAULT_CFG_DICT, check_cfg
+
+    from launcher.plan.checks import extra_problems
+
+    try:
+        check_cfg({key: value})
+        ultralytics_refuses = False
+    except (TypeError, ValueError):
+        ultralytics_refuses = True
+    ours = extra_problems({key: value})
+    assert bool(ours) == ultralytics_refuses, (ours, DEFAULT_CFG_DICT.get(key))
+    if ours:
+        assert ours[0].message.startswith(f"train.extra.{key}={value!r}: ")
+
+
+def test_extra_fliplr_out_of_range_is_refused_before_any_rank(tmp_path, cache_dir):
+    assert "train.extra.fliplr=7: expected a number between 0.0 and 1.0" in refused(["+train.extra.fliplr=7"], tmp_path)
+
+
+def test_a_checkpoint_model_without_weights_names_the_key_to_set(tmp_path, cache_dir):
+    msg = refused(["model=checkpoint"], tmp_path)
+    assert "model=checkpoint starts from a checkpoint: set model.weights=/path/to/best.pt" in msg and "???" not in msg

@@ -12,7 +12,7 @@ from tests.conftest import ddp_launch
 from tests.test_readme import readme_commands
 
 
-@pytest.mark.parametrize("command", readme_commands("ddp-env"))
+@pytest.mark.parametrize("command", [c for c in readme_commands("ddp-env") if "--clear-cache" not in c])
 def test_every_readme_ddp_env_command_prints_the_report(command, tmp_path):
     r = ddp_launch(shlex.split(command)[1:], cwd=tmp_path, tool="ddp-env", timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
@@ -31,3 +31,16 @@ def test_the_report_names_each_gpu_and_says_why_links_are_missing(monkeypatch):
     assert "nvidia-smi is not on PATH" in text
     assert "none on PATH (launcher=slurm needs sbatch)" in text
     assert "NCCL_DEBUG=INFO" in text
+
+
+@pytest.mark.parametrize("command", [c for c in readme_commands("ddp-env") if "--clear-cache" in c])
+def test_the_readme_clear_cache_command_removes_unused_caches(command, tmp_path):
+    """As the README shows it, for a paths.cache of its own: an unused cache file there is deleted, each folder
+    reported (the /dev/shm folder's caches in use by running jobs are kept: they hold a lock)."""
+    stale = tmp_path / "images" / "files-0123456789abcdef.bin"
+    stale.parent.mkdir()
+    stale.write_bytes(b"x" * 4096)
+    r = ddp_launch(shlex.split(command)[1:], cwd=tmp_path, tool="ddp-env", timeout=120,
+                   env={"DDP_LAUNCH_CACHE": str(tmp_path)})
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert not stale.exists() and f"{tmp_path / 'images'}: removed 1 cache file(s)" in r.stdout

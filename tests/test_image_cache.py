@@ -409,3 +409,19 @@ def test_the_cache_pickles_as_its_path(small, tmp_path):
         assert np.array_equal(again.image(i)[0], cache.image(i)[0])
     with pytest.raises(ValueError, match="read-only"):
         cache.image(0)[0][0, 0, 0] = 1
+
+
+def test_cache_files_are_the_users_alone_and_ddp_env_clears_the_unused_ones(small, tmp_path, monkeypatch, capsys):
+    from launcher import env
+    from launcher.rank.data import image_cache
+
+    dirs = [tmp_path / "shm" / "ddp-launch-test", tmp_path / "disk"]
+    held = build(small, dirs)
+    assert held.path.stat().st_mode & 0o777 == 0o600 and dirs[0].stat().st_mode & 0o777 == 0o700
+    unused = build(small, dirs, imgsz=32).path
+    gc.collect()  # its map closed: nobody holds it
+    monkeypatch.setattr(image_cache, "default_dirs", lambda disk: dirs)
+    env.main(["--clear-cache", "--cache", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert not unused.exists() and held.path.exists()  # a mapped cache is in use: kept
+    assert f"{dirs[0]}: removed 1 cache file(s)" in out and "1 in use by a running job, kept" in out

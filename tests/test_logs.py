@@ -97,3 +97,25 @@ def test_the_time_left_counts_steps_at_their_mean_time_and_the_epoch_boundaries(
     assert eta.boundary_s == 7.0
     assert eta.left(steps_in_epoch=3, steps_after=4, epochs_after=1) == (6.0, 6.0 + 8.0 + 7.0)
     assert [clock_text(s) for s in (7, 125, 3723)] == ["0:07", "2:05", "1:02:03"]
+
+
+def test_colour_codes_reach_neither_the_rank_logs_nor_the_failure_records(tmp_path):
+    """Ultralytics colours its messages (colorstr) whatever the stream: the log file and summary.json's root cause
+    keep the words, not the escape codes."""
+    from launcher.rank.worker import PlainTextFile
+    from launcher.run_folder import RunFolder
+
+    log = tmp_path / "rank0.log"
+    with open(log, "wb") as raw:
+        out = PlainTextFile(raw)
+        out.write("\x1b[34m\x1b[1mtrain: \x1b[0mScanning labels\n")
+        out.flush()
+    assert log.read_text() == "train: Scanning labels\n"
+
+    folder = RunFolder(tmp_path / "run")
+    folder.record_failure(0, "FileNotFoundError: \x1b[34m\x1b[1mval: \x1b[0mError loading data", phase="train",
+                          detail="Traceback ...\n\x1b[31mboom\x1b[0m")
+    folder.write_outcome("failed", 1, "training failed")
+    text = folder.summary_file.read_text()
+    assert "\\u001b" not in text and "\x1b" not in text
+    assert folder.summary()["root_cause"]["error"] == "FileNotFoundError: val: Error loading data"

@@ -53,7 +53,8 @@ def run_bench(cfg: dict, run_dir: Path, base_dir: Path, command: str) -> int:
     if problems or model_msgs:
         raise PlanError(config_problems(problems + model_msgs))
     dry_run = bool(cfg.get("dry_run"))
-    data, data_problems = resolve_data(cfg["data"], base_dir, generate=not dry_run)
+    data, data_problems = resolve_data(cfg["data"], base_dir, generate=not dry_run,
+                                      cache_dir=Path(cfg["paths"]["cache"]).expanduser())
     errors, warnings = check_plan(data_problems, dry_run=dry_run)
     if errors:
         raise PlanError(errors)

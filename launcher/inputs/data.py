@@ -7,15 +7,13 @@ key to set; a `download:` script runs only when the user sets data.allow_downloa
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
 
-from launcher.inputs import shapes, ultralytics_files
+from launcher.inputs import labels, shapes, ultralytics_files
 from launcher.problems import Problem
-
-IMAGE_SUFFIXES = {".bmp", ".dng", ".jpeg", ".jpg", ".mpo", ".png", ".tif", ".tiff", ".webp", ".pfm", ".heic"}
 
 
 @dataclass(frozen=True)
@@ -26,17 +24,8 @@ class DatasetInfo:
     train_images: int | None  # None when unknown (not generated yet, or missing in a dry run)
     val_images: int | None
     note: str = ""
-
-
-def count_images(entries: list[str]) -> int:
-    total = 0
-    for entry in entries:
-        p = Path(entry)
-        if p.is_dir():
-            total += sum(1 for f in p.rglob("*") if f.suffix.lower() in IMAGE_SUFFIXES)
-        elif p.is_file() and p.suffix == ".txt":
-            total += sum(1 for line in p.read_text().splitlines() if line.strip())
-    return total
+    # per split, what Ultralytics will use and drop (labels.SplitCheck.to_dict); empty when the data is not there yet
+    checks: dict = field(default_factory=dict)
 
 
 def _as_list(value) -> list[str]:
@@ -64,7 +53,7 @@ def _check_yaml(raw, source: str) -> list[str]:
 
 
 def _from_yaml(
-    name: str, yaml_path: Path, root: str | None, allow_download: bool, count: bool
+    name: str, yaml_path: Path, root: str | None, allow_download: bool, scan: dict
 ) -> tuple[DatasetInfo | None, list[Problem]]:
     source = str(yaml_path)
     try:
@@ -115,15 +104,38 @@ def _from_yaml(
             msg += f" ({source} has a download: script; set data.allow_download=true to run it)"
         return None, [Problem(msg, environment=True)]
 
-    train_n = count_images(_as_list(spec["train"])) if count else None
-    val_n = count_images(_as_list(spec["val"])) if count else None
-    if count and train_n == 0:
-        return None, [Problem(f"dataset '{name}': no images under {spec['train']}", environment=True)]
-    return DatasetInfo(name, source, spec, train_n, val_n), []
+    kpt_shape = spec.get("kpt_shape")
+    checks = {split: labels.check_split(_as_list(spec[split]), len(names), kpt_shape=kpt_shape, **scan)
+              for split in ("train", "val")}
+    info = DatasetInfo(name, source, spec, checks["train"].usable, checks["val"].usable,
+                       checks={split: c.to_dict() for split, c in checks.items()})
+    return info, [Problem(m, environment=True) for m in _split_problems(name, spec, checks)]
 
 
-def resolve_data(data_cfg: dict, base_dir: Path, *, generate: bool = True) -> tuple[DatasetInfo | None, list[Problem]]:
-    """Resolve `data.*` to a DatasetInfo. `generate=False` (a dry run) never writes the synthetic dataset."""
+def _split_problems(name: str, spec: dict, checks: dict[str, labels.SplitCheck]) -> list[str]:
+    """A split Ultralytics would stop on: no image at all, none it can use, or (training) no label file at all."""
+    problems = []
+    for split, check in checks.items():
+        where = spec[split]
+        if check.images == 0:
+            problems.append(f"dataset '{name}': no images under {where} ({split} split); put images there or point "
+                            f"'{split}:' of the data YAML at a folder that has some")
+        elif check.usable == 0:
+            why = "; ".join(f"{len(v)} {reason}" for reason, v in check.dropped.items())
+            problems.append(f"dataset '{name}': none of the {check.images} {split} images under {where} can be used "
+                            f"({why}); fix or replace them")
+        elif split == "train" and check.labels_found == 0:
+            first = labels.label_file(labels.list_images(_as_list(where))[0])
+            problems.append(f"dataset '{name}': no label file for any of the {check.images} training images "
+                            f"(Ultralytics looks for labels/ beside images/, e.g. {first})")
+    return problems
+
+
+def resolve_data(data_cfg: dict, base_dir: Path, *, generate: bool = True,
+                 cache_dir: Path | None = None) -> tuple[DatasetInfo | None, list[Problem]]:
+    """Resolve `data.*` to a DatasetInfo, every image and label checked (labels.py). `generate=False` (a dry run)
+    never writes the synthetic dataset nor the checks' cache; `cache_dir` (paths.cache) holds that cache."""
+    scan = {"cache_dir": Path(cache_dir) / "labels" if cache_dir else None, "write_cache": generate}
     name = str(data_cfg.get("name", "data"))
     kind = data_cfg.get("kind", "yaml")
     allow = bool(data_cfg.get("allow_download", False))
@@ -142,7 +154,7 @@ def resolve_data(data_cfg: dict, base_dir: Path, *, generate: bool = True) -> tu
             names = dict(enumerate(shapes.CLASSES))
             pending = {"path": str(folder), "train": str(folder / "images/train"), "val": str(folder / "images/val"), "names": names}
             return DatasetInfo(name, f"synthetic {spec}", pending, spec.train_images, spec.val_images, note="generated at the first real run"), []
-        return _from_yaml(name, yaml_path, None, allow, count=True)
+        return _from_yaml(name, yaml_path, None, allow, scan)
 
     if kind == "builtin":
         builtin = str(data_cfg.get("builtin"))
@@ -151,7 +163,7 @@ def resolve_data(data_cfg: dict, base_dir: Path, *, generate: bool = True) -> tu
             return None, [Problem(f"data.builtin={builtin!r}: Ultralytics ships no dataset YAML of that name")]
         if not data_cfg.get("root"):
             return None, [Problem(f"data '{name}': set data.root to the folder that holds the dataset")]
-        return _from_yaml(name, yaml_path, str(data_cfg["root"]), allow, count=True)
+        return _from_yaml(name, yaml_path, str(data_cfg["root"]), allow, scan)
 
     path = data_cfg.get("path")
     if path in (None, "", "???"):
@@ -160,4 +172,4 @@ def resolve_data(data_cfg: dict, base_dir: Path, *, generate: bool = True) -> tu
     yaml_path = yaml_path if yaml_path.is_absolute() else base_dir / yaml_path
     if not yaml_path.is_file():
         return None, [Problem(f"data.path={path!r}: no such file ({yaml_path})", environment=True)]
-    return _from_yaml(name, yaml_path, data_cfg.get("root"), allow, count=True)
+    return _from_yaml(name, yaml_path, data_cfg.get("root"), allow, scan)

@@ -13,6 +13,8 @@ from pathlib import Path
 
 from launcher.inputs import ultralytics_files
 
+MISSING = "???"  # OmegaConf's mandatory value, as a resolved config carries it when nobody set it
+
 
 @dataclass(frozen=True)
 class ModelSpec:
@@ -34,6 +36,9 @@ def resolve_model(model_cfg: dict, base_dir: Path) -> tuple[ModelSpec | None, li
     cfg_out: str | None = None
     weights_out: str | None = None
 
+    if weights == MISSING:  # model=checkpoint leaves it for the user to fill in
+        return None, [f"model={name} starts from a checkpoint: set model.weights=/path/to/best.pt (a local Ultralytics "
+                      ".pt; ddp-launch never downloads one)"]
     if cfg is None and weights is None:
         return None, ["model: set model.cfg (an Ultralytics model YAML) or model.weights (a local .pt)"]
 

@@ -90,3 +90,26 @@ def dataset_yaml(name: str) -> Path | None:
 def default_train_args() -> dict:
     """Ultralytics' default.yaml: every argument its trainer accepts."""
     return yaml.safe_load((package_dir() / "cfg" / "default.yaml").read_text())
+
+
+# The argument type tables of ultralytics/cfg/__init__.py, which its check_cfg applies to every train argument
+CFG_TABLES = ("CFG_FLOAT_KEYS", "CFG_FRACTION_KEYS", "CFG_INT_KEYS", "CFG_INT_MIN", "CFG_BOOL_KEYS", "CFG_STR_KEYS")
+
+
+@functools.cache
+def cfg_type_rules() -> dict:
+    """{table name: the set (or for CFG_INT_MIN the mapping) of keys}, read from the module's source as literals."""
+    import ast
+
+    tree = ast.parse((package_dir() / "cfg" / "__init__.py").read_text())
+    rules = {}
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and getattr(node.targets[0], "id", None) in CFG_TABLES:
+            value = node.value
+            if isinstance(value, ast.Call):  # frozenset({...})
+                value = value.args[0]
+            rules[node.targets[0].id] = ast.literal_eval(value)
+    missing = set(CFG_TABLES) - set(rules)
+    if missing:
+        raise RuntimeError(f"ultralytics/cfg/__init__.py no longer defines {', '.join(sorted(missing))}")
+    return rules

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import signal
 
+from launcher.inputs import labels
 from launcher.launch.logs import say
 from launcher.run_folder import RunFolder
 
@@ -33,12 +34,22 @@ def report(folder: RunFolder, code: int, signum: int | None, node_rank: int) -> 
     s = summary
     say(
         f"\ndone: {s['epochs_completed']} epoch(s) on {s['world_size']} rank(s), global batch {s['global_batch']}, "
-        f"lr0 {s['lr0']:.6g}, {s['images_per_s']:.1f} images/s (steady state)"
+        f"lr0 {s['lr0']:.6g}, {_speed_text(s)}"
     )
     say(f"mAP50 {s['map50']:.4f}  mAP50-95 {s['map50_95']:.4f}")
+    for split, check in (s.get("images") or {}).items():
+        for line in labels.describe(split, check):
+            say(f"data        {line}")
     say(f"weights     {s['weights']}")
     say(f"run folder  {folder}")
     return 0
+
+
+def _speed_text(s: dict) -> str:
+    """The steady-state rate, or why there is none: every step of a short run fell in the meter's warm-up."""
+    if s.get("images_per_s") is None:
+        return "too short for a steady-state images/s (each rank's first steps are warm-up, left out of it)"
+    return f"{s['images_per_s']:.1f} images/s (steady state)"
 
 
 def say_finished(folder: RunFolder) -> None:

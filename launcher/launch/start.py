@@ -45,7 +45,7 @@ def start(cfg: dict, run_dir: Path, base_dir: Path, on_plan=None) -> int:
     if errors:
         raise PlanError(errors + [p for p in early if p.environment and not dry_run])
 
-    data, data_problems = resolve_data(cfg["data"], base_dir, generate=not dry_run)
+    data, data_problems = resolve_data(cfg["data"], base_dir, generate=not dry_run, cache_dir=_cache(cfg))
     plan, problems = make_plan(cfg, hw, data, port_is_free=port_is_free)
     errors, warnings = check_plan(problems + config_problems(model_msgs) + data_problems, dry_run=dry_run)
 
@@ -102,6 +102,10 @@ def resume(run_dir: Path, overrides: dict, fresh_dir: Path | None = None) -> int
     return env.resume(cfg, plan, folder)
 
 
+def _cache(cfg: dict) -> Path:
+    return Path(cfg["paths"]["cache"]).expanduser()
+
+
 def _select(cfg: dict, key: str):
     node = cfg
     for part in key.split("."):
@@ -121,7 +125,8 @@ def _replan(cfg: dict, overrides: dict, env, folder: RunFolder):
             node = node[p]
         node[leaf] = value
     moved = env.planning_config(moved)
-    data, data_problems = resolve_data({"name": moved["data"]["name"], "path": str(folder.data_file)}, folder.path)
+    data, data_problems = resolve_data({"name": moved["data"]["name"], "path": str(folder.data_file)}, folder.path,
+                                       cache_dir=_cache(moved))
     plan, problems = make_plan(moved, env.hardware(moved), data, port_is_free=port_is_free)
     errors, _ = check_plan(problems + data_problems, dry_run=False)
     if errors:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from launcher.inputs import labels
 from launcher.inputs.data import DatasetInfo
 from launcher.inputs.models import ModelSpec
 from launcher.plan.plan import LaunchPlan
@@ -51,10 +52,21 @@ def describe(plan: LaunchPlan, model: ModelSpec | None, data: DatasetInfo | None
     if model is not None:
         lines.append(f"model           {model.cfg or ''}" + (f" from {model.weights}" if model.weights else ""))
     if data is not None:
-        count = f"{data.train_images} train / {data.val_images} val images" if data.train_images else "size unknown"
-        lines.append(f"data            {data.name}: {data.spec.get('path')} ({count}){' - ' + data.note if data.note else ''}")
+        lines.append(f"data            {data.name}: {data.spec.get('path')} ({_count_text(data)})"
+                     + (f" - {data.note}" if data.note else ""))
+        lines += [f"data            {line}" for split, check in data.checks.items() for line in labels.describe(split, check)]
     lines += [f"note            {n}" for n in plan.notes]
     return "\n".join(lines)
+
+
+def _count_text(data: DatasetInfo) -> str:
+    """'24 train / 8 val images', or with dropped ones '19 of 24 train / 7 of 8 val images usable'."""
+    if not data.checks:
+        return f"{data.train_images} train / {data.val_images} val images" if data.train_images else "size unknown"
+    c = data.checks
+    if all(c[s]["usable"] == c[s]["images"] for s in ("train", "val")):
+        return f"{c['train']['images']} train / {c['val']['images']} val images"
+    return f"{c['train']['usable']} of {c['train']['images']} train / {c['val']['usable']} of {c['val']['images']} val images usable"
 
 
 def _input_text(plan: LaunchPlan) -> str:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from launcher.inputs.data import DatasetInfo
 from launcher.machine.hardware import Hardware
-from launcher.plan import checks, lr
+from launcher.plan import checks, keys, lr
 from launcher.plan.checks import as_int
 from launcher.plan.environment import distributed_environment, offline_environment, thread_environment
 from launcher.problems import Problem
@@ -70,6 +70,8 @@ class LaunchPlan:
     notes: tuple[str, ...] = ()
     cuda_graphs: bool = False  # train.cuda_graphs resolved: the network's step replayed as CUDA graphs
     augment_on: str = "cpu"  # loader.augment_on resolved: gpu (bytes in, decode and augmentation on the GPU) | cpu
+    # per split: the images Ultralytics uses and drops, and why (inputs/labels.py); train_images counts the usable
+    images: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -101,7 +103,7 @@ def make_plan(
     port_is_free: Callable[[int], bool] | None = None,
 ) -> tuple[LaunchPlan, list[Problem]]:
     """Decide the launch. Returns the plan (best effort, also when there are problems) and every problem found."""
-    problems: list[Problem] = checks.ultralytics_problems(hw)
+    problems: list[Problem] = checks.ultralytics_problems(hw) + checks.unknown_key_problems(cfg, keys.known_keys())
     notes: list[str] = []
     train, optim, loader, dist = cfg["train"], cfg["optim"], cfg["loader"], cfg["dist"]
 
@@ -193,6 +195,7 @@ def make_plan(
         notes=tuple(notes),
         cuda_graphs=checks.uses_cuda_graphs(train, device=top.device, mode=top.mode),
         augment_on=augment_on,
+        images=dict(data.checks) if data is not None else {},
     )
     return plan, problems
 

@@ -7,11 +7,13 @@ and device come from torchrun's environment, which is set before Ultralytics is 
 
 from __future__ import annotations
 
+import io
 import os
 import sys
 import time
 from pathlib import Path
 
+from launcher.problems import plain_text
 from launcher.run_folder import RunFolder
 
 
@@ -28,8 +30,20 @@ def redirect_output(log_file: Path) -> None:
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
-    sys.stdout = open(1, "w", buffering=1, closefd=False)  # line-buffered: the console follows in real time
-    sys.stderr = open(2, "w", buffering=1, closefd=False)
+    sys.stdout = PlainTextFile(open(1, "wb", closefd=False))  # line-buffered: the console follows in real time
+    sys.stderr = PlainTextFile(open(2, "wb", closefd=False))
+
+
+class PlainTextFile(io.TextIOWrapper):
+    """A line-buffered text stream that leaves out terminal escape sequences: Ultralytics colours its messages
+    (colorstr) whatever the stream, and a log file would keep the codes."""
+
+    def __init__(self, raw):
+        super().__init__(raw, encoding="utf-8", errors="replace", line_buffering=True)
+
+    def write(self, s: str) -> int:
+        super().write(plain_text(s))
+        return len(s)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -71,6 +71,7 @@ class LocalEnvironment:
             return None
         if not any(r.get("phase") == "init" for r in folder.failures()):
             return None
-        data, _ = resolve_data({"name": cfg["data"]["name"], "path": str(folder.data_file)}, folder.path)
+        data, _ = resolve_data({"name": cfg["data"]["name"], "path": str(folder.data_file)}, folder.path,
+                               cache_dir=Path(cfg["paths"]["cache"]).expanduser())
         dp_plan, problems = make_plan({**cfg, "mode": "dp", "nproc": None}, self.hardware(cfg), data)
         return None if check_plan(problems, dry_run=False)[0] else dp_plan

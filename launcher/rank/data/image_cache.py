@@ -24,8 +24,9 @@ only ever published complete, so what can go wrong is truncation or damage to it
   rank). The build writes a temporary file and renames it into place: a cache is complete or absent. A failed build
   deletes its temporary file; one left by a killed builder is deleted by the next build in that folder.
 * Clean-up. A cache outlives the run (the next run with the same data and imgsz maps it at once). Every reader holds
-  a shared lock on the file while it maps it; `remove_unused` deletes the caches nobody holds. A build that lacks
-  room first removes the unused caches of that folder. Files in /dev/shm use RAM until removed or the node reboots.
+  a shared lock on the file while it maps it; `remove_unused` deletes the caches nobody holds (`ddp-env
+  --clear-cache`). A build that lacks room first removes the unused caches of that folder. Files in /dev/shm use RAM
+  until removed or the node reboots. Folders and files are the user's alone (0700, 0600).
 * Who builds. Whoever asks first: `ensure_cache` in every rank finds the cache or builds it (the first process on
   the node builds with all cores, the others wait at the lock). Call it before the process group exists when a
   build may take longer than dist.timeout_s, so that no rank waits for it in a barrier.
@@ -61,6 +62,9 @@ SIZE_SAMPLE = 32  # images decoded to estimate the size of a cache before buildi
 CHUNK = 16  # images per build task: few enough tasks for a million images, little left to finish when one fails
 PROGRESS_EVERY_S = 30.0
 FILE_BYTES = "file bytes"  # the rule of a cache of files as they are on disk (ensure_file_cache)
+# Owner-only: a cache holds a dataset's images, and /dev/shm is shared by every user of the node
+FILE_MODE, DIR_MODE = 0o600, 0o700
+CACHE_GLOBS = ("images-*.bin", "files-*.bin")  # decoded images (ensure_cache), files' bytes (ensure_file_cache)
 
 
 class CacheError(RuntimeError):
@@ -246,14 +250,22 @@ def _open_existing(dirs: Sequence[Path], name: str, key: str, log: Log | None = 
 @contextmanager
 def _build_lock(directory: Path, log: Log):
     """Exclusive lock of the builders that share `directory`: one builds, the others wait, then map its file."""
-    directory.mkdir(parents=True, exist_ok=True)
-    with open(directory / ".lock", "a+") as f:
+    _private_dir(directory)
+    with open(os.open(directory / ".lock", os.O_RDWR | os.O_CREAT, FILE_MODE), "a+") as f:
         try:
             fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             log(f"image cache: waiting for another process building in {directory}")
             fcntl.flock(f.fileno(), fcntl.LOCK_EX)
         yield  # closing the file releases the lock, also when the build fails
+
+
+def _private_dir(directory: Path) -> None:
+    """Create `directory` for this user alone; one an older release made readable to all is closed."""
+    directory.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
+    st = directory.stat()
+    if st.st_uid == os.getuid() and st.st_mode & 0o077:
+        os.chmod(directory, DIR_MODE)
 
 
 def _estimate_size(files: Sequence[str], load: Load) -> int:
@@ -286,7 +298,7 @@ def _in_ram(directory: Path) -> bool:
 def _pick_dir(dirs: Sequence[Path], need: int, log: Log) -> Path:
     """The first folder with room for `need` bytes, after removing its unused caches if that makes room."""
     for d in dirs:
-        d.mkdir(parents=True, exist_ok=True)
+        _private_dir(d)
         if _room(d) < need:
             for path in remove_unused(d):
                 log(f"image cache: removed the unused cache {path} to make room")
@@ -310,7 +322,7 @@ def _build(files: Sequence[str], load: Load, what: tuple[int, int, str], key: st
     claim = threading.Lock()
     pool = ThreadPoolExecutor(threads)  # starts no thread before the first submit
     tmp = path.with_name(f".{path.name}.{os.getpid()}@{socket.gethostname()}.tmp")  # see _remove_dead_temps
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
 
     def store(rows: range) -> int:
         nonlocal end
@@ -373,6 +385,12 @@ def _pwrite_all(fd: int, data, offset: int) -> None:
 
 
 # --- clean-up -------------------------------------------------------------------------------------------------------
+def cache_files(directory: str | Path) -> list[Path]:
+    """The cache files in `directory` (none when it does not exist)."""
+    directory = Path(directory)
+    return sorted(p for pattern in CACHE_GLOBS for p in directory.glob(pattern)) if directory.is_dir() else []
+
+
 def remove_unused(directory: str | Path, keep: Sequence[str | Path] = ()) -> list[Path]:
     """Delete the caches in `directory` that no process has mapped (except `keep`); return them.
 
@@ -380,10 +398,12 @@ def remove_unused(directory: str | Path, keep: Sequence[str | Path] = ()) -> lis
     folder: a mapped cache is held by its readers' shared lock and is left alone.
     """
     directory = Path(directory)
+    if not directory.is_dir():
+        return []
     _remove_dead_temps(directory)
     kept = {Path(p).resolve() for p in keep}
     removed = []
-    for path in sorted(directory.glob("images-*.bin")):
+    for path in cache_files(directory):
         if path.resolve() in kept:
             continue
         with open(path, "rb") as f:
@@ -399,7 +419,7 @@ def remove_unused(directory: str | Path, keep: Sequence[str | Path] = ()) -> lis
 def _remove_dead_temps(directory: Path) -> None:
     """Delete `.<name>.<pid>@<host>.tmp` files whose builder, a process on this host, has exited."""
     host = socket.gethostname()
-    for tmp in directory.glob(".images-*.tmp"):
+    for tmp in (t for pattern in CACHE_GLOBS for t in directory.glob(f".{pattern}.*.tmp")):
         pid, _, builder_host = tmp.name.removesuffix(".tmp").split(".bin.", 1)[1].partition("@")
         if builder_host == host and not _alive(int(pid)):
             tmp.unlink(missing_ok=True)

@@ -74,7 +74,10 @@ def summary(*, plan, state, epochs: int, reports: list[dict], weights, last, run
         "batch_per_device": plan.batch_per_device,
         "lr0": plan.lr0,
         "warmup_iterations": plan.warmup_iterations,
-        "images_per_s": sum(r["images_per_s"] for r in reports),  # ranks run concurrently: their rates add up
+        # ranks run concurrently: their rates add up; None when the run was too short to leave its warm-up steps
+        "images_per_s": sum(r["images_per_s"] for r in reports) if all(r["steps_measured"] for r in reports) else None,
+        "steps_measured": min(r["steps_measured"] for r in reports),
+        "images": plan.images,  # per split: usable and dropped images, and why (the plan's check, inputs/labels.py)
         "data_wait": max(r["data_wait"] for r in reports),  # the worst-fed rank sets the pace
         "gpu_util": min(utils) if utils else None,  # the least busy GPU
         "weights": str(weights),

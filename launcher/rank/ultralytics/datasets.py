@@ -5,6 +5,7 @@ validation loader, and the node-shared image cache served through a dataset's ow
 from __future__ import annotations
 
 import math
+import re
 from copy import copy
 from types import SimpleNamespace
 
@@ -16,14 +17,27 @@ from ultralytics.data.augment import Mosaic
 from ultralytics.data.base import BaseDataset
 from ultralytics.data.dataset import YOLODataset
 from ultralytics.data.utils import get_split_fraction
-from ultralytics.utils import LOCAL_RANK
+from ultralytics.utils import LOCAL_RANK, LOGGER
 from ultralytics.utils.patches import imread
 from ultralytics.utils.torch_utils import torch_distributed_zero_first
 
+from launcher.inputs import labels
 from launcher.rank.data import image_cache
 from launcher.rank.signals import ignore_termination_in_worker
 
 CACHE_RULE = f"ultralytics {ULTRALYTICS_VERSION} load_image"  # what the cached pixels reproduce
+# A file Pillow cannot identify makes Ultralytics try the HEIF plugin, so its scan reports the missing plugin
+# ("No module named 'pi_heif'") instead of the file's problem; the plan's wording replaces it (inputs/labels.py).
+NO_HEIF_PLUGIN = re.compile(r"ignoring corrupt image/label: (?:No module named 'pi_heif'|.*pi-heif.*)$", re.M)
+
+
+def _plain_drop_reasons(record) -> bool:
+    if isinstance(record.msg, str) and "ignoring corrupt image/label" in record.msg:
+        record.msg = NO_HEIF_PLUGIN.sub(f"ignoring corrupt image/label: {labels.UNIDENTIFIED}", record.msg)
+    return True
+
+
+LOGGER.addFilter(_plain_drop_reasons)
 
 
 def train_dataset(hyp, data: dict, batch: int, stride: int):
