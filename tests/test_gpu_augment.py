@@ -16,7 +16,7 @@ import torch
 
 from launcher.inputs import shapes
 from launcher.rank.data.gpu_augment import GpuAugment, RawBatch, box_candidates
-from launcher.rank.data.pipeline import MAX_TARGETS
+from launcher.rank.data.pipeline import MAX_TARGETS, TARGETS_PER_IMAGE
 from launcher.rank.data.warp import hsv_shift
 from tests.raw_batches import RawTrainDataset
 
@@ -368,9 +368,9 @@ def test_the_batch_has_ultralytics_collated_format(ul, data):
     raw_ds = raw_dataset(ul, data)
     ours = GpuAugment(IMGSZ, args)(raw_ds.collate_fn([raw_ds[k] for k in keys]), generator(0))
 
-    most = ours.pop(MAX_TARGETS)  # for the sync-free loss; not in Ultralytics' batch
+    most, counts = ours.pop(MAX_TARGETS), ours.pop(TARGETS_PER_IMAGE)  # for the loss, not in Ultralytics' batch
     assert list(ours) == list(theirs)  # the same keys, in the same (sorted) order
-    assert most == int(torch.bincount(ours["batch_idx"].long()).max())
+    assert counts == torch.bincount(ours["batch_idx"].long(), minlength=8).tolist() and most == max(counts)
     for key, value in theirs.items():
         if isinstance(value, torch.Tensor):
             assert (ours[key].dtype, ours[key].shape[1:]) == (value.dtype, value.shape[1:]), key

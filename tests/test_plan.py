@@ -229,3 +229,27 @@ def test_another_ultralytics_release_is_refused_when_the_plan_is_made(installed,
     (problem,) = [p for p in problems if "ultralytics" in p.message]
     assert expected in problem.message and "pip install 'ultralytics==8.4.190'" in problem.message
     assert problem.environment  # a dry run still shows the plan, which may be meant for another machine
+
+
+# --- gradient accumulation -------------------------------------------------------------------------------------
+def test_accumulation_multiplies_the_global_batch_and_lr_and_warmup_follow_it():
+    cpu = ["gpus=0", "nproc=2", "train.batch_per_device=8"]
+    plain, _ = plan_for(cpu, data=shapes(1024))
+    acc, problems = plan_for([*cpu, "train.accumulate=4"], data=shapes(1024))
+    assert not problems and (acc.accumulate, acc.micro_batch, acc.batch_per_rank, acc.global_batch) == (4, 8, 32, 64)
+    assert acc.lr0 == pytest.approx(4 * plain.lr0)  # linear scaling on the effective global batch
+    assert (plain.batches_per_epoch, acc.batches_per_epoch) == (64, 16)  # optimizer steps of 64 images
+    assert acc.warmup_images == plain.warmup_images and acc.warmup_iterations == plain.warmup_iterations // 4
+    named, problems = plan_for([*cpu, "train.global_batch=64"])
+    assert not problems and named.accumulate == 4 and named.global_batch == 64
+    assert "x 4 accumulated micro-batches = global batch 64" in describe(named, None, None)
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["train.global_batch=60"], "use 48 or 64"),
+    (["train.global_batch=64", "train.accumulate=2"], "set one"),
+    (["train.accumulate=0"], "train.accumulate"),
+])
+def test_an_accumulation_that_cannot_be_is_refused_with_what_can(overrides, message):
+    _, problems = plan_for(["gpus=0", "nproc=2", "train.batch_per_device=8", *overrides])
+    assert any(message in p.message for p in problems), [p.message for p in problems]

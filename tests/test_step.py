@@ -150,3 +150,22 @@ def test_a_checkpoint_of_the_earlier_layout_is_read_by_component():
     again = TrainState()
     again.load_state_dict(train.state_dict())
     assert again.state_dict() == train.state_dict()
+
+
+def test_a_batch_splits_into_micro_batches_by_its_per_image_target_counts():
+    from launcher.rank.data.pipeline import MAX_TARGETS, TARGETS_PER_IMAGE
+    from launcher.rank.step.train_step import micro_batches
+
+    counts = [3, 0, 2, 1]
+    batch_idx = torch.tensor([i for i, n in enumerate(counts) for _ in range(n)], dtype=torch.float32)
+    batch = {"img": torch.arange(4.0).view(4, 1, 1, 1), "batch_idx": batch_idx, "cls": batch_idx[:, None] * 10,
+             "bboxes": torch.rand(6, 4), "im_file": ("a", "b", "c", "d"), "ori_shape": ((1, 1),) * 4,
+             "resized_shape": ((8, 8),) * 4, MAX_TARGETS: 3, TARGETS_PER_IMAGE: counts}
+    first, second = micro_batches(batch, 2)
+    assert first["img"].flatten().tolist() == [0, 1] and second["img"].flatten().tolist() == [2, 3]
+    assert first["batch_idx"].tolist() == [0, 0, 0] and second["batch_idx"].tolist() == [0, 0, 1]  # renumbered
+    assert second["cls"][:, 0].tolist() == [20, 20, 30] and torch.equal(second["bboxes"], batch["bboxes"][3:])
+    assert first["im_file"] == ("a", "b") and second["im_file"] == ("c", "d")
+    assert (first[MAX_TARGETS], second[MAX_TARGETS]) == (3, 2)  # the sync-free loss pads each to its own
+    with pytest.raises(ValueError, match="does not split into 3"):
+        micro_batches(batch, 3)

@@ -31,7 +31,8 @@ def describe(plan: LaunchPlan, model: ModelSpec | None, data: DatasetInfo | None
         "device          "
         + (f"{plan.gpus_per_node} GPU(s) per node, cuda:LOCAL_RANK" if plan.device == "cuda" else "CPU"),
         f"batch           {plan.batch_per_device} per device x {plan.devices_per_rank * plan.world_size} device(s)"
-        f" = global batch {plan.global_batch}",
+        + (f" x {plan.accumulate} accumulated micro-batches" if plan.accumulate > 1 else "")
+        + f" = global batch {plan.global_batch}",
         f"lr0             {plan.lr0:.6g} = base_lr {plan.base_lr:g} x {plan.lr_scaling}({plan.global_batch}/{plan.base_batch})",
     ]
     if plan.warmup_iterations is not None:

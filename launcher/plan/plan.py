@@ -49,7 +49,7 @@ class LaunchPlan:
     devices_per_rank: int  # 1, or every GPU of the node under DataParallel
     world_size: int
     batch_per_device: int
-    batch_per_rank: int
+    batch_per_rank: int  # images per rank per optimizer step: batch_per_device x devices_per_rank x accumulate
     global_batch: int
     base_lr: float
     base_batch: int
@@ -69,9 +69,15 @@ class LaunchPlan:
     env: dict = field(default_factory=dict)  # the ranks' environment, on top of the launcher's own
     notes: tuple[str, ...] = ()
     cuda_graphs: bool = False  # train.cuda_graphs resolved: the network's step replayed as CUDA graphs
+    accumulate: int = 1  # micro-batches per optimizer step (train.accumulate, or from train.global_batch)
     augment_on: str = "cpu"  # loader.augment_on resolved: gpu (bytes in, decode and augmentation on the GPU) | cpu
     # per split: the images Ultralytics uses and drops, and why (inputs/labels.py); train_images counts the usable
     images: dict = field(default_factory=dict)
+
+    @property
+    def micro_batch(self) -> int:
+        """Images per rank per forward pass (what the CUDA graphs are captured for)."""
+        return self.batch_per_rank // self.accumulate
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -112,7 +118,8 @@ def make_plan(
 
     # --- batch and learning rate -----------------------------------------------------------------------------
     batch_per_device = as_int(train.get("batch_per_device"), "train.batch_per_device", problems, 1) or 1
-    batch_per_rank = batch_per_device * top.devices_per_rank
+    accumulate = _accumulate(train, batch_per_device * top.devices_per_rank * top.world_size, problems)
+    batch_per_rank = batch_per_device * top.devices_per_rank * accumulate
     global_batch = batch_per_rank * top.world_size
     base_batch = as_int(optim.get("base_batch"), "optim.base_batch", problems, 1) or 1
     base_lr = optim.get("base_lr")
@@ -195,9 +202,33 @@ def make_plan(
         notes=tuple(notes),
         cuda_graphs=checks.uses_cuda_graphs(train, device=top.device, mode=top.mode),
         augment_on=augment_on,
+        accumulate=accumulate,
         images=dict(data.checks) if data is not None else {},
     )
     return plan, problems
+
+
+def _accumulate(train: dict, per_pass: int, problems: list[Problem]) -> int:
+    """Micro-batches per optimizer step: train.accumulate, or train.global_batch / the images of one pass over
+    every device (`per_pass`), which must divide it."""
+    accumulate = as_int(train.get("accumulate", 1), "train.accumulate", problems, 1) or 1
+    wanted = train.get("global_batch")
+    if wanted is None:
+        return accumulate
+    wanted = as_int(wanted, "train.global_batch", problems, 1)
+    if wanted is None:
+        return accumulate
+    if train.get("accumulate", 1) != 1:
+        problems.append(Problem(f"train.global_batch={wanted} and train.accumulate={train['accumulate']}: set one "
+                                "(train.global_batch decides accumulate)"))
+    elif wanted % per_pass:
+        low, high = max(per_pass, wanted // per_pass * per_pass), (wanted // per_pass + 1) * per_pass
+        problems.append(Problem(f"train.global_batch={wanted}: not a multiple of the {per_pass} images one pass over "
+                                f"every device takes (batch_per_device x devices); use {low} or {high}, or change "
+                                "train.batch_per_device"))
+    else:
+        return wanted // per_pass
+    return 1
 
 
 def _topology(cfg: dict, hw: Hardware, problems: list[Problem], notes: list[str]) -> _Topology:

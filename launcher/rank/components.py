@@ -119,7 +119,7 @@ class Rank:
         )
         self.val_loader = self.validator = None
         if validation:
-            self.val_loader = datasets.val_loader(self.hyp, self.data, plan.batch_per_rank * 2, self.stride,
+            self.val_loader = datasets.val_loader(self.hyp, self.data, plan.micro_batch * 2, self.stride,
                                                   2 * plan.workers_per_rank, self.device, bind=self._worker_init)
             build.align_max_det(self.net, self.hyp, self.train_dataset, self.val_loader.dataset)  # before the copies
             self.validator = Validator(self.val_loader, self.hyp, folder.path, on_batch=lambda: self.heartbeat.working())
@@ -146,7 +146,8 @@ class Rank:
                           dist_cfg=cfg["dist"], compile_setting=train.get("compile", False), graphed=graphed)
         self.step = TrainStep(self.model, self.net, optimizer=self.optimizer, scaler=self.scaler, ema=self.ema,
                               loss_scale=lrmod.loss_scale(plan.base_batch, plan.batch_per_rank),
-                              grad_clip=float(optim.get("grad_clip", 10.0)), amp_dtype=self.amp_dtype)
+                              grad_clip=float(optim.get("grad_clip", 10.0)), amp_dtype=self.amp_dtype,
+                              accumulate=plan.accumulate)
 
         # 7. the checkpoint's components (runs.py adds its hooks' and restores them: restore())
         self.components = {"model": ModuleState(self.net), "ema": EmaState(self.ema), "optimizer": self.optimizer,
@@ -275,7 +276,7 @@ class Rank:
         None when the capture fails and train.cuda_graphs=auto (the network then trains eagerly)."""
         self.net.train()
         try:
-            graphed = GraphedDetector(self.net, self.plan.batch_per_rank, self.hyp.imgsz, self.amp_dtype,
+            graphed = GraphedDetector(self.net, self.plan.micro_batch, self.hyp.imgsz, self.amp_dtype,
                                       input_dtype=self.input_dtype if self.gpu_input else torch.float32,
                                       channels_last=self.gpu_input is not None)
         except Exception as e:  # a network with host syncs or data-dependent shapes in its forward
@@ -284,7 +285,7 @@ class Rank:
                 raise RuntimeError(f"{failure}; train without graphs: train.cuda_graphs=false") from e
             self.log(f"WARNING: {failure}; training eagerly (train.cuda_graphs=auto)")
             return None
-        self.log(f"CUDA graphs: forward and backward captured for batches of {self.plan.batch_per_rank}")
+        self.log(f"CUDA graphs: forward and backward captured for batches of {self.plan.micro_batch}")
         return graphed
 
     def close(self) -> None:

@@ -105,7 +105,9 @@ def train(cfg: dict, plan: LaunchPlan, folder: RunFolder) -> dict | None:
                          steps_per_epoch=r.sampler.batches_per_epoch)
         started, first_epoch = time.time(), state.epoch
         r.log(f"training {epochs - state.epoch} epoch(s) x {loop.steps_per_epoch} step(s) per rank, batch "
-              f"{plan.batch_per_rank} per rank, global {plan.global_batch}, lr0 {plan.lr0:.6g}, warmup "
+              f"{plan.batch_per_rank} per rank"
+              f"{f' ({plan.accumulate} micro-batches of {plan.micro_batch})' if plan.accumulate > 1 else ''}"
+              f", global {plan.global_batch}, lr0 {plan.lr0:.6g}, warmup "
               f"{plan.warmup_iterations or 0} step(s), {plan.workers_per_rank} loader worker(s); "
               f"{len(r.train_dataset)} train / {len(r.val_loader.dataset)} val images; device {r.device}")
         loop.run()

@@ -45,8 +45,8 @@ Where the device version differs, and why
     applies Albumentations blur/median blur/grey/CLAHE at p=0.01 each, but only when the albumentations package is
     installed, which it is not in this project's environments. Detection only, 3-channel images, 2x2 mosaic.
 
-Syncs: none in the sampling; one device-to-host read per batch, of how many boxes survive and the most in one image
-(their number is data-dependent; the batch carries the latter as MAX_TARGETS, for the sync-free loss). Memory: the
+Syncs: none in the sampling; one device-to-host read per batch, of how many boxes survive in each image (their number
+is data-dependent; the batch carries the counts, and their largest as MAX_TARGETS for the sync-free loss). Memory: the
 output alone on CUDA (the Triton pass keeps nothing else); the PyTorch twin that CPU runs use works in passes of
 bounded size (warp.PIXELS_PER_PASS).
 """
@@ -59,7 +59,7 @@ from dataclasses import dataclass, fields, replace
 import torch
 
 from launcher.plan.checks import GPU_INPUT_UNSUPPORTED
-from launcher.rank.data.pipeline import MAX_TARGETS
+from launcher.rank.data.pipeline import MAX_TARGETS, TARGETS_PER_IMAGE
 from launcher.rank.data.warp import render
 
 
@@ -226,10 +226,11 @@ class GpuAugment:
         tiles = self._tiles(raw, p)
         # Boxes first: their host sync then waits for a few small kernels, and the image kernels queued after it
         # run while the host goes on to queue the training step.
-        batch_idx, cls, bboxes, most = self._boxes(raw, p, tiles)
+        batch_idx, cls, bboxes, counts = self._boxes(raw, p, tiles)
         img = self._render(raw, p, tiles)
         return {
-            MAX_TARGETS: most,
+            MAX_TARGETS: max(counts),
+            TARGETS_PER_IMAGE: counts,
             "batch_idx": batch_idx,
             "bboxes": bboxes,
             "cls": cls,
@@ -315,9 +316,9 @@ class GpuAugment:
         xywh = torch.stack(((x1 + x2) / 2, (y1 + y2) / 2, x2 - x1, y2 - y1), 1) / s
 
         per_sample = torch.zeros(len(p.scale), dtype=torch.int64, device=keep.device).index_add_(0, sample, keep.long())
-        total, most = torch.stack((per_sample.sum(), per_sample.max())).tolist()  # the one host sync
-        kept = torch.sort(keep.to(torch.uint8), descending=True, stable=True).indices[:total]  # in order, no sync
-        return sample[kept].float(), raw.labels[kept, 2:3], xywh[kept], most
+        counts = per_sample.tolist()  # the one host sync
+        kept = torch.sort(keep.to(torch.uint8), descending=True, stable=True).indices[:sum(counts)]  # in order
+        return sample[kept].float(), raw.labels[kept, 2:3], xywh[kept], counts
 
 
 def box_candidates(before: torch.Tensor, after: torch.Tensor) -> torch.Tensor:

@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 MAX_TARGETS = "max_targets"  # batch key: the largest number of targets in one image, known to the host
+TARGETS_PER_IMAGE = "targets_per_image"  # batch key: each image's number of targets (a host list; accumulation)
 AHEAD = 2  # batches the background thread prepares ahead of the step (each a batch of the network's input)
 
 
@@ -51,6 +52,8 @@ def to_device(batch: dict, device: torch.device, *, imgsz: int, stride: int, mul
     multi_scale a random square size between (1 -+ multi_scale) x imgsz, a multiple of the stride."""
     if MAX_TARGETS not in batch:  # counted while the labels are on the CPU: the sync-free loss pads to it
         batch[MAX_TARGETS] = max_targets_per_image(batch["batch_idx"], len(batch["img"]))
+    if TARGETS_PER_IMAGE not in batch and batch["batch_idx"].device.type == "cpu":  # where micro-batches split
+        batch[TARGETS_PER_IMAGE] = torch.bincount(batch["batch_idx"].long(), minlength=len(batch["img"])).tolist()
     for k, v in batch.items():
         if isinstance(v, torch.Tensor):
             batch[k] = v.to(device, non_blocking=device.type != "cpu")

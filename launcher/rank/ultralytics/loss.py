@@ -6,6 +6,13 @@ total, so the averaged gradient would not be the gradient of the same loss on th
 rank divides by the mean of the ranks' totals (one scalar all-reduce per step, no host sync): a DDP step at world
 size W x batch b equals a single-process step at batch W x b (tests/test_ddp_equivalence.py).
 
+**Accumulated micro-batches** (train.accumulate) are normalised the same way, over the whole step: after
+`defer_normaliser()` the loss divides by 1 and keeps each micro-batch's raw target weight; the step then divides the
+summed gradients by `deferred_normaliser()`, the global normaliser of their total, once the last micro-batch is
+back-propagated (every term of the loss is divided by the same normaliser, so the division can wait). YOLO26's
+end-to-end loss has two branches, each with its own normaliser, and cannot defer: its micro-batches are normalised
+each on its own.
+
 **Sync-free** (`train.sync_free_loss`, on by default). Ultralytics 8.4.190's loss makes the host wait for the GPU
 several times per step: it pads the targets to `counts.max()` (a device value the host reads), builds small tensors on
 the CPU and copies them over, and gathers the assigner's candidates and the foreground anchors through `nonzero()`.
@@ -77,11 +84,21 @@ class DetectionLoss(v8DetectionLoss):
         self.sync_free = sync_free
         self._max_targets: int | None = None
         self._grids: dict = {}
+        self._deferred: list[torch.Tensor] | None = None  # accumulating: each micro-batch's raw target weight
         if sync_free:
             a = self.assigner
             self.assigner = DenseTaskAlignedAssigner(topk=a.topk, num_classes=a.num_classes, alpha=a.alpha, beta=a.beta,
                                                      stride=a.stride, topk2=a.topk2)
             self.bbox_loss = DenseBboxLoss(self.reg_max).to(self.device)
+
+    def defer_normaliser(self) -> None:
+        """From now on divide by 1 and keep each batch's raw target weight (the micro-batches of one step)."""
+        self._deferred = []
+
+    def deferred_normaliser(self) -> torch.Tensor:
+        """The global normaliser of the batches since defer_normaliser(); each batch is normalised again after."""
+        total, self._deferred = torch.stack(self._deferred).sum(), None
+        return global_normaliser(total)
 
     def preprocess(self, targets: torch.Tensor, batch_size: int, scale_tensor: torch.Tensor) -> torch.Tensor:
         n = self._max_targets if self.sync_free else None
@@ -137,7 +154,11 @@ class DetectionLoss(v8DetectionLoss):
             mask_gt,
             **assign_kwargs,
         )
-        target_scores_sum = global_normaliser(target_scores.sum())
+        if self._deferred is None:
+            target_scores_sum = global_normaliser(target_scores.sum())
+        else:  # the step divides by the normaliser of the whole accumulated batch (module docstring)
+            self._deferred.append(target_scores.sum().detach())
+            target_scores_sum = torch.ones((), device=self.device)
 
         bce_loss = self.bce(pred_scores, target_scores.to(dtype))  # (bs, num_anchors, nc)
         if self.class_weights is not None:
