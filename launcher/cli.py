@@ -13,7 +13,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from launcher.entry import GROUPS, Jobs, conf_dir, print_help_if_asked
+from launcher.entry import EXIT_PLAN_ERROR, GROUPS, Jobs, RunFolderGuard, conf_dir, print_help_if_asked
 
 jobs = Jobs()
 
@@ -28,12 +28,16 @@ def command_line_overrides(cfg: DictConfig) -> dict:
 def _hydra_entry(cfg: DictConfig) -> int:
     from launcher.launch import start
 
-    run_dir = Path(HydraConfig.get().runtime.output_dir).resolve()
+    run_dir = RunFolderGuard.meant(Path(HydraConfig.get().runtime.output_dir)).resolve()
     resolved = OmegaConf.to_container(cfg, resolve=True)
     if resolved.get("resume"):
         overrides = {k: v for k, v in command_line_overrides(cfg).items() if k != "resume"}
-        return jobs.run(lambda: start.resume(Path(str(resolved["resume"])), overrides, run_dir))
-    return jobs.run(lambda: start.start(resolved, run_dir, Path(os.getcwd())))
+        code = jobs.run(lambda: start.resume(Path(str(resolved["resume"])), overrides, run_dir))
+    else:
+        code = jobs.run(lambda: start.start(resolved, run_dir, Path(os.getcwd())))
+    if code == EXIT_PLAN_ERROR:
+        RunFolderGuard.remove_if_refused(run_dir)
+    return code
 
 
 def main() -> None:

@@ -1,13 +1,19 @@
 """What both console scripts (`ddp-launch`, `ddp-bench`) share: where the Hydra configs are, how a task's outcome
-becomes an exit code, and that only `main()` exits, so that a Hydra sweep runs every one of its jobs."""
+becomes an exit code, and that only `main()` exits, so that a Hydra sweep runs every one of its jobs; what Hydra
+may write into a run folder before the task sees it (RunFolderGuard)."""
 
 from __future__ import annotations
 
+import shutil
 import sys
 from pathlib import Path
 
+from hydra.experimental.callback import Callback
+from omegaconf import open_dict, read_write
+
 from launcher.plan.keys import conf_dir  # the unknown-key check reads the same files
 from launcher.problems import PlanError
+from launcher.run_folder import RunFolder, nearest_folder, writable
 
 EXIT_PLAN_ERROR = 2
 
@@ -30,6 +36,63 @@ class Jobs:
 
     def exit(self) -> None:
         sys.exit(max(self.codes, default=0))  # --help, --cfg: no job ran
+
+
+# --- the run folder, before Hydra writes into it ------------------------------------------------------------------
+class RunFolderGuard(Callback):
+    """Hydra creates the run folder and writes its records (.hydra/) before the task runs. Here, just before: a folder
+    that already holds a run gets no new records (a refused launch or a dry run changes nothing in it), and a folder
+    that cannot be created (a read-only current directory, file system) is not attempted, so that the task says what
+    to change instead of Hydra's traceback. Configured in conf/config.yaml (hydra.callbacks)."""
+
+    existed: dict[Path, Path] = {}  # the run (or sweep) folder Hydra was given -> the nearest folder that existed
+    moved: dict[Path, Path] = {}  # the existing folder Hydra was given instead -> the folder meant
+
+    def on_run_start(self, config, **kwargs) -> None:
+        self._guard(config, "run")
+
+    def on_multirun_start(self, config, **kwargs) -> None:
+        self._guard(config, "sweep")
+
+    def _guard(self, config, key: str) -> None:
+        meant = Path(str(config.hydra[key].dir)).resolve()
+        self.existed[meant] = nearest_folder(meant)
+        if key == "run" and RunFolder(meant).is_run():
+            with read_write(config.hydra), open_dict(config.hydra):
+                config.hydra.output_subdir = None
+        elif not writable(meant):
+            instead = nearest_folder(meant)
+            with read_write(config.hydra), open_dict(config.hydra):
+                config.hydra.output_subdir = None
+                config.hydra[key].dir = str(instead)
+            self.moved[instead] = meant
+
+    @classmethod
+    def meant(cls, output_dir: Path) -> Path:
+        """The folder a job was meant to run in, for the folder Hydra ran it in."""
+        output_dir = Path(output_dir).resolve()
+        for instead, meant in cls.moved.items():
+            if output_dir == instead or instead in output_dir.parents:
+                return meant / output_dir.relative_to(instead)
+        return output_dir
+
+    @classmethod
+    def remove_if_refused(cls, run_dir: Path) -> None:
+        """A refused launch leaves no folder of its own behind: the folder this invocation made for it (or its sweep)
+        is removed when it holds nothing but Hydra's records, and so are the empty folders made on the way to it
+        (runs/<date>/). A folder that existed before is never touched."""
+        run_dir = Path(run_dir).resolve()
+        given = next((d for d in cls.existed if run_dir == d or d in run_dir.parents), None)
+        if given is None or cls.existed[given] == given or not run_dir.is_dir():
+            return  # not Hydra's folder, or one that existed before (a sweep's: so may its job folders)
+        if any(p.name != ".hydra" for p in run_dir.iterdir()):
+            return
+        before = cls.existed[given]
+        shutil.rmtree(run_dir, ignore_errors=True)
+        for parent in run_dir.parents:
+            if parent == before or any(parent.iterdir()):
+                break
+            parent.rmdir()
 
 
 # --- --help: every key with its comment, read from the config files themselves ------------------------------------

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -72,6 +73,29 @@ def _fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
+def nearest_folder(path: Path) -> Path:
+    """`path` itself when it is a folder, else the closest folder above it (what creating it would write into)."""
+    path = Path(path).resolve()
+    while not path.is_dir() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def writable(path: Path) -> bool:
+    """Whether a run can write `path`, or create it: its nearest folder takes a new file. Tried with a probe file,
+    created and removed, because permission bits do not say it (root ignores them; a read-only file system does not)."""
+    folder = nearest_folder(path)
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return False
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".ddp-launch-probe-", dir=folder)
+    except OSError:
+        return False
+    os.close(fd)
+    os.unlink(probe)
+    return True
+
+
 class RunFolder:
     def __init__(self, path: str | Path):
         self.path = Path(path)
@@ -118,6 +142,17 @@ class RunFolder:
     # --- what the ranks run -------------------------------------------------------------------------------------
     def is_run(self) -> bool:
         return self.config_file.is_file() and self.plan_file.is_file()
+
+    def new_run_problems(self) -> list[Problem]:
+        """Why a new run cannot go here: the folder holds a run already (its records stay as they are), or it cannot
+        be written. About this machine's files, so a dry run warns (environment=True) and a launch refuses."""
+        if self.plan_file.exists():
+            return [Problem(f"{self.path} already holds a run; choose another hydra.run.dir=PATH, or continue that "
+                            f"one with resume={self.path}", environment=True)]
+        if not writable(self.path):
+            return [Problem(f"the run folder {self.path} cannot be written here (a read-only file system, or no "
+                            f"permission); choose a writable place with hydra.run.dir=PATH", environment=True)]
+        return []
 
     def create(self, cfg: dict, plan: LaunchPlan, model: ModelSpec, data: DatasetInfo) -> None:
         """Write what the ranks read: data.yaml, the config with the model and data resolved to files, the plan."""

@@ -11,6 +11,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -39,6 +40,29 @@ def leftovers(run_dir: Path) -> list[str]:
         if str(run_dir) in cmd and "pytest" not in cmd:
             found.append(cmd)
     return found
+
+
+def gone_within(run_dir: Path, seconds: float) -> list[str]:
+    """What is left of the run's processes after waiting up to `seconds` for them to end."""
+    deadline = time.monotonic() + seconds
+    while leftovers(run_dir) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return leftovers(run_dir)
+
+
+def start_and_wait_for(run_dir: Path, epochs: int, line: str, env: dict | None = None) -> subprocess.Popen:
+    """The real `ddp-launch` in the background, once rank 0 has logged `line` (the run is mid-epoch)."""
+    exe = Path(sys.executable).parent / "ddp-launch"  # this environment's, as conftest.ddp_launch runs it
+    proc = subprocess.Popen(
+        [str(exe) if exe.exists() else "ddp-launch", *BASE, f"train.epochs={epochs}", f"hydra.run.dir={run_dir}"], cwd=run_dir.parent, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True, env={**os.environ, **(env or {})},
+    )
+    log = run_dir / "logs" / "rank0.log"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and not (log.exists() and line in log.read_text()):
+        time.sleep(0.1)
+    assert log.exists(), "the run did not start"
+    return proc
 
 
 def temporaries(run_dir: Path) -> list[Path]:
@@ -118,23 +142,19 @@ def test_a_signal_to_the_launcher_checkpoints_exits_128_plus_it_and_the_run_resu
     """SIGTERM (a scheduler, kill) and SIGINT (Ctrl-C) take the same path: every rank finishes its step, rank 0
     saves where the run stands, ddp-launch exits 128 + the signal, no process is left, and the run resumes to its
     end: on the same ranks (SIGTERM), or on one rank (SIGINT, `resume=RUN_DIR nproc=1`), where the plan is made again
-    and the interrupted epoch starts again."""
-    run, epochs = tmp_path / "run", 4
-    exe = str(Path(os.environ.get("VIRTUAL_ENV", "")) / "bin" / "ddp-launch")
-    exe = exe if os.path.exists(exe) else "ddp-launch"
-    proc = subprocess.Popen(
-        [exe, *BASE, f"train.epochs={epochs}", f"hydra.run.dir={run}"], cwd=tmp_path, stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True,
-    )
+    and the interrupted epoch starts again. The stop reads as one: no torchrun traceback, and torchrun's scratch
+    folders (an empty /tmp/torchelastic_* per launch, by default) are gone."""
+    run, epochs, tmp = tmp_path / "run", 4, tmp_path / "tmp"
+    tmp.mkdir()
+    proc = start_and_wait_for(run, epochs, f"epoch 2/{epochs} step 2/4", env={"TMPDIR": str(tmp)})
     log = run / "logs" / "rank0.log"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline and not (log.exists() and f"epoch 2/{epochs} step 2/4" in log.read_text()):
-        time.sleep(0.1)
-    assert log.exists(), "the run did not start"
     proc.send_signal(signum)
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 128 + signum, out[-3000:]
     assert f"got {signal.Signals(signum).name}" in out and f"Continue with: ddp-launch resume={run}" in out
+    assert "Traceback" not in out and "SignalException" not in out, out[-3000:]
+    assert "Received 15 death signal, shutting down workers" in out  # torchrun's own lines still pass
+    assert not list(tmp.glob("torchelastic_*")) and not list(tmp.glob("ddp-launch-torchrun-*"))
     assert summary(run)["status"] == "stopped"
     assert not leftovers(run) and not temporaries(run)
     state = torch.load(run / "weights" / "last.pt", map_location="cpu", weights_only=False)["ddp_launch_state"]
@@ -158,6 +178,39 @@ def test_a_signal_to_the_launcher_checkpoints_exits_128_plus_it_and_the_run_resu
     assert [int(float(row.split(",")[0])) for row in rows] == list(range(1, epochs + 1))
     refused = ddp_launch([f"resume={run}", "train.epochs=9"], cwd=tmp_path, timeout=120)
     assert refused.returncode == 2 and "train.epochs cannot change" in refused.stderr
+
+
+def test_a_closed_terminal_sighup_stops_like_sigterm_and_the_run_resumes_counting_each_epoch_once(tmp_path, cache_dir):
+    """The terminal closes (or the ssh session drops): SIGHUP, and nothing left to print to. The ranks finish their
+    step, rank 0 saves, ddp-launch exits 129 and writes summary.json; no process of the run is left; the resumed run
+    ends with each epoch once."""
+    run, epochs = tmp_path / "run", 2
+    proc = start_and_wait_for(run, epochs, f"epoch 1/{epochs} step 2/4")
+    proc.send_signal(signal.SIGHUP)
+    proc.stdout.close()  # the terminal is gone: every later line the launcher and torchrun print fails
+    assert proc.wait(timeout=120) == 129
+    s = summary(run)
+    assert s["status"] == "stopped" and "stopped by SIGHUP" in s["detail"], s
+    assert not gone_within(run, 30)
+    assert "checkpoint saved at epoch" in (run / "logs" / "rank0.log").read_text()
+    r = ddp_launch([f"resume={run}"], cwd=tmp_path, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert summary(run)["epochs_completed"] == epochs
+    rows = (run / "results.csv").read_text().strip().splitlines()[1:]
+    assert [int(float(row.split(",")[0])) for row in rows] == [1, 2]
+
+
+def test_a_launcher_killed_outright_takes_torchrun_and_the_ranks_with_it(tmp_path, cache_dir):
+    """SIGKILL (the OOM killer) gives the launcher no chance to forward anything: the kernel tells torchrun (a
+    parent-death signal), which sends every rank the SIGTERM of a Ctrl-C, and nothing of the run is left."""
+    run = tmp_path / "run"
+    proc = start_and_wait_for(run, 3, "epoch 1/3 step 2/4")
+    proc.kill()
+    proc.wait(timeout=30)
+    assert not gone_within(run, 30)
+    for rank in (0, 1):
+        log = (run / "logs" / f"rank{rank}.log").read_text()
+        assert "[signal] SIGTERM: finishing the step" in log, log[-2000:]
 
 
 def test_a_stop_on_an_epochs_last_step_still_ends_that_epoch_after_resume(tmp_path, uninterrupted):

@@ -11,7 +11,7 @@ import threading
 import pytest
 
 from launcher.rank.heartbeat import EXIT_HUNG, KEY, Heartbeat
-from launcher.rank.signals import StopSignal
+from launcher.rank.signals import StopSignal, stop_when_orphaned
 from launcher.run_folder import RunFolder
 
 
@@ -122,3 +122,13 @@ def test_a_signal_without_a_step_boundary_ends_the_rank_after_the_grace(monkeypa
     finally:
         stop.restore()
     assert signal.getsignal(signal.SIGINT) is before
+
+
+def test_a_rank_whose_torchrun_is_gone_sends_itself_sigterm():
+    """torchrun killed outright (with or without the launcher): the rank is re-parented, notices within a period,
+    and takes the Ctrl-C path (SIGTERM to itself: StopSignal saves at the next step)."""
+    parents = iter([100, 100, 100, 1])  # torchrun's pid, twice more, then init's: it died
+    sent, slept = [], []
+    stop_when_orphaned(period_s=1.0, getppid=lambda: next(parents), kill=lambda pid, sig: sent.append((pid, sig)),
+                       sleep=slept.append, thread=False)
+    assert sent == [(os.getpid(), signal.SIGTERM)] and slept == [1.0, 1.0]

@@ -1,11 +1,16 @@
 """What reaches the console while ranks run (launch/logs.py): only what the rank logs gain, whole lines, in order,
-filtered and prefixed as asked; a last line without a newline when the run ends. Fake files, no processes."""
+filtered and prefixed as asked; a last line without a newline when the run ends; torchrun's stderr without the
+traceback of a requested stop; how a stop is reported (launch/outcome.py). Fake files, no processes."""
 
 from __future__ import annotations
 
 import io
+import signal
 
-from launcher.launch.logs import LogStreamer
+from launcher.launch import logs
+from launcher.launch.logs import LogStreamer, QuietStop
+from launcher.launch.outcome import report
+from launcher.run_folder import RunFolder
 
 
 def test_only_what_the_logs_gain_reaches_the_console_line_by_line(tmp_path):
@@ -119,3 +124,66 @@ def test_colour_codes_reach_neither_the_rank_logs_nor_the_failure_records(tmp_pa
     text = folder.summary_file.read_text()
     assert "\\u001b" not in text and "\x1b" not in text
     assert folder.summary()["root_cause"]["error"] == "FileNotFoundError: val: Error loading data"
+
+
+# torchrun's stderr when the launcher stops it: its own lines, then the traceback of the SignalException it raises.
+STOPPED_TORCHRUN = """W1201 14:57:23.853000 28729 torch/distributed/elastic/agent/server/api.py:753] Received 15 death signal, shutting down workers
+Traceback (most recent call last):
+  File "<frozen runpy>", line 198, in _run_module_as_main
+  File "/venv/lib/python3.11/site-packages/torch/distributed/elastic/multiprocessing/api.py", line 86, in _terminate_process_handler
+    raise SignalException(f"Process {os.getpid()} got signal: {sigval}", sigval=sigval)
+torch.distributed.elastic.multiprocessing.api.SignalException: Process 28729 got signal: 15
+"""
+FAILED_TORCHRUN = """Traceback (most recent call last):
+  File "/venv/lib/python3.11/site-packages/torch/distributed/run.py", line 1138, in main
+    run(args)
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError: 
+============================================================
+launcher.rank.worker FAILED
+"""
+
+
+def test_a_stopped_torchrun_shows_its_lines_but_not_its_signal_traceback():
+    out = io.StringIO()
+    QuietStop(out).copy(io.BytesIO((STOPPED_TORCHRUN + FAILED_TORCHRUN).encode()))
+    assert out.getvalue() == STOPPED_TORCHRUN.splitlines(keepends=True)[0] + FAILED_TORCHRUN  # a failure stays whole
+
+
+class DeadConsole(io.StringIO):
+    def write(self, text):
+        raise BrokenPipeError(32, "Broken pipe")  # what a closed terminal or pipe does to every write
+
+
+def test_a_dead_console_never_stops_the_copy_of_torchruns_stderr(monkeypatch):
+    gone = []
+    monkeypatch.setattr(logs, "console_gone", gone.append)
+    pipe = io.BytesIO(b"line\n" * 1000)
+    QuietStop(DeadConsole()).copy(pipe)
+    assert pipe.tell() == len(b"line\n" * 1000) and gone  # all read: torchrun never blocks on a full pipe
+
+
+def stopped_folder(tmp_path, with_checkpoint: bool) -> RunFolder:
+    folder = RunFolder(tmp_path / "run")
+    (folder.path / "logs").mkdir(parents=True)
+    if with_checkpoint:
+        folder.weights.mkdir()
+        (folder.weights / "last.pt").write_bytes(b"x")
+    return folder
+
+
+def test_a_stop_says_where_the_checkpoint_is_and_how_to_continue(tmp_path, capsys):
+    folder = stopped_folder(tmp_path, with_checkpoint=True)
+    assert report(folder, 1, signal.SIGINT, 0) == 130
+    out = capsys.readouterr().out
+    assert f"the last checkpoint is {folder.weights / 'last.pt'}. Continue with: ddp-launch resume={folder}" in out
+    assert folder.summary()["status"] == "stopped"
+
+
+def test_a_stop_before_the_first_checkpoint_points_to_what_exists_not_to_weights(tmp_path, capsys):
+    folder = stopped_folder(tmp_path, with_checkpoint=False)
+    assert report(folder, 1, signal.SIGINT, 0) == 130
+    out = capsys.readouterr().out
+    assert "weights" not in out.replace("no weights", "")  # no weights/ folder to point to
+    assert f"before the first checkpoint; {folder} holds the run's config, plan and logs" in out
+    assert f"Start it from its first step with: ddp-launch resume={folder}" in out
+    assert "before the first checkpoint" in folder.summary()["detail"]

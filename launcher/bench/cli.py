@@ -19,7 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from launcher.bench import report
 from launcher.bench.cells import Cell, plan_cells
-from launcher.entry import GROUPS, Jobs, conf_dir, print_help_if_asked
+from launcher.entry import GROUPS, Jobs, RunFolderGuard, conf_dir, print_help_if_asked
 from launcher.inputs.data import resolve_data
 from launcher.inputs.models import resolve_model
 from launcher.launch import torchrun
@@ -179,7 +179,7 @@ jobs = Jobs()
 
 @hydra.main(version_base="1.3", config_path=conf_dir(), config_name="bench")
 def _hydra_entry(cfg: DictConfig) -> int:
-    run_dir = Path(HydraConfig.get().runtime.output_dir).resolve()
+    run_dir = RunFolderGuard.meant(Path(HydraConfig.get().runtime.output_dir))
     resolved = OmegaConf.to_container(cfg, resolve=True)
     command = "ddp-bench " + " ".join(HydraConfig.get().overrides.task)
     return jobs.run(lambda: run_bench(resolved, run_dir, Path(os.getcwd()), command.strip()))

@@ -17,7 +17,56 @@ PROGRESS_LINE = re.compile(r"^(?:\[rank 0\] )?epoch (\d+)/(\d+) step (\d+)/(\d+)
 
 
 def say(msg: str = "", prefix: str = "") -> None:
-    print(f"{prefix}{msg}", flush=True)
+    try:
+        print(f"{prefix}{msg}", flush=True)
+    except OSError:
+        console_gone(sys.stdout)
+
+
+def console_gone(stream) -> None:
+    """The terminal closed (or the pipe we print to): the rest goes to /dev/null, so that the launcher still stops
+    the ranks and writes summary.json instead of dying on its next line. The run folder keeps every record."""
+    try:
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, stream.fileno())  # what is still buffered is flushed there too, not into an error at exit
+        os.close(null)
+    except (OSError, ValueError, AttributeError):
+        pass
+
+
+class QuietStop:
+    """torchrun's stderr, copied line by line, less the traceback of the SignalException it raises when it is told to
+    stop: the launcher asked for that stop and says so itself, and 30 lines of traceback read like a crash. Every
+    other line and traceback (a real failure) passes unchanged."""
+
+    def __init__(self, out):
+        self.out = out
+        self.held: list[str] = []  # a traceback, until its last line says what it was
+
+    def feed(self, line: str) -> None:
+        if not self.held and not line.startswith("Traceback (most recent call last):"):
+            self._write(line)
+            return
+        self.held.append(line)
+        if len(self.held) > 1 and line[:1] not in (" ", "\t"):  # the exception's own line ends the traceback
+            block, self.held = self.held, []
+            if "SignalException" not in line:
+                self._write("".join(block))
+
+    def copy(self, pipe) -> None:
+        """Copy `pipe` (torchrun's stderr, bytes) to the console until it closes."""
+        for raw in pipe:
+            self.feed(raw.decode(errors="replace"))
+        if self.held:  # cut off mid-traceback: show what there is
+            self._write("".join(self.held))
+            self.held = []
+
+    def _write(self, text: str) -> None:
+        try:
+            self.out.write(text)
+            self.out.flush()
+        except OSError:
+            console_gone(self.out)  # keep reading: torchrun must never block on a full pipe
 
 
 class LogStreamer(threading.Thread):
@@ -63,20 +112,26 @@ class LogStreamer(threading.Thread):
             lines = (self._partial.pop(f, "") + chunk.decode(errors="replace")).split("\n")
             if lines[-1]:
                 self._partial[f] = lines[-1]
-            for line in filter(self.keep, lines[:-1]):
-                self._show(f, line)
-            self.out.flush()
+            try:
+                for line in filter(self.keep, lines[:-1]):
+                    self._show(f, line)
+                self.out.flush()
+            except OSError:
+                console_gone(self.out)
 
     def run(self) -> None:
         while not self._done.is_set():
             self.pump()
             self._done.wait(self.period)
         self.pump()
-        for f, rest in self._partial.items():
-            self._show(f, rest)
-        if self.bar is not None:
-            self.bar.close()
-        self.out.flush()
+        try:
+            for f, rest in self._partial.items():
+                self._show(f, rest)
+            if self.bar is not None:
+                self.bar.close()
+            self.out.flush()
+        except OSError:
+            console_gone(self.out)
 
     def stop(self) -> None:
         self._done.set()

@@ -15,8 +15,14 @@ def report(folder: RunFolder, code: int, signum: int | None, node_rank: int) -> 
     summary = folder.summary() or {}
     finished = summary.get("status") == "finished"
     if signum is not None and not finished:
-        detail = f"stopped by {signal.Signals(signum).name}; the last checkpoint is in {folder.weights}"
-        say(f"\nddp-launch: {detail}. Continue with: ddp-launch resume={folder}")
+        name, last = signal.Signals(signum).name, folder.weights / "last.pt"
+        if last.is_file():
+            detail = f"stopped by {name}; the last checkpoint is {last}"
+            say(f"\nddp-launch: {detail}. Continue with: ddp-launch resume={folder}")
+        else:  # stopped before its first checkpoint: there is no weights/ to point to
+            detail = (f"stopped by {name} before the first checkpoint; {folder} holds the run's config, plan and "
+                      f"logs, no weights")
+            say(f"\nddp-launch: {detail}. Start it from its first step with: ddp-launch resume={folder}")
         folder.write_outcome("stopped", 128 + signum, detail)
         return 128 + signum
     if code != 0 and not finished:

@@ -19,7 +19,7 @@ from launcher.launch.ultralytics_home import prepare_ultralytics_home
 from launcher.machine.ports import port_is_free
 from launcher.plan import check_plan, describe, make_plan
 from launcher.problems import PlanError, Problem, config_problems
-from launcher.run_folder import RunFolder
+from launcher.run_folder import RunFolder, writable
 
 # What `ddp-launch resume=RUN_DIR` may change: where and on how many ranks the run continues. Everything else is
 # the run's own config (a different epoch count or learning rate is another run).
@@ -33,7 +33,9 @@ def start(cfg: dict, run_dir: Path, base_dir: Path, on_plan=None) -> int:
     dry_run = bool(cfg.get("dry_run"))
     env = environments.get(cfg["launcher"]["name"])
     cfg = env.planning_config(cfg)
-    errors, _ = check_plan(env.problems(cfg, run_dir), dry_run=dry_run)
+    # Where it runs first: the cluster's tools, the run folder (one that holds a run keeps its records as they are).
+    errors, env_warnings = check_plan(env.problems(cfg, run_dir) + RunFolder(run_dir).new_run_problems(),
+                                      dry_run=dry_run)
     if errors:
         raise PlanError(errors)
     hw = env.hardware(cfg)
@@ -52,7 +54,7 @@ def start(cfg: dict, run_dir: Path, base_dir: Path, on_plan=None) -> int:
     say("ddp-launch plan")
     say(describe(plan, model, data))
     say(f"run folder      {run_dir}")
-    for w in warnings:
+    for w in env_warnings + warnings:
         say(f"WARNING: {w.message} (a real run would refuse)")
     if errors:
         raise PlanError(errors)
@@ -91,6 +93,10 @@ def resume(run_dir: Path, overrides: dict, fresh_dir: Path | None = None) -> int
     if folder.finished():
         say_finished(folder)
         return 0
+    if not writable(folder.path):
+        raise PlanError([Problem(f"resume={folder.path}: the run folder cannot be written (a read-only file system, or "
+                                 "no permission), and a resume writes its checkpoints and logs there; copy it somewhere "
+                                 "writable and pass resume=THE_COPY")])
     env = environments.get(cfg["launcher"]["name"])
     if overrides and env.name == "slurm":
         raise PlanError([Problem(f"resume={folder.path} resubmits the run's own job.sbatch; {', '.join(overrides)} "

@@ -4,24 +4,31 @@ ddp-launch does not re-implement process management: torch.distributed.run (torc
 the group after a failure (`--max-restarts`), and stops them all when one dies. ddp-launch adds what torchrun lacks
 for this job: the rendezvous chosen by the plan (or, under SLURM, by the job), the environment, the rank entry
 point, signal forwarding (torchrun runs in its own session so a terminal's Ctrl-C reaches the launcher, which
-forwards it once), and the rank logs streamed to the console.
+forwards it once), a parent-death signal (a launcher killed outright, by SIGKILL or the OOM killer, still stops
+torchrun, which stops the ranks as on Ctrl-C), and the rank logs streamed to the console.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 from pathlib import Path
 
-from launcher.launch.logs import LogStreamer, say
+from launcher.launch.logs import LogStreamer, QuietStop, say
 from launcher.plan.plan import LaunchPlan
 
 WORKER_MODULE = "launcher.rank.worker"
-FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)  # USR1: SLURM's advance warning of the time limit
+# HUP: the terminal closed or the ssh session dropped; USR1: SLURM's advance warning of the time limit
+FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1)
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 def rendezvous_args(plan: LaunchPlan) -> list[str]:
@@ -60,20 +67,50 @@ def format_command(cmd: list[str], env: dict[str, str]) -> str:
     return (f"env \\\n{exports} \\\n  " if env else "") + " ".join(shlex.quote(c) for c in cmd)
 
 
+def parent_death_signal(signum: int = signal.SIGTERM):
+    """A preexec_fn that has the child sent `signum` when this process dies, however it dies (Linux prctl); None
+    where there is no prctl. libc's prctl is looked up here, before the fork: the child only calls it."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    parent = os.getpid()
+
+    def preexec() -> None:
+        prctl(PR_SET_PDEATHSIG, int(signum), 0, 0, 0)
+        if os.getppid() != parent:  # the launcher died before the request took effect
+            os.kill(os.getpid(), signum)
+
+    return preexec
+
+
 def run_torchrun(
     cmd: list[str], env: dict[str, str], log_files: list[Path], prefix: bool, keep=None
 ) -> tuple[int, int | None]:
     """Run torchrun to completion. Returns (exit code, the signal that stopped the launcher or None).
 
-    SIGINT, SIGTERM and SIGUSR1 are forwarded to torchrun as SIGTERM, once; torchrun passes it to every rank, which
-    checkpoints and exits, and kills what is left after its shutdown timeout.
+    SIGINT, SIGTERM, SIGHUP and SIGUSR1 are forwarded to torchrun as SIGTERM, once; torchrun passes it to every rank,
+    which checkpoints and exits, and kills what is left after its shutdown timeout. torchrun gets the same SIGTERM
+    from the kernel if the launcher dies without a word. torchrun's stderr reaches the console without the
+    traceback it prints when it is stopped (logs.QuietStop); its per-attempt folders (by default an empty
+    /tmp/torchelastic_* left by every launch) go to a private temporary folder, removed when torchrun ends.
     """
     streamer = LogStreamer(log_files, prefix=prefix, keep=keep)
+    scratch = None
+    if "PET_LOG_DIR" not in os.environ and "PET_LOG_DIR" not in env:  # torchrun's --log-dir, from the environment
+        scratch = tempfile.mkdtemp(prefix="ddp-launch-torchrun-")
+        env = {**env, "PET_LOG_DIR": scratch}
+    # torchrun first, then the threads and handlers: torchrun must inherit the dispositions the caller set (the SLURM
+    # job ignores USR1, which SLURM sends to every process of the step; a handler installed before the fork would be
+    # reset to the default, "terminate", in torchrun and the ranks), and the parent-death request runs in the child
+    # between fork and exec, where no other thread of the launcher should exist.
+    proc = subprocess.Popen(cmd, env={**os.environ, **env}, start_new_session=True, stderr=subprocess.PIPE,
+                            preexec_fn=parent_death_signal(signal.SIGTERM))
+    stderr = threading.Thread(target=QuietStop(sys.stderr).copy, args=(proc.stderr,), daemon=True)
+    stderr.start()
     streamer.start()
-    # torchrun first, then the handlers: torchrun must inherit the dispositions the caller set (the SLURM job ignores
-    # USR1, which SLURM sends to every process of the step; a handler installed before the fork would be reset to
-    # the default, "terminate", in torchrun and the ranks).
-    proc = subprocess.Popen(cmd, env={**os.environ, **env}, start_new_session=True)
     received: list[int] = []
 
     def forward(signum, _frame):
@@ -93,4 +130,7 @@ def run_torchrun(
             signal.signal(s, h)
         time.sleep(0.3)  # the last lines a rank wrote before exiting
         streamer.stop()
+        stderr.join(timeout=5)  # a grandchild may still hold the pipe; it is a daemon thread
+        if scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)
     return code, (received[0] if received else None)

@@ -4,6 +4,10 @@ torchrun passes SIGTERM to each rank's whole process group (the rank and its Dat
 notes the signal; at every step boundary the ranks agree on it (rank/hooks.py, StopOnSignal: a one-element
 all-reduce), so all take the same decision at the same step and none is left waiting in a collective the others
 never join. DataLoader workers ignore the signal: the rank shuts them down itself once its checkpoint is safe.
+
+A rank whose torchrun is gone (killed outright, with or without the launcher) sends itself the same SIGTERM
+(`stop_when_orphaned`), so it saves and exits instead of training on with nobody to stop it; its DataLoader workers
+exit when the rank does (torch's workers watch their parent).
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 
 HANDLED = (signal.SIGTERM, signal.SIGINT)
 
@@ -47,3 +52,21 @@ def ignore_termination_in_worker() -> None:
     """For DataLoader workers: survive the rank's SIGTERM/SIGINT; the rank ends them after checkpointing."""
     for s in HANDLED:
         signal.signal(s, signal.SIG_IGN)
+
+
+def stop_when_orphaned(period_s: float = 1.0, getppid=os.getppid, kill=os.kill, sleep=time.sleep,
+                       thread: bool = True) -> None:
+    """Watch this process's parent (torchrun) once every `period_s`: when it dies, the rank is re-parented, its parent
+    pid changes, and it sends itself SIGTERM (StopSignal then stops it at the next step, with a checkpoint)."""
+    parent = getppid()
+
+    def watch() -> None:
+        while getppid() == parent:
+            sleep(period_s)
+        print(f"[signal] torchrun (pid {parent}) is gone: stopping this rank", flush=True)
+        kill(os.getpid(), signal.SIGTERM)
+
+    if thread:
+        threading.Thread(target=watch, daemon=True, name="parent-watch").start()
+    else:
+        watch()

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from launcher.problems import plain_text
+from launcher.rank.signals import stop_when_orphaned
 from launcher.run_folder import RunFolder
 
 
@@ -55,6 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     rank = int(os.environ.get("RANK", "0"))
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     redirect_output(folder.rank_log(rank))
+    stop_when_orphaned()  # torchrun killed outright: this rank stops too (signals.py)
     print(
         f"==== rank {rank}/{os.environ.get('WORLD_SIZE', '1')} local_rank {os.environ.get('LOCAL_RANK', '0')} "
         f"pid {os.getpid()} attempt {attempt} rendezvous {os.environ.get('MASTER_ADDR', '-')}:"
