@@ -13,8 +13,8 @@ another, on a side stream, while the steps before it run):
      Ultralytics' Mosaic draws from its dataset's buffer of recently loaded images (min(n, 8 batches, 1000) of them).
      With loader.mosaic_buffer=false from the same batch, so that a batch depends on its keys and the seed alone
      (a resumed run repeats the uninterrupted one). After close_mosaic there are none.
-  4. augment: gpu_augment.GpuAugment with the buffer as its images: the boxes (one host read: how many survive,
-     and the most in one image), then one pass writes the network's input.
+  4. augment: gpu_augment.GpuAugment with the buffer as its images: the boxes (one host read: how many survive in
+     each image), then one pass writes the network's input.
 
 The buffer costs capacity x imgsz^2 x 3 bytes of GPU memory (512 slots at 640 px: 0.6 GiB).
 """
