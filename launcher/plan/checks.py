@@ -198,7 +198,7 @@ def augment_on(loader: dict, train: dict, device: str, cores_per_rank: int) -> t
         return value, None
     if value != "auto" or device != "cuda" or cores_per_rank >= GPU_INPUT_BELOW_CORES:  # a wrong value: input_problems
         return "cpu", None
-    needs = cpu_only_settings(train)
+    needs = [setting for setting, _ in cpu_only_settings(train)]
     if needs:
         return "cpu", (f"loader.augment_on=auto: Ultralytics' CPU pipeline, for {', '.join(needs)} (the GPU "
                        f"pipeline does not do it), with {cores_per_rank} core(s) per rank: it may starve the GPU")
@@ -206,14 +206,20 @@ def augment_on(loader: dict, train: dict, device: str, cores_per_rank: int) -> t
                    f"CPU pipeline needs about {GPU_INPUT_BELOW_CORES} per GPU to keep up)")
 
 
-def cpu_only_settings(train: dict) -> list[str]:
-    """The settings of this run that only Ultralytics' CPU pipeline implements."""
+def cpu_only_settings(train: dict) -> list[tuple[str, str]]:
+    """The settings of this run that only Ultralytics' CPU pipeline implements: (setting, what to do instead with
+    the input on the GPU)."""
     extra = train.get("extra") or {}
-    needs = [f"train.extra.{key}={extra[key]}" for key in GPU_INPUT_UNSUPPORTED if extra.get(key)]
+    needs = [(f"train.extra.{key}={extra[key]}", f"the GPU input pipeline does not do {key}; use "
+              "loader.augment_on=cpu (Ultralytics' transforms) or set it to 0")
+             for key in GPU_INPUT_UNSUPPORTED if extra.get(key)]
     if extra.get("augmentations"):
-        needs.append("train.extra.augmentations")
+        needs.append(("train.extra.augmentations", "custom transforms run in Ultralytics' CPU pipeline; use "
+                      "loader.augment_on=cpu"))
     if train.get("cache") in ("ram", "disk"):
-        needs.append(f"train.cache={train['cache']}")
+        needs.append((f"train.cache={train['cache']}", "Ultralytics' caches hold decoded images for its CPU pipeline; "
+                      "with the input on the GPU use train.cache=shared (the files' bytes, one copy per node) or "
+                      "false, or loader.augment_on=cpu"))
     return needs
 
 
@@ -221,20 +227,8 @@ def input_problems(loader: dict, train: dict, *, augment_on: str) -> list[Proble
     """What the chosen input pipeline cannot do, with the setting that can."""
     problems: list[Problem] = []
     one_of(loader.get("augment_on", "auto"), AUGMENT_ON, "loader.augment_on", problems, "auto, cpu or gpu")
-    if augment_on != "gpu":
-        return problems
-    extra = train.get("extra") or {}
-    for key in GPU_INPUT_UNSUPPORTED:
-        if extra.get(key):
-            problems.append(Problem(f"train.extra.{key}={extra[key]}: the GPU input pipeline does not do {key}; "
-                                    "use loader.augment_on=cpu (Ultralytics' transforms) or set it to 0"))
-    if extra.get("augmentations"):
-        problems.append(Problem("train.extra.augmentations: custom transforms run in Ultralytics' CPU pipeline; "
-                                "use loader.augment_on=cpu"))
-    if train.get("cache") in ("ram", "disk"):
-        problems.append(Problem(f"train.cache={train['cache']}: Ultralytics' caches hold decoded images for its CPU "
-                                "pipeline; with the input on the GPU use train.cache=shared (the files' bytes, one copy "
-                                "per node) or false, or loader.augment_on=cpu"))
+    if augment_on == "gpu":
+        problems += [Problem(f"{setting}: {advice}") for setting, advice in cpu_only_settings(train)]
     return problems
 
 

@@ -37,23 +37,28 @@ TARGETS_PER_IMAGE = "targets_per_image"  # batch key: each image's number of tar
 AHEAD = 2  # batches the background thread prepares ahead of the step (each a batch of the network's input)
 
 
-def max_targets_per_image(batch_idx: torch.Tensor, batch_size: int) -> int | None:
-    """The largest number of targets in one image of the batch, from labels on the CPU (it costs nothing there); None
-    for labels on a GPU (reading it back would be a sync; the GPU pipeline reads it with its box count)."""
+def targets_per_image(batch_idx: torch.Tensor, batch_size: int) -> list[int] | None:
+    """Each image's number of targets, from labels on the CPU (it costs nothing there); None for labels on a GPU
+    (reading it back would be a sync; the GPU pipeline reads it with its box count)."""
     if batch_idx.device.type != "cpu":
         return None
-    if batch_idx.numel() == 0:
-        return 0
-    return int(torch.bincount(batch_idx.long(), minlength=batch_size).max())
+    return torch.bincount(batch_idx.long(), minlength=batch_size).tolist()
+
+
+def max_targets_per_image(batch_idx: torch.Tensor, batch_size: int) -> int | None:
+    """The largest number of targets in one image of the batch (targets_per_image's maximum), or None on a GPU."""
+    counts = targets_per_image(batch_idx, batch_size)
+    return None if counts is None else max(counts, default=0)
 
 
 def to_device(batch: dict, device: torch.device, *, imgsz: int, stride: int, multi_scale: float = 0.0) -> dict:
     """Ultralytics' DetectionTrainer.preprocess_batch: tensors to the device, images to [0, 1], and with
     multi_scale a random square size between (1 -+ multi_scale) x imgsz, a multiple of the stride."""
-    if MAX_TARGETS not in batch:  # counted while the labels are on the CPU: the sync-free loss pads to it
-        batch[MAX_TARGETS] = max_targets_per_image(batch["batch_idx"], len(batch["img"]))
-    if TARGETS_PER_IMAGE not in batch and batch["batch_idx"].device.type == "cpu":  # where micro-batches split
-        batch[TARGETS_PER_IMAGE] = torch.bincount(batch["batch_idx"].long(), minlength=len(batch["img"])).tolist()
+    if TARGETS_PER_IMAGE not in batch:  # counted while the labels are on the CPU: where micro-batches split
+        batch[TARGETS_PER_IMAGE] = targets_per_image(batch["batch_idx"], len(batch["img"]))
+    if MAX_TARGETS not in batch:  # the sync-free loss pads every image's targets to it
+        counts = batch[TARGETS_PER_IMAGE]
+        batch[MAX_TARGETS] = None if counts is None else max(counts, default=0)
     for k, v in batch.items():
         if isinstance(v, torch.Tensor):
             batch[k] = v.to(device, non_blocking=device.type != "cpu")
