@@ -177,7 +177,7 @@ def test_a_file_nothing_can_decode_is_named_once_and_trains_grey_without_labels(
     logged = []
     gi = GpuInput(GpuAugment(32, {"mosaic": 0.0, "fliplr": 0.0, "scale": 0.0, "translate": 0.0}),
                   Decoder(torch.device("cpu"), files, logged.append), capacity=8, device=torch.device("cpu"),
-                  mosaic=False)
+                  close_at=0)  # no mosaic from the first epoch
     for _ in range(2):
         batch = gi(ds.collate_fn([ds[(0, i)] for i in range(3)]), torch.Generator().manual_seed(0))
     assert len(logged) == 1 and files[1] in logged[0] and "grey image without labels" in logged[0]
@@ -257,7 +257,7 @@ def test_mosaic_partners_come_from_the_recently_decoded_images_or_from_the_batch
     for from_batch in (False, True):
         groups.clear()
         gi = GpuInput(Spy(32, {}), Decoder(torch.device("cpu"), images.files), capacity=12,
-                      device=torch.device("cpu"), partners_from_batch=from_batch)
+                      device=torch.device("cpu"), partners_from_batch=from_batch, close_at=1)
         for k in range(3):
             gi(ds.collate_fn([ds[(0, i)] for i in range(8 * k, 8 * k + 8)]), torch.Generator().manual_seed(k))
         own = [set(g[:, 0].tolist()) for g in groups]
@@ -267,9 +267,10 @@ def test_mosaic_partners_come_from_the_recently_decoded_images_or_from_the_batch
             assert partners <= (mine if from_batch else set(range(filled)))
         if not from_batch:
             assert not set(groups[1][:, 1:].flatten().tolist()) <= own[1]  # older images are drawn too
-    gi.close_mosaic()
+    gi(ds.collate_fn([ds[(1, i)] for i in range(8)]), torch.Generator().manual_seed(0))
+    assert groups[-1].shape == (8, 1)  # a batch of epoch close_at: mosaic closed, whenever it was prepared
     gi(ds.collate_fn([ds[(0, i)] for i in range(8)]), torch.Generator().manual_seed(0))
-    assert groups[-1].shape == (8, 1)
+    assert groups[-1].shape == (8, 4)  # prepared after it, but of the epoch before: mosaic still on
     assert buffer_capacity(4096, 64) == 512 and buffer_capacity(100, 64) == 100 and buffer_capacity(10_000, 256) == 1000
 
 

@@ -131,9 +131,11 @@ def test_training_and_validation_pipelines_run_on_the_read_only_map(small, tmp_p
         assert train[i]["img"].shape == (3, 64, 64)  # an empty mosaic buffer would raise here
     assert train.buffer == []
 
-    train.close_mosaic(get_cfg(overrides=hyp))  # rebuilds the transforms, as the trainer does for the last epochs
-    for i in range(len(train)):
-        train[i]
+    closed = datasets.with_mosaic_closed(train, get_cfg(overrides=hyp))  # what the workers load the last epochs with
+    assert [m.p for m in datasets._mosaics(closed.transforms)] == [0.0]
+    assert [m.p for m in datasets._mosaics(train.transforms)] == [1.0]  # the earlier epochs' dataset keeps mosaic
+    for i in range(len(closed)):
+        assert closed[i]["img"].shape == (3, 64, 64)  # served by the same map
     val = yolo_dataset(small, "val", 64, augment=False)
     attach_cache(val, build(small, [tmp_path], split="val"))
     for i in range(len(val)):

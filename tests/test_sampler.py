@@ -56,3 +56,16 @@ def test_augmentation_randomness_depends_on_seed_epoch_and_index_only():
     np.random.seed(5)
     assert ds[(0, 3)] == a
     assert ds[(1, 3)] != a and EpochSeededDataset(_Draw(), seed=2)[(0, 3)] != a
+
+
+def test_from_close_mosaic_epoch_on_samples_come_from_the_closed_dataset():
+    """The workers hold both datasets: a batch prefetched across the boundary is loaded as its own epoch wants."""
+    class Named(_Draw):
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, i):
+            return self.name
+
+    ds = EpochSeededDataset(Named("mosaic"), seed=0, closed=Named("closed"), close_at=3)
+    assert [ds[(e, 0)] for e in range(5)] == ["mosaic"] * 3 + ["closed"] * 2

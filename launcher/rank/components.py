@@ -28,7 +28,7 @@ from launcher.rank.data.encoded import EncodedImages, EncodedTrainDataset
 from launcher.rank.data.gpu_augment import GpuAugment
 from launcher.rank.data.gpu_input import Decoder, GpuInput, buffer_capacity
 from launcher.rank.data.pipeline import TrainInputs, to_device
-from launcher.rank.data.sampler import EpochBatchSampler, EpochSeededDataset, sample_seed, worker_init
+from launcher.rank.data.sampler import EpochBatchSampler, EpochSeededDataset, mosaic_closes_at, sample_seed, worker_init
 from launcher.rank.dist import Comm, rank_info
 from launcher.rank.faults import FaultInjector
 from launcher.rank.heartbeat import Heartbeat, NoHeartbeat
@@ -105,6 +105,7 @@ class Rank:
 
         # 4. the loaders and the optimizer
         self.cores = self._bind_cores()
+        self.close_at = mosaic_closes_at(int(train["epochs"]), int(train["close_mosaic"]))
         self.train_dataset, self.gpu_input = self._train_dataset()
         self.generator = torch.Generator(device=self.device) if self.gpu_input else None  # the augmentation's draws
         self.sampler = EpochBatchSampler(
@@ -227,7 +228,7 @@ class Rank:
                                           cache=self.caches.get("train"))
             augment = GpuAugment(inner.imgsz, self.hyp, out_dtype=self.input_dtype)
             gpu_input = GpuInput(augment, Decoder(self.device, images.files, self.log), device=self.device,
-                                 capacity=buffer_capacity(len(images), self.plan.batch_per_rank),
+                                 capacity=buffer_capacity(len(images), self.plan.batch_per_rank), close_at=self.close_at,
                                  partners_from_batch=not loader_cfg.get("mosaic_buffer", True))
             return dataset, gpu_input
         dataset = datasets.train_dataset(self.hyp, self.data, self.plan.batch_per_rank, self.stride)
@@ -242,16 +243,14 @@ class Rank:
         """What the network's first layer computes in: the GPU pipeline writes its input in this type."""
         return self.amp_dtype or torch.float32
 
-    def close_mosaic(self) -> None:
-        """Ultralytics' close_mosaic, on whichever pipeline augments (the loader's workers are restarted after it)."""
-        if self.gpu_input is not None:
-            self.gpu_input.close_mosaic()
-        else:
-            datasets.close_mosaic(self.train_dataset, self.hyp)
-
     def _train_loader(self):
+        """The workers serve every epoch; from epoch close_at on they load without mosaic (Ultralytics' close_mosaic),
+        the GPU input by the batch's epoch (GpuInput.mosaic), Ultralytics' transforms from a closed copy."""
         workers, loader_cfg = self.plan.workers_per_rank, self.cfg["loader"]
-        dataset = self.train_dataset if self.gpu_input else EpochSeededDataset(self.train_dataset, int(self.cfg["seed"]))
+        dataset = self.train_dataset
+        if self.gpu_input is None:
+            closed = datasets.with_mosaic_closed(dataset, self.hyp) if self.close_at is not None else None
+            dataset = EpochSeededDataset(dataset, int(self.cfg["seed"]), closed=closed, close_at=self.close_at)
         return torch.utils.data.DataLoader(
             dataset,
             batch_sampler=self.sampler,

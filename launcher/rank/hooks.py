@@ -51,22 +51,18 @@ class LRSchedule(Hook):
 
 
 class ModelEpochs(Hook):
-    """The network in training mode (frozen BatchNorms kept in eval) each epoch, mosaic closed for the last
-    `close_mosaic` epochs (the loader's workers restarted with the changed dataset), and Ultralytics' end-of-epoch
-    bookkeeping: the loss's per-epoch update (YOLO26's branch weights), the EMA's copied attributes."""
+    """The network in training mode (frozen BatchNorms kept in eval) each epoch, and Ultralytics' end-of-epoch
+    bookkeeping: the loss's per-epoch update (YOLO26's branch weights), the EMA's copied attributes. Mosaic closes
+    in the input itself, by the epoch of each batch (rank/components.py): this hook only says so when it happens."""
 
-    def __init__(self, *, train_mode, close_mosaic, close_at: int | None, inputs, criterion, ema, net, log):
-        self.train_mode, self.close_mosaic, self.close_at = train_mode, close_mosaic, close_at
-        self.inputs, self.criterion, self.ema, self.net, self.log = inputs, criterion, ema, net, log
-        self.closed = False
+    def __init__(self, *, train_mode, close_at: int | None, criterion, ema, net, log):
+        self.train_mode, self.close_at = train_mode, close_at
+        self.criterion, self.ema, self.net, self.log = criterion, ema, net, log
 
     def before_epoch(self, loop: TrainLoop) -> None:
         self.train_mode()
-        if self.close_at is not None and loop.state.epoch >= self.close_at and not self.closed:
-            self.closed = True
-            self.log("closing mosaic for the last epochs")
-            self.close_mosaic()
-            self.inputs.restart()  # prefetched batches still carry mosaic: new workers from this epoch
+        if loop.state.epoch == self.close_at:
+            self.log(f"mosaic closed for the last {loop.epochs - self.close_at} epoch(s)")
 
     def after_epoch(self, loop: TrainLoop) -> None:
         if hasattr(self.criterion, "update"):

@@ -20,7 +20,7 @@ and per epoch (after_epoch):
   Progress        the epoch's line, with its mAP;
   InputBoundWarning  once per run, from the meter's window so far;
   AgreeToStop     last: the ranks take rank 0's stop decision, after all of rank 0's work of the epoch.
-LRSchedule and ModelEpochs act before each epoch (lr, train mode, close_mosaic) and LRSchedule before each step
+LRSchedule and ModelEpochs act before each epoch (lr, train mode) and LRSchedule before each step
 (warmup). after_train runs in list order: the final validation of best.pt (with Ultralytics' plots) before the
 plotter is waited for and before the checkpoints are stripped. InputGpuTime (loader.augment_on=gpu) only reads the
 input's GPU time at its window's start and at the end.
@@ -68,16 +68,13 @@ def train(cfg: dict, plan: LaunchPlan, folder: RunFolder) -> dict | None:
         checkpointer = r.checkpointer(lambda: _layout(r, early_stop), extra={"early_stop": early_stop})
         r.restore(checkpointer)
         samples = h.RecordSamples() if cfg.get("debug", {}).get("record_samples") else None
-        epochs, close = int(train_cfg["epochs"]), int(train_cfg["close_mosaic"])
-        on_rank0 = r.rank == 0
+        epochs, on_rank0 = int(train_cfg["epochs"]), r.rank == 0
         integrations = cfg.get("log", {}).get("integrations") or []
         input_time = h.InputGpuTime(r.gpu_input, METER_SKIP_STEPS) if r.gpu_input else None
         hooks: list[Hook | None] = [
             h.LRSchedule(r.schedule, plan.warmup_iterations or 0),
             h.ModelEpochs(train_mode=lambda: build.train_mode(r.net, r.frozen),
-                          close_mosaic=r.close_mosaic,
-                          close_at=max(epochs - close, 0) if close else None, inputs=r.inputs,
-                          criterion=r.net.criterion, ema=r.ema, net=r.net, log=r.log),
+                          close_at=r.close_at, criterion=r.net.criterion, ema=r.ema, net=r.net, log=r.log),
             h.Meter(meter, r.inputs, monitor),
             h.Heartbeat(r.heartbeat),
             samples,

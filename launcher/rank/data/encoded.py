@@ -60,6 +60,7 @@ class EncodedImages(NamedTuple):
 
 
 class EncodedSample(NamedTuple):
+    epoch: int
     index: int
     payload: torch.Tensor  # (n,) uint8 JPEG bytes, or a decoded (3, h, w) uint8 RGB image
     error: str  # why the CPU could not decode it ("" when it could, or did not try)
@@ -69,6 +70,7 @@ class EncodedSample(NamedTuple):
 class EncodedBatch:
     """A batch as the workers hand it over. `payloads[i]` is 1-D (bytes for the GPU decoder) or 3-D (decoded)."""
 
+    epoch: int  # the epoch the sampler drew the batch for (a batch never spans two)
     indices: list[int]
     payloads: list[torch.Tensor]
     errors: list[str]
@@ -102,16 +104,17 @@ class EncodedTrainDataset(Dataset):
             return f.read()
 
     def __getitem__(self, key: tuple[int, int]) -> EncodedSample:
-        _, index = key
+        epoch, index = key
         data = self.read(index)
         if not self.decode_all and bytes(data[:3]) == JPEG_MAGIC and exif_orientation(data) == 1:
-            return EncodedSample(index, torch.frombuffer(bytearray(data), dtype=torch.uint8), "")
+            return EncodedSample(epoch, index, torch.frombuffer(bytearray(data), dtype=torch.uint8), "")
         image, error = decode_on_cpu(data)
-        return EncodedSample(index, image, error)
+        return EncodedSample(epoch, index, image, error)
 
     def collate_fn(self, samples: list[EncodedSample]) -> EncodedBatch:
         labels = [self.images.labels(s.index) for s in samples]
         return EncodedBatch(
+            epoch=samples[0].epoch,
             indices=[s.index for s in samples],
             payloads=[s.payload for s in samples],
             errors=[s.error for s in samples],

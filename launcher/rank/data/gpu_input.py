@@ -12,7 +12,8 @@ another, on a side stream, while the steps before it run):
   3. mosaic partners: drawn uniformly from the buffer's filled slots, the images decoded most recently, as
      Ultralytics' Mosaic draws from its dataset's buffer of recently loaded images (min(n, 8 batches, 1000) of them).
      With loader.mosaic_buffer=false from the same batch, so that a batch depends on its keys and the seed alone
-     (a resumed run repeats the uninterrupted one). After close_mosaic there are none.
+     (a resumed run repeats the uninterrupted one). From epoch `close_at` on (close_mosaic) there are none: the batch
+     says its epoch, so batches prepared ahead across that boundary need no restart.
   4. augment: gpu_augment.GpuAugment with the buffer as its images: the boxes (one host read: how many survive in
      each image), then one pass writes the network's input.
 
@@ -133,9 +134,9 @@ class GpuInput:
     nvJPEG); then `GpuInput(...)(decoded, generator)` does the rest."""
 
     def __init__(self, augment: GpuAugment, decoder: Decoder, *, capacity: int, device: torch.device,
-                 mosaic: bool = True, partners_from_batch: bool = False, timed: bool = True):
+                 close_at: int | None = None, partners_from_batch: bool = False, timed: bool = True):
         s = augment.imgsz
-        self.augment, self.decode, self.device, self.mosaic = augment, decoder, device, mosaic
+        self.augment, self.decode, self.device, self.close_at = augment, decoder, device, close_at
         self.partners_from_batch = partners_from_batch  # loader.mosaic_buffer=false: a batch depends on its keys alone
         self.slots = torch.full((capacity, s, s, 3), int(BORDER), dtype=torch.uint8, device=device)
         self.sizes = torch.ones((capacity, 2), dtype=torch.int64, device=device)  # (h, w) of each slot's image
@@ -151,9 +152,9 @@ class GpuInput:
     def capacity(self) -> int:
         return len(self.slots)
 
-    def close_mosaic(self) -> None:
-        """No mosaic partners from now on (Ultralytics' close_mosaic)."""
-        self.mosaic = False
+    def mosaic(self, epoch: int) -> bool:
+        """Whether a batch of `epoch` gets mosaic partners (none from epoch close_at on: Ultralytics' close_mosaic)."""
+        return self.close_at is None or epoch < self.close_at
 
     def decoded(self, batch: EncodedBatch) -> Decoded:
         return Decoded(batch, *self.decode(batch))
@@ -196,7 +197,7 @@ class GpuInput:
         self.sizes.index_copy_(0, slots, hw)
 
         groups = slots[:, None]
-        if self.mosaic:
+        if self.mosaic(batch.epoch):
             if self.partners_from_batch:
                 partners = groups[torch.randint(0, b, (b * 3,), generator=generator, device=self.device), 0]
             else:

@@ -1,10 +1,9 @@
 """The training batches of one rank, on its device, ready for the step.
 
 One DataLoader iterator over the endless EpochBatchSampler (sampler.py) serves the whole run: its workers live from
-the first batch to the last (`loader.persistent_workers=true`; the DataLoader's own flag of that name cannot be used,
-since a restart must hand the workers a changed dataset after close_mosaic). The iterator is started again only
-where it must be: at the run's first step, after close_mosaic (`restart()`), or at every epoch with
-`loader.persistent_workers=false`.
+the first batch to the last (`loader.persistent_workers=true`), and prefetch across epoch boundaries, close_mosaic's
+included (the dataset closes mosaic by each batch's epoch: rank/components.py). The iterator is started only at the
+run's first step, or at every epoch with `loader.persistent_workers=false`.
 
 With fetch-ahead (`loader.fetch_ahead`, on by default) the loop asks for the next batch while the GPU still runs
 the step just launched (`prefetch`): on CUDA its host-to-device copy runs on a side stream, so the copy engine and
@@ -99,11 +98,6 @@ class TrainInputs:
         """`first_ni`: the run's step counter at this epoch's first step (the background thread counts from it)."""
         if self._iterator is None or not self.persistent:
             self._start(epoch, first_step, first_ni)
-
-    def restart(self) -> None:
-        """Start new workers at the next epoch (the dataset changed: close_mosaic). Batches already prefetched by
-        the old workers are dropped with them."""
-        self.close()
 
     def next(self, ni: int) -> dict:
         if self._worker is not None:

@@ -58,16 +58,25 @@ class EpochBatchSampler(Sampler):
             epoch, skip = epoch + 1, 0
 
 
+def mosaic_closes_at(epochs: int, close_mosaic: int) -> int | None:
+    """The first epoch without mosaic (Ultralytics' close_mosaic: the last `close_mosaic` epochs), None if none."""
+    return max(epochs - close_mosaic, 0) if close_mosaic > 0 else None
+
+
 def sample_seed(seed: int, epoch: int, index: int) -> int:
     digest = hashlib.blake2b(f"{seed}/{epoch}/{index}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little")
 
 
 class EpochSeededDataset(Dataset):
-    """Seeds Python's, NumPy's and torch's generators per sample from (seed, epoch, index), then defers."""
+    """Seeds Python's, NumPy's and torch's generators per sample from (seed, epoch, index), then defers: to `closed`
+    (the dataset with mosaic closed) from epoch `close_at` on, else to `dataset`. The workers hold both, so the
+    batches they prefetch across that boundary are right and close_mosaic restarts nothing."""
 
-    def __init__(self, dataset: Dataset, seed: int):
-        self.dataset, self.seed = dataset, seed
+    def __init__(self, dataset: Dataset, seed: int, *, closed: Dataset | None = None, close_at: int | None = None):
+        if (closed is None) != (close_at is None):
+            raise ValueError("closed and close_at go together")
+        self.dataset, self.seed, self.closed, self.close_at = dataset, seed, closed, close_at
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -83,6 +92,8 @@ class EpochSeededDataset(Dataset):
         random.seed(s)
         np.random.seed(s % 2**32)
         torch.manual_seed(s)
+        if self.close_at is not None and epoch >= self.close_at:
+            return self.closed[index]
         return self.dataset[index]
 
 

@@ -77,9 +77,12 @@ def _val_worker_init(worker_id: int) -> None:
     seed_worker(worker_id)
 
 
-def close_mosaic(dataset: YOLODataset, hyp) -> None:
-    """No mosaic from now on (Ultralytics' close_mosaic); the loader's workers must be started again."""
-    dataset.close_mosaic(hyp=copy(hyp))
+def with_mosaic_closed(dataset: YOLODataset, hyp) -> YOLODataset:
+    """The dataset as Ultralytics' close_mosaic leaves it (no mosaic, mixup, cutmix or copy-paste), as a second
+    dataset: a shallow copy, so both share the labels and the loaded images (the RAM cache, the mosaic buffer)."""
+    closed = copy(dataset)
+    closed.close_mosaic(hyp=copy(hyp))  # rebuilds the transforms, bound to the copy
+    return closed
 
 
 def set_mosaic_buffer(dataset, enabled: bool) -> None:
