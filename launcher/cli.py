@@ -6,6 +6,7 @@ Hydra composes once, here. The ranks read the resolved config from the run folde
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from launcher.entry import EXIT_PLAN_ERROR, GROUPS, Jobs, RunFolderGuard, conf_dir, print_help_if_asked
+from launcher.launch import torchrun, warm_torchrun
 
 jobs = Jobs()
 
@@ -45,7 +47,12 @@ def main() -> None:
     if print_help_if_asked(sys.argv[1:], "ddp-launch", "train Ultralytics YOLO on every GPU and node, through torchrun",
                            groups={g: GROUPS[g] for g in ("model", "data", "launcher", "experiment")}, files=[(conf / "config.yaml", "")]):
         return
-    _hydra_entry()
+    if warm_torchrun.wanted(sys.argv[1:]):  # torchrun's imports overlap composing and planning (warm_torchrun.py)
+        warm_torchrun.warm.start(preexec_fn=torchrun.parent_death_signal(signal.SIGTERM))
+    try:
+        _hydra_entry()
+    finally:
+        warm_torchrun.warm.discard()  # not taken: a refused plan, a dry run, a SLURM submission
     jobs.exit()
 
 

@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 from launcher.launch.logs import LogStreamer, QuietStop, say
+from launcher.launch.warm_torchrun import warm
 from launcher.plan.plan import LaunchPlan
 
 WORKER_MODULE = "launcher.rank.worker"
@@ -94,7 +95,8 @@ def run_torchrun(
     SIGINT, SIGTERM, SIGHUP and SIGUSR1 are forwarded to torchrun as SIGTERM, once; torchrun passes it to every rank,
     which checkpoints and exits, and kills what is left after its shutdown timeout. torchrun gets the same SIGTERM
     from the kernel if the launcher dies without a word. torchrun's stderr reaches the console without the
-    traceback it prints when it is stopped (logs.QuietStop); its per-attempt folders (by default an empty
+    traceback it prints when it is stopped (logs.QuietStop); torchrun is the warm one that `ddp-launch` started
+    before planning, when there is one (warm_torchrun.py); its per-attempt folders (by default an empty
     /tmp/torchelastic_* left by every launch) go to a private temporary folder, removed when torchrun ends.
     """
     streamer = LogStreamer(log_files, prefix=prefix, keep=keep)
@@ -106,8 +108,9 @@ def run_torchrun(
     # job ignores USR1, which SLURM sends to every process of the step; a handler installed before the fork would be
     # reset to the default, "terminate", in torchrun and the ranks), and the parent-death request runs in the child
     # between fork and exec, where no other thread of the launcher should exist.
-    proc = subprocess.Popen(cmd, env={**os.environ, **env}, start_new_session=True, stderr=subprocess.PIPE,
-                            preexec_fn=parent_death_signal(signal.SIGTERM))
+    proc = warm.take(cmd, {**os.environ, **env}) or subprocess.Popen(
+        cmd, env={**os.environ, **env}, start_new_session=True, stderr=subprocess.PIPE,
+        preexec_fn=parent_death_signal(signal.SIGTERM))
     stderr = threading.Thread(target=QuietStop(sys.stderr).copy, args=(proc.stderr,), daemon=True)
     stderr.start()
     streamer.start()

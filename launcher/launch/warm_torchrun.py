@@ -1,0 +1,100 @@
+"""torchrun started before the plan is made, so that its imports overlap the launcher's own work.
+
+`python -m torch.distributed.run` spends seconds importing torch before it starts a rank (4.4 s on a machine whose
+file system makes imports slow), and until now it started only after the launcher had composed the config and made
+the plan (seconds too). `ddp-launch` now starts this module first thing: it imports torchrun, then waits on its stdin
+for the command line and environment that run_torchrun would have given a fresh torchrun, and runs exactly that. A
+launch that needs no torchrun (a dry run, a refused plan, a SLURM submission) closes its stdin, and it exits without
+a word; a launcher that dies takes it along (the parent-death signal, as for any torchrun it starts).
+
+Set DDP_LAUNCH_WARM_START=0 to start torchrun only once the plan is made, as before.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+TORCHRUN = ["-m", "torch.distributed.run"]
+OFF = "DDP_LAUNCH_WARM_START"
+
+
+INFO_FLAGS = ("--help", "-h", "--hydra-help", "--cfg", "-c", "--info", "-i", "--shell-completion", "-sc")
+
+
+def wanted(argv: list[str]) -> bool:
+    """Whether a launch with these arguments will likely start torchrun (a wrong guess costs one idle process)."""
+    return not any(a in INFO_FLAGS or a.lower() in ("dry_run=true", "dry_run=1") for a in argv)
+
+
+class WarmTorchrun:
+    """`start()` it before planning; `take(cmd, env)` hands a torchrun command line to it (None: start one afresh)."""
+
+    def __init__(self) -> None:
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, preexec_fn=None) -> None:
+        if os.environ.get(OFF, "1") == "0" or self.proc is not None:
+            return
+        self.proc = subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     start_new_session=True, preexec_fn=preexec_fn)
+
+    def take(self, cmd: list[str], env: dict[str, str]) -> subprocess.Popen | None:
+        """The started torchrun, running `cmd` (`python -m torch.distributed.run ...`) with exactly `env` as its
+        environment; None when there is none, or `cmd` is not a torchrun of this Python."""
+        proc, self.proc = self.proc, None
+        if proc is None:
+            return None
+        if cmd[:3] != [sys.executable, *TORCHRUN] or proc.poll() is not None:
+            _discard(proc)
+            return None
+        try:
+            proc.stdin.write((json.dumps({"argv": cmd[3:], "env": env}) + "\n").encode())
+            proc.stdin.close()
+        except (BrokenPipeError, OSError):  # it died while the plan was made: start a fresh one
+            _discard(proc)
+            return None
+        return proc
+
+    def discard(self) -> None:
+        """No torchrun is needed after all: it exits once its imports are done (or at once, if they are)."""
+        proc, self.proc = self.proc, None
+        if proc is not None:
+            _discard(proc)
+
+
+def _discard(proc: subprocess.Popen) -> None:
+    try:
+        proc.stdin.close()
+    except OSError:
+        pass
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)  # nothing of a run has started in it: stopping it costs nothing
+    proc.wait()
+    proc.stderr.close()
+
+
+warm = WarmTorchrun()  # the launcher's one warm torchrun (cli.main starts it; run_torchrun takes it)
+
+
+def _agent() -> None:
+    import torch.distributed.run as torchrun  # the slow part, while the launcher plans
+
+    line = sys.stdin.readline()
+    if not line:
+        return  # the launcher needed no torchrun
+    job = json.loads(line)
+    null = os.open(os.devnull, os.O_RDONLY)  # the ranks inherit stdin: nothing to read, as under a fresh torchrun
+    os.dup2(null, 0)
+    os.close(null)
+    os.environ.clear()
+    os.environ.update(job["env"])  # before torchrun parses its arguments: PET_* variables are its defaults
+    sys.argv = ["torchrun", *job["argv"]]
+    torchrun.main(job["argv"])
+
+
+if __name__ == "__main__":
+    _agent()
