@@ -253,3 +253,60 @@ def test_accumulation_multiplies_the_global_batch_and_lr_and_warmup_follow_it():
 def test_an_accumulation_that_cannot_be_is_refused_with_what_can(overrides, message):
     _, problems = plan_for(["gpus=0", "nproc=2", "train.batch_per_device=8", *overrides])
     assert any(message in p.message for p in problems), [p.message for p in problems]
+
+
+# --- train.batch_per_device=auto -------------------------------------------------------------------------------
+def test_auto_batch_is_left_to_the_gpus_and_the_plan_says_by_which_rule():
+    plan, problems = plan_for(["gpus=1", "train.batch_per_device=auto"], data=shapes(4096))
+    assert not problems and plan.batch_pending
+    assert (plan.batch_per_device, plan.global_batch, plan.lr0, plan.warmup_iterations) == (None, None, None, None)
+    assert plan.auto_batch == {"fraction": 0.6, "multiple": 8, "divides": None, "most": 4096, "eager": False}
+    text = describe(plan, None, None)
+    assert ("batch           auto per device x 1 device(s): the largest multiple of 8 whose measured step fits 60 % "
+            "of the smallest GPU's memory") in text
+    assert "chosen on the GPUs before the first step" in text and "lr0             base_lr 0.01 x linear(" in text
+    fraction, _ = plan_for(["gpus=1", "train.batch_per_device=auto", "train.memory_fraction=0.75"])
+    assert "fits 75 % of the smallest GPU's memory" in describe(fraction, None, None)
+
+
+def test_the_measured_batch_is_planned_by_the_same_rules_as_a_given_one():
+    """with_batch on the ranks gives the plan make_plan gives for that number: accumulate, lr0, warmup, steps."""
+    from launcher.plan.plan import with_batch
+
+    for extra, measured in (([], 96), (["train.global_batch=512"], 64), (["optim.lr_scaling=sqrt"], 40)):
+        args = ["gpus=2", *extra]
+        auto, problems = plan_for([*args, "train.batch_per_device=auto"], data=shapes(4096))
+        assert not problems
+        chosen = with_batch(auto, compose_config([*args, "train.batch_per_device=auto"]), measured, {"peak_gib": 80.0})
+        given, _ = plan_for([*args, f"train.batch_per_device={measured}"], data=shapes(4096))
+        for key in ("batch_per_device", "batch_per_rank", "global_batch", "accumulate", "lr0", "warmup_iterations",
+                    "warmup_images", "batches_per_epoch"):
+            assert getattr(chosen, key) == getattr(given, key), key
+        assert chosen.auto_batch["batch_per_device"] == measured and chosen.auto_batch["peak_gib"] == 80.0
+        assert describe(chosen, None, None).split("loader")[0] == describe(given, None, None).split("loader")[0]
+    assert chosen.lr0 == pytest.approx(0.01 * (80 / 64) ** 0.5)
+    named, _ = plan_for(["gpus=2", "train.batch_per_device=auto", "train.global_batch=512"], data=shapes(4096))
+    assert named.auto_batch["divides"] == named.auto_batch["most"] == 256 and named.accumulate is None
+
+
+def test_auto_batch_on_the_cpu_is_the_default_with_a_note():
+    plan, problems = plan_for(["gpus=0", "train.batch_per_device=auto"], hw=CPU_BOX)
+    assert not problems and plan.batch_per_device == 16 and not plan.auto_batch
+    assert any("train.batch_per_device=auto measures GPU memory; on the CPU it is 16" in n for n in plan.notes)
+    from launcher.plan.plan import AUTO_BATCH_ON_CPU, DEFAULT_MEMORY_FRACTION
+
+    shipped = compose_config()["train"]
+    assert (AUTO_BATCH_ON_CPU, DEFAULT_MEMORY_FRACTION) == (shipped["batch_per_device"], shipped["memory_fraction"])
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["train.memory_fraction=0"], "train.memory_fraction=0: expected a number in (0, 1]"),
+    (["train.memory_fraction=1.5"], "train.memory_fraction=1.5: expected a number in (0, 1]"),
+    (["train.memory_fraction=most"], "train.memory_fraction='most'"),
+    (["mode=dp"], "train.batch_per_device=auto is not supported with mode=dp"),
+    (["train.global_batch=100"], "the global batch must be a multiple of 16; use 96 or 112"),
+    (["train.global_batch=64", "train.accumulate=2"], "set one"),
+])
+def test_an_auto_batch_that_cannot_be_measured_is_refused_with_what_can(overrides, message):
+    _, problems = plan_for(["gpus=2", "train.batch_per_device=auto", *overrides])
+    assert any(message in p.message for p in problems), [p.message for p in problems]

@@ -25,6 +25,7 @@ def readme_commands(tool: str) -> list[str]:
     found = re.findall(rf"`({tool}(?: [^`]*)?)`", README)
     for block in re.findall(r"```bash\n(.*?)```", README, re.S):
         for line in block.splitlines():
+            line = line.strip()  # a block indented under a list item
             if line.startswith(f"{tool} ") or line == tool:
                 found.append(line)
     return list(dict.fromkeys(found))

@@ -104,7 +104,8 @@ def resume(run_dir: Path, overrides: dict, fresh_dir: Path | None = None) -> int
     if overrides:
         cfg, plan = _replan(cfg, overrides, env, folder)
     prepare_ultralytics_home(Path(cfg["paths"]["cache"]).expanduser())
-    say(f"resuming {folder.path} with its own config (world size {plan.world_size}, global batch {plan.global_batch})")
+    batch = "chosen on the GPUs" if plan.batch_pending else plan.global_batch  # auto, measured again on a new topology
+    say(f"resuming {folder.path} with its own config (world size {plan.world_size}, global batch {batch})")
     return env.resume(cfg, plan, folder)
 
 

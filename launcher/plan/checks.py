@@ -293,6 +293,37 @@ def step_problems(train: dict, optim: dict, *, device: str, mode: str, hw: Hardw
     return problems
 
 
+def is_fraction(value) -> bool:
+    """A number in (0, 1]: train.memory_fraction."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value <= 1
+
+
+def batch_problems(train: dict, *, device: str, mode: str, devices: int, multiple: int) -> list[Problem]:
+    """train.memory_fraction, and train.batch_per_device=auto where the ranks cannot measure it (the number itself and
+    train.global_batch with a number: plan.py's as_int and _accumulate)."""
+    problems: list[Problem] = []
+    fraction = train.get("memory_fraction", 0.6)
+    if not is_fraction(fraction):
+        problems.append(Problem(f"train.memory_fraction={fraction!r}: expected a number in (0, 1], the share of the "
+                                "GPU's memory train.batch_per_device=auto fills (0.6: Ultralytics' batch=-1)"))
+    if train.get("batch_per_device") != "auto" or device != "cuda":
+        return problems  # on the CPU auto is the default batch (a plan note)
+    if mode == "dp":
+        problems.append(Problem("train.batch_per_device=auto is not supported with mode=dp: DataParallel scatters one "
+                                "batch over the node's GPUs and gathers every prediction on the first, so no one GPU's "
+                                "step says what fits; use mode=ddp (one rank per GPU), or give train.batch_per_device "
+                                "as a number"))
+    wanted = train.get("global_batch")
+    if isinstance(wanted, int) and not isinstance(wanted, bool) and wanted > 0 and wanted % (multiple * devices):
+        step = multiple * devices
+        low, high = max(step, wanted // step * step), (wanted // step + 1) * step
+        problems.append(Problem(f"train.global_batch={wanted} with train.batch_per_device=auto: the batch is chosen as a "
+                                f"multiple of {multiple} that divides the global batch's share of each of the "
+                                f"{devices} device(s), so the global batch must be a multiple of {step}; use {low} or "
+                                f"{high}"))
+    return problems
+
+
 def optim_problems(optim: dict) -> list[Problem]:
     problems: list[Problem] = []
     if str(optim.get("name", "")).lower() not in OPTIMIZERS:

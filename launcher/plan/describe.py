@@ -30,18 +30,8 @@ def describe(plan: LaunchPlan, model: ModelSpec | None, data: DatasetInfo | None
         + (f", node_rank {plan.node_rank}" if plan.nnodes > 1 else ""),
         "device          "
         + (f"{plan.gpus_per_node} GPU(s) per node, cuda:LOCAL_RANK" if plan.device == "cuda" else "CPU"),
-        f"batch           {plan.batch_per_device} per device x {plan.devices_per_rank * plan.world_size} device(s)"
-        + (f" x {plan.accumulate} accumulated micro-batches" if plan.accumulate > 1 else "")
-        + f" = global batch {plan.global_batch}",
-        f"lr0             {plan.lr0:.6g} = base_lr {plan.base_lr:g} x {plan.lr_scaling}({plan.global_batch}/{plan.base_batch})",
+        *batch_lines(plan),
     ]
-    if plan.warmup_iterations is not None:
-        lines.append(
-            f"warmup          {plan.warmup_iterations} steps = {plan.warmup_images} images"
-            f" ({plan.warmup_epochs:.3g} epochs of {plan.batches_per_epoch} steps per rank)"
-        )
-    else:
-        lines.append("warmup          in epochs; steps are known once the dataset is counted")
     lines += [
         f"loader          {plan.workers_per_rank} worker(s) per rank, {plan.threads_per_rank} thread(s) per rank,"
         f" {plan.cpus_per_node} usable core(s)",
@@ -58,6 +48,44 @@ def describe(plan: LaunchPlan, model: ModelSpec | None, data: DatasetInfo | None
         lines += [f"data            {line}" for split, check in data.checks.items() for line in labels.describe(split, check)]
     lines += [f"note            {n}" for n in plan.notes]
     return "\n".join(lines)
+
+
+def batch_lines(plan: LaunchPlan) -> list[str]:
+    """batch, lr0 and warmup; for train.batch_per_device=auto before the ranks measure it, the rule they follow."""
+    devices = plan.devices_per_rank * plan.world_size
+    if plan.batch_pending:
+        return [f"batch           auto per device x {devices} device(s): {auto_batch_rule(plan.auto_batch)}; chosen on "
+                "the GPUs before the first step (train.batch_per_device=auto)",
+                f"lr0             base_lr {plan.base_lr:g} x {plan.lr_scaling}(global batch/{plan.base_batch}), once the "
+                "batch is chosen",
+                "warmup          in steps once the batch is chosen"]
+    lines = [
+        f"batch           {plan.batch_per_device} per device x {devices} device(s)"
+        + (f" x {plan.accumulate} accumulated micro-batches" if plan.accumulate > 1 else "")
+        + f" = global batch {plan.global_batch}",
+        f"lr0             {plan.lr0:.6g} = base_lr {plan.base_lr:g} x {plan.lr_scaling}({plan.global_batch}/{plan.base_batch})",
+    ]
+    if plan.warmup_iterations is not None:
+        lines.append(
+            f"warmup          {plan.warmup_iterations} steps = {plan.warmup_images} images"
+            f" ({plan.warmup_epochs:.3g} epochs of {plan.batches_per_epoch} steps per rank)"
+        )
+    else:
+        lines.append("warmup          in epochs; steps are known once the dataset is counted")
+    return lines
+
+
+def auto_batch_rule(rule: dict) -> str:
+    """train.batch_per_device=auto's rule in words (the plan's auto_batch: plan.py, _auto_batch_rule)."""
+    text = (f"the largest multiple of {rule['multiple']} whose measured step fits {100 * rule['fraction']:g} % of the "
+            "smallest GPU's memory")
+    if rule.get("divides"):
+        text += f", dividing train.global_batch's {rule['divides']} images per device (accumulate follows)"
+    elif rule.get("most"):
+        text += f", at most {rule['most']} (a rank's share of the training set)"
+    if rule.get("eager"):
+        text += ", measured on the eager network (train.compile compiles per batch size; its step needs less)"
+    return text
 
 
 def _count_text(data: DatasetInfo) -> str:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from launcher.inputs.data import DatasetInfo
@@ -24,6 +24,9 @@ MODES = ("auto", "ddp", "dp", "single")
 BACKENDS = ("auto", "nccl", "gloo")
 MULTI_NODE_DEFAULT_PORT = 29500  # torchrun's default; every node must agree on it, so it cannot be picked at random
 MAX_AUTO_WORKERS = 16
+AUTO_BATCH_MULTIPLE = 8  # train.batch_per_device=auto chooses a multiple of 8 (Tensor Core tiles, even shards)
+AUTO_BATCH_ON_CPU = 16  # conf/config.yaml's train.batch_per_device: what auto means without GPU memory to measure
+DEFAULT_MEMORY_FRACTION = 0.6  # conf/config.yaml's train.memory_fraction (Ultralytics' batch=-1 fills 60 %)
 # With the input on the GPU a worker only reads files (and decodes the few that nvJPEG cannot): four keep a rank fed.
 MAX_AUTO_WORKERS_GPU_INPUT = 4
 
@@ -48,13 +51,14 @@ class LaunchPlan:
     gpus_per_node: int
     devices_per_rank: int  # 1, or every GPU of the node under DataParallel
     world_size: int
-    batch_per_device: int
-    batch_per_rank: int  # images per rank per optimizer step: batch_per_device x devices_per_rank x accumulate
-    global_batch: int
+    # the batch fields are None while train.batch_per_device=auto waits for the ranks to measure it (with_batch)
+    batch_per_device: int | None
+    batch_per_rank: int | None  # images per rank per optimizer step: batch_per_device x devices_per_rank x accumulate
+    global_batch: int | None
     base_lr: float
     base_batch: int
     lr_scaling: str
-    lr0: float
+    lr0: float | None
     warmup_epochs: float | None  # None until the dataset size is known
     warmup_iterations: int | None
     warmup_images: int | None
@@ -69,15 +73,23 @@ class LaunchPlan:
     env: dict = field(default_factory=dict)  # the ranks' environment, on top of the launcher's own
     notes: tuple[str, ...] = ()
     cuda_graphs: bool = False  # train.cuda_graphs resolved: the network's step replayed as CUDA graphs
-    accumulate: int = 1  # micro-batches per optimizer step (train.accumulate, or from train.global_batch)
+    accumulate: int | None = 1  # micro-batches per optimizer step (train.accumulate, or from train.global_batch)
+    # train.batch_per_device=auto on GPUs: the rule the ranks follow (fraction, multiple, divides, most), and once
+    # they have measured, the batch and why (rank/step/auto_batch.py); {} for a batch given as a number
+    auto_batch: dict = field(default_factory=dict)
     augment_on: str = "cpu"  # loader.augment_on resolved: gpu (bytes in, decode and augmentation on the GPU) | cpu
     # per split: the images Ultralytics uses and drops, and why (inputs/labels.py); train_images counts the usable
     images: dict = field(default_factory=dict)
 
     @property
-    def micro_batch(self) -> int:
+    def micro_batch(self) -> int | None:
         """Images per rank per forward pass (what the CUDA graphs are captured for)."""
-        return self.batch_per_rank // self.accumulate
+        return None if self.batch_pending else self.batch_per_rank // self.accumulate
+
+    @property
+    def batch_pending(self) -> bool:
+        """train.batch_per_device=auto, not measured yet: the ranks choose it before their first step."""
+        return self.batch_per_device is None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -117,36 +129,22 @@ def make_plan(
     backend = _backend(dist, top, hw, problems)
 
     # --- batch and learning rate -----------------------------------------------------------------------------
-    batch_per_device = as_int(train.get("batch_per_device"), "train.batch_per_device", problems, 1) or 1
-    accumulate = _accumulate(train, batch_per_device * top.devices_per_rank * top.world_size, problems)
-    batch_per_rank = batch_per_device * top.devices_per_rank * accumulate
-    global_batch = batch_per_rank * top.world_size
-    base_batch = as_int(optim.get("base_batch"), "optim.base_batch", problems, 1) or 1
-    base_lr = optim.get("base_lr")
-    if not isinstance(base_lr, (int, float)) or isinstance(base_lr, bool) or base_lr <= 0:
-        problems.append(Problem(f"optim.base_lr={base_lr!r}: expected a number > 0"))
-        base_lr = 0.01
-    rule = optim.get("lr_scaling", "linear")
-    if not checks.one_of(rule, lr.LR_RULES, "optim.lr_scaling", problems):
-        rule = "none"
-    lr0 = lr.scaled_lr(float(base_lr), base_batch, global_batch, rule)
-    problems += checks.optim_problems(optim)
-
-    epochs = as_int(train.get("epochs"), "train.epochs", problems, 1) or 1
+    devices = top.devices_per_rank * top.world_size
+    problems += checks.batch_problems(train, device=top.device, mode=top.mode, devices=devices,
+                                      multiple=AUTO_BATCH_MULTIPLE)
+    auto_batch: dict = {}
+    if train.get("batch_per_device") != "auto":
+        batch_per_device = as_int(train.get("batch_per_device"), "train.batch_per_device", problems, 1) or 1
+    elif top.device == "cpu":  # no GPU memory to measure: the shipped default, said in a note
+        batch_per_device = AUTO_BATCH_ON_CPU
+        notes.append(f"train.batch_per_device=auto measures GPU memory; on the CPU it is {AUTO_BATCH_ON_CPU} (the "
+                     "default; set a number to change it)")
+    else:
+        batch_per_device, auto_batch = None, _auto_batch_rule(train, top, data)
     train_images = data.train_images if data is not None else None
-    batches_per_epoch = warmup = None
-    if train_images:
-        per_rank = math.ceil(train_images / top.world_size)  # DistributedSampler pads to equal shards
-        batches_per_epoch = math.ceil(per_rank / batch_per_rank)
-        warmup = lr.warmup_length(
-            warmup_epochs=float(optim.get("warmup_epochs", 0.0)),
-            warmup_images=optim.get("warmup_images"),
-            epochs=epochs,
-            batches_per_epoch=batches_per_epoch,
-            global_batch=global_batch,
-        )
-        if train_images < global_batch:
-            notes.append(f"the global batch ({global_batch}) is larger than the training set ({train_images} images)")
+    batch = batch_fields(cfg, batch_per_device, devices_per_rank=top.devices_per_rank, world_size=top.world_size,
+                         train_images=train_images, problems=problems, notes=notes)
+    problems += checks.optim_problems(optim)
 
     problems += checks.train_problems(train)
     problems += checks.step_problems(train, optim, device=top.device, mode=top.mode, hw=hw)
@@ -180,17 +178,7 @@ def make_plan(
         gpus_per_node=top.gpus,
         devices_per_rank=top.devices_per_rank,
         world_size=top.world_size,
-        batch_per_device=batch_per_device,
-        batch_per_rank=batch_per_rank,
-        global_batch=global_batch,
-        base_lr=float(base_lr),
-        base_batch=base_batch,
-        lr_scaling=rule,
-        lr0=lr0,
-        warmup_epochs=warmup.epochs if warmup else None,
-        warmup_iterations=warmup.iterations if warmup else None,
-        warmup_images=warmup.images if warmup else None,
-        batches_per_epoch=batches_per_epoch,
+        **batch,
         train_images=train_images,
         workers_per_rank=workers,
         threads_per_rank=threads,
@@ -202,15 +190,92 @@ def make_plan(
         notes=tuple(notes),
         cuda_graphs=checks.uses_cuda_graphs(train, device=top.device, mode=top.mode),
         augment_on=augment_on,
-        accumulate=accumulate,
+        auto_batch=auto_batch,
         images=dict(data.checks) if data is not None else {},
     )
     return plan, problems
 
 
-def _accumulate(train: dict, per_pass: int, problems: list[Problem]) -> int:
+def batch_fields(cfg: dict, batch_per_device: int | None, *, devices_per_rank: int, world_size: int,
+                 train_images: int | None, problems: list[Problem], notes: list[str]) -> dict:
+    """The plan's fields that follow the per-device batch: accumulate, the batch per rank and the global batch, lr0
+    (optim.lr_scaling), and the warmup in steps. make_plan calls it with the configured batch; with_batch on the
+    ranks, with the one train.batch_per_device=auto measured (None: every field that needs it is None)."""
+    train, optim = cfg["train"], cfg["optim"]
+    base_batch = as_int(optim.get("base_batch"), "optim.base_batch", problems, 1) or 1
+    base_lr = optim.get("base_lr")
+    if not isinstance(base_lr, (int, float)) or isinstance(base_lr, bool) or base_lr <= 0:
+        problems.append(Problem(f"optim.base_lr={base_lr!r}: expected a number > 0"))
+        base_lr = 0.01
+    rule = optim.get("lr_scaling", "linear")
+    if not checks.one_of(rule, lr.LR_RULES, "optim.lr_scaling", problems):
+        rule = "none"
+    epochs = as_int(train.get("epochs"), "train.epochs", problems, 1) or 1
+    per_pass = None if batch_per_device is None else batch_per_device * devices_per_rank * world_size
+    accumulate = _accumulate(train, per_pass, problems)
+    fields = dict(batch_per_device=batch_per_device, batch_per_rank=None, global_batch=None, base_lr=float(base_lr),
+                  base_batch=base_batch, lr_scaling=rule, lr0=None, warmup_epochs=None, warmup_iterations=None,
+                  warmup_images=None, batches_per_epoch=None, accumulate=accumulate)
+    if batch_per_device is None:
+        return fields
+    batch_per_rank = batch_per_device * devices_per_rank * accumulate
+    global_batch = batch_per_rank * world_size
+    fields.update(accumulate=accumulate, batch_per_rank=batch_per_rank, global_batch=global_batch,
+                  lr0=lr.scaled_lr(float(base_lr), base_batch, global_batch, rule))
+    if train_images:
+        per_rank = math.ceil(train_images / world_size)  # DistributedSampler pads to equal shards
+        batches_per_epoch = math.ceil(per_rank / batch_per_rank)
+        warmup = lr.warmup_length(
+            warmup_epochs=float(optim.get("warmup_epochs", 0.0)),
+            warmup_images=optim.get("warmup_images"),
+            epochs=epochs,
+            batches_per_epoch=batches_per_epoch,
+            global_batch=global_batch,
+        )
+        fields.update(batches_per_epoch=batches_per_epoch, warmup_epochs=warmup.epochs,
+                      warmup_iterations=warmup.iterations, warmup_images=warmup.images)
+        if train_images < global_batch:
+            notes.append(f"the global batch ({global_batch}) is larger than the training set ({train_images} images)")
+    return fields
+
+
+def with_batch(plan: LaunchPlan, cfg: dict, batch_per_device: int, why: dict) -> LaunchPlan:
+    """The plan once the ranks have measured train.batch_per_device=auto: every field that follows the batch from
+    batch_fields, as make_plan would have planned it for that number; `why` (the measurement) kept in auto_batch."""
+    problems: list[Problem] = []
+    notes: list[str] = []
+    fields = batch_fields(cfg, batch_per_device, devices_per_rank=plan.devices_per_rank, world_size=plan.world_size,
+                          train_images=plan.train_images, problems=problems, notes=notes)
+    if problems:  # the rule (auto_batch's divides) makes every batch it allows plannable
+        raise ValueError(f"batch_per_device={batch_per_device}: " + "; ".join(p.message for p in problems))
+    return replace(plan, **fields, notes=plan.notes + tuple(notes),
+                   auto_batch={**plan.auto_batch, **why, "batch_per_device": batch_per_device})
+
+
+def _auto_batch_rule(train: dict, top: _Topology, data: DatasetInfo | None) -> dict:
+    """What the ranks measure for train.batch_per_device=auto: the largest multiple of `multiple` whose step fits
+    `fraction` of the GPU's memory, dividing `divides` (train.global_batch's share per device: accumulate follows)
+    and at most `most` (more than a rank's share of the training set cannot fill a batch); None: no bound."""
+    fraction = train.get("memory_fraction", DEFAULT_MEMORY_FRACTION)
+    wanted, accumulate = train.get("global_batch"), train.get("accumulate", 1)
+    divides = wanted // (top.devices_per_rank * top.world_size) if _whole(wanted) else None
+    most = divides
+    if most is None and data is not None and data.train_images:
+        share = math.ceil(data.train_images / top.world_size) // (top.devices_per_rank * (accumulate if _whole(accumulate) else 1))
+        most = max(AUTO_BATCH_MULTIPLE, share // AUTO_BATCH_MULTIPLE * AUTO_BATCH_MULTIPLE)
+    return {"fraction": float(fraction) if checks.is_fraction(fraction) else DEFAULT_MEMORY_FRACTION,
+            "multiple": AUTO_BATCH_MULTIPLE, "divides": divides, "most": most,
+            "eager": train.get("compile", False) not in (False, None)}  # compiled per shape: measured eagerly
+
+
+def _whole(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _accumulate(train: dict, per_pass: int | None, problems: list[Problem]) -> int | None:
     """Micro-batches per optimizer step: train.accumulate, or train.global_batch / the images of one pass over
-    every device (`per_pass`), which must divide it."""
+    every device (`per_pass`), which must divide it; None while the batch (train.batch_per_device=auto) is not
+    measured."""
     accumulate = as_int(train.get("accumulate", 1), "train.accumulate", problems, 1) or 1
     wanted = train.get("global_batch")
     if wanted is None:
@@ -221,6 +286,8 @@ def _accumulate(train: dict, per_pass: int, problems: list[Problem]) -> int:
     if train.get("accumulate", 1) != 1:
         problems.append(Problem(f"train.global_batch={wanted} and train.accumulate={train['accumulate']}: set one "
                                 "(train.global_batch decides accumulate)"))
+    elif per_pass is None:
+        return None
     elif wanted % per_pass:
         low, high = max(per_pass, wanted // per_pass * per_pass), (wanted // per_pass + 1) * per_pass
         problems.append(Problem(f"train.global_batch={wanted}: not a multiple of the {per_pass} images one pass over "

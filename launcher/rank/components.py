@@ -2,7 +2,10 @@
 
 1. the node-shared image cache, before the process group (its build may outlast dist.timeout_s: nobody waits for it
    in a timed barrier);
-2. the process group, and the heartbeat over its store;
+   with train.batch_per_device=auto, this GPU's largest batch, measured before the process group too (the loss's
+   normaliser would all-reduce, and ranks measure different sizes) on a network, optimizer, EMA and CUDA graphs of
+   its own, freed before the run's own are built: everything below is built for the batch chosen;
+2. the process group, and the heartbeat over its store; the job's batch, the smallest any rank measured;
 3. the network, from model.cfg and/or model.weights, with the resume state loaded before anything copies it;
 4. the training loader, the validation loader (the validator copies the hyperparameters once max_det is set),
    the optimizer on the bare network;
@@ -21,7 +24,8 @@ from torch import nn
 
 from launcher.machine.report import report as environment_report
 from launcher.plan import lr as lrmod
-from launcher.plan.plan import LaunchPlan
+from launcher.plan.describe import batch_lines
+from launcher.plan.plan import LaunchPlan, with_batch
 from launcher.rank import checkpoint_io
 from launcher.rank.data import affinity, image_cache
 from launcher.rank.data.encoded import EncodedImages, EncodedTrainDataset
@@ -33,6 +37,7 @@ from launcher.rank.dist import Comm, rank_info
 from launcher.rank.faults import FaultInjector
 from launcher.rank.heartbeat import Heartbeat, NoHeartbeat
 from launcher.rank.state import Checkpointer, ModuleState, TrainState, upgrade
+from launcher.rank.step import auto_batch
 from launcher.rank.step.graphed import GraphedDetector
 from launcher.rank.step.optimizer import Schedule, fused_optimizer
 from launcher.rank.step.train_step import TrainStep
@@ -73,16 +78,21 @@ class Rank:
         build.seed(self.hyp, self.rank, world)
         self.data = build.dataset_info(self.hyp)
         train, loader_cfg = cfg["train"], cfg["loader"]
+        amp = train["amp"] if self.device.type == "cuda" else False
+        self.amp_dtype = (torch.bfloat16 if amp == "bf16" else torch.float16) if amp else None
 
-        # 1. the node's image cache, before the process group
+        # 1. the node's image cache, before the process group; the batch this GPU takes (train.batch_per_device=auto)
         self.caches = self._image_caches() if train["cache"] == "shared" else {}
-        # 2. the process group and the heartbeat
+        measured = self._measure_batch() if plan.batch_pending else None
+        # 2. the process group and the heartbeat; the job's batch
         self.comm = Comm(self.rank, 1)
         self.heartbeat = NoHeartbeat()
         if plan.mode == "ddp":
             self.comm = Comm.start(plan.backend, plan.timeout_s, at_init=self.faults.at_init)
             if world > 1:
                 self.heartbeat = Heartbeat(self.comm.store, self.rank, world, plan.timeout_s, folder)
+        if measured is not None:
+            plan = self._take_batch(measured)
         if self.rank == 0:
             build.save_args(self.hyp, folder.path)
             folder.env_file.write_text(environment_report())  # what a bug report needs (ddp-env prints the same)
@@ -93,12 +103,8 @@ class Rank:
         self.net, self.frozen = build.network(self.hyp, self.data, cfg["model"].get("weights"))
         if resume is not None:
             self.net.load_state_dict(_resume_part(resume, "model"))  # the raw model in fp32: training continues exactly
-        self.net = self.net.to(self.device)
-        if self.device.type == "cuda" and self.hyp.channels_last is not False:
-            self.net = self.net.to(memory_format=torch.channels_last)  # Ultralytics' CUDA default (fast convolutions)
+        self.net = self._on_device(self.net)
         self.stride = max(int(self.net.stride.max()), 32)
-        amp = train["amp"] if self.device.type == "cuda" else False
-        self.amp_dtype = (torch.bfloat16 if amp == "bf16" else torch.float16) if amp else None
         self.scaler = torch.amp.GradScaler("cuda", enabled=self.amp_dtype == torch.float16)
         if plan.mode == "ddp" and cfg["dist"]["sync_bn"]:
             self.net = nn.SyncBatchNorm.convert_sync_batchnorm(self.net)
@@ -125,10 +131,7 @@ class Rank:
             build.align_max_det(self.net, self.hyp, self.train_dataset, self.val_loader.dataset)  # before the copies
             self.validator = Validator(self.val_loader, self.hyp, folder.path, on_batch=lambda: self.heartbeat.working())
         optim = cfg["optim"]
-        self.optimizer = fused_optimizer(
-            build.optimizer(self.net, str(optim["name"]), plan.lr0, optim["momentum"], optim["weight_decay"]),
-            optim.get("fused", "auto"), self.device,
-        )
+        self.optimizer = self._optimizer(self.net, plan.lr0)
         self.schedule = Schedule(self.optimizer, epochs=int(train["epochs"]), lrf=optim["lrf"], cos_lr=optim["cos_lr"],
                                  warmup_steps=plan.warmup_iterations or 0, warmup_bias_lr=optim["warmup_bias_lr"],
                                  warmup_momentum=optim["warmup_momentum"], momentum=optim["momentum"])
@@ -174,14 +177,93 @@ class Rank:
                 part = _resume_part(self.resume, name)
                 if part is not None:
                     component.load_state_dict(part)
-        state, saved_world = self.state, self.state.world_size
+        state, saved_world, saved_batch = self.state, self.state.world_size, self.state.global_batch
         self.state.resumed_from = self.resumed_from
         if saved_world != self.comm.world_size and state.step:
             self.log(f"world size changed ({saved_world} -> {self.comm.world_size}): restarting epoch {state.epoch + 1}")
             state.step = 0
             state.reset_loss()
+        elif saved_batch != self.plan.global_batch and state.step:  # train.batch_per_device=auto measured again
+            self.log(f"global batch changed ({saved_batch} -> {self.plan.global_batch}): restarting epoch "
+                     f"{state.epoch + 1}")
+            state.step = 0
+            state.reset_loss()
         state.world_size, state.global_batch = self.comm.world_size, self.plan.global_batch
         self.log(f"resuming from {self.resumed_from} at epoch {state.epoch + 1}, step {state.step + 1}")
+
+    def _on_device(self, net: nn.Module) -> nn.Module:
+        net = net.to(self.device)
+        if self.device.type == "cuda" and self.hyp.channels_last is not False:
+            net = net.to(memory_format=torch.channels_last)  # Ultralytics' CUDA default (fast convolutions)
+        return net
+
+    def _optimizer(self, net: nn.Module, lr: float) -> torch.optim.Optimizer:
+        optim = self.cfg["optim"]
+        return fused_optimizer(build.optimizer(net, str(optim["name"]), lr, optim["momentum"], optim["weight_decay"]),
+                               optim.get("fused", "auto"), self.device)
+
+    def _measure_batch(self) -> dict:
+        """train.batch_per_device=auto: the largest batch whose step fits this GPU (step/auto_batch.py), measured on
+        the step as the run takes it, built here from the same parts as the run's own (a network of its own, its
+        loss, optimizer, EMA, scaler and CUDA graphs), all freed before the run's are built; the RNG is left as the
+        seed set it."""
+        plan, cfg = self.plan, self.cfg
+        memory = auto_batch.CudaMemory(self.device)
+        dtype, channels_last = self.step_input
+        with torch.random.fork_rng(devices=[self.device]):
+            net, frozen = build.network(self.hyp, self.data, cfg["model"].get("weights"))
+            net = self._on_device(net)
+            step = TrainStep(net, net, optimizer=self._optimizer(net, plan.base_lr),
+                             scaler=torch.amp.GradScaler("cuda", enabled=self.amp_dtype == torch.float16),
+                             ema=build.ema(net), loss_scale=1.0, grad_clip=float(cfg["optim"].get("grad_clip", 10.0)),
+                             amp_dtype=self.amp_dtype)
+            net.criterion, _ = training_criterion(net, sync_free=bool(cfg["train"].get("sync_free_loss", True)))
+            build.train_mode(net, frozen)
+            graphs = [plan.cuda_graphs]
+
+            def run_at(batch: int) -> None:
+                images = auto_batch.synthetic_batch(batch, int(self.hyp.imgsz), self.device, dtype=dtype,
+                                                    channels_last=channels_last, nc=int(self.data["nc"]))
+                try:
+                    step.model = self._probe_graphs(net, batch, graphs)
+                    for _ in range(auto_batch.STEPS):
+                        step(images)
+                finally:
+                    step.model = net  # the graphs (and their memory pool) go with this size
+
+            choice = auto_batch.choose(lambda b: auto_batch.measure(run_at, b, memory), total=memory.total(),
+                                       rule=plan.auto_batch)
+            del step, net, run_at
+            memory.release()
+        return choice.record(plan.auto_batch["fraction"], f"{self.device} {torch.cuda.get_device_name(self.device)}")
+
+    def _probe_graphs(self, net: nn.Module, batch: int, graphs: list[bool]) -> nn.Module:
+        """The probe's network for `batch`: CUDA-graphed as the run's will be; eager after a capture that fails for
+        another reason than memory (as the run's own falls back: _graphed)."""
+        if not graphs[0]:
+            return net
+        try:
+            return self._capture(net, batch)
+        except torch.cuda.OutOfMemoryError:
+            raise
+        except Exception as e:
+            self.log(f"WARNING: CUDA graph capture failed while measuring the batch ({type(e).__name__}: {e}); "
+                     "measuring the eager step")
+            graphs[0] = False
+            return net
+
+    def _take_batch(self, mine: dict) -> LaunchPlan:
+        """The job's batch: the smallest any rank measured (a collective), and the plan for it, from the rules
+        make_plan follows (plan.with_batch). Rank 0 writes it into plan.json (a restarted rank trains on it without
+        measuring again) and prints it, with the lr0 and warmup it gives, before the first step."""
+        why = auto_batch.agree(self.comm.gather(mine))
+        self.plan = with_batch(self.plan, self.cfg, why["batch_per_device"], why)
+        build.set_batch(self.hyp, self.plan)
+        if self.rank == 0:
+            self.folder.write_plan(self.plan)
+            for line in [auto_batch.explain(why), *batch_lines(self.plan), *self.plan.notes]:
+                self.log(line)
+        return self.plan
 
     def _image_caches(self) -> dict[str, image_cache.ImageCache]:
         """Both splits' caches (held for the whole run: a cache in use is never evicted): the first process on the
@@ -270,20 +352,33 @@ class Rank:
             raw = self.gpu_input(raw, self.generator)  # carries MAX_TARGETS, read with its box count
         return to_device(raw, self.device, imgsz=self.hyp.imgsz, stride=self.stride, multi_scale=self.hyp.multi_scale)
 
+    @property
+    def step_input(self) -> tuple[torch.dtype, bool]:
+        """(dtype, channels_last) of the images the step is given: the GPU pipeline writes the network's input type
+        in channels_last, the CPU pipeline's arrive as float32 NCHW (to_device)."""
+        on_gpu = self.plan.augment_on == "gpu"
+        return (self.input_dtype if on_gpu else torch.float32), on_gpu
+
+    def _capture(self, net: nn.Module, batch: int) -> GraphedDetector:
+        dtype, channels_last = self.step_input
+        return GraphedDetector(net, batch, self.hyp.imgsz, self.amp_dtype, input_dtype=dtype,
+                               channels_last=channels_last)
+
     def _graphed(self) -> nn.Module | None:
         """The network with its training forward and backward captured as CUDA graphs (graphed.py), in train mode;
         None when the capture fails and train.cuda_graphs=auto (the network then trains eagerly)."""
         self.net.train()
         try:
-            graphed = GraphedDetector(self.net, self.plan.micro_batch, self.hyp.imgsz, self.amp_dtype,
-                                      input_dtype=self.input_dtype if self.gpu_input else torch.float32,
-                                      channels_last=self.gpu_input is not None)
+            graphed = self._capture(self.net, self.plan.micro_batch)
         except Exception as e:  # a network with host syncs or data-dependent shapes in its forward
             failure = f"CUDA graph capture of the network failed ({type(e).__name__}: {e})"
             if self.cfg["train"].get("cuda_graphs", "auto") is True:
                 raise RuntimeError(f"{failure}; train without graphs: train.cuda_graphs=false") from e
             self.log(f"WARNING: {failure}; training eagerly (train.cuda_graphs=auto)")
             return None
+        # The capture's eager warm-up left blocks cached for its side stream, which no later step or validation on
+        # the training stream can reuse: given back (train.batch_per_device=auto measured the capture's peak).
+        torch.cuda.empty_cache()
         self.log(f"CUDA graphs: forward and backward captured for batches of {self.plan.micro_batch}")
         return graphed
 

@@ -61,6 +61,7 @@ def _meter(r: Rank, skip_steps: int) -> tuple[StepMeter, GpuMonitor | None]:
 def train(cfg: dict, plan: LaunchPlan, folder: RunFolder) -> dict | None:
     """Train on this rank; rank 0 writes summary.json. Returns the summary on rank 0."""
     r = Rank(cfg, plan, folder)
+    plan = r.plan  # with train.batch_per_device=auto, the batch the ranks measured
     try:
         train_cfg, state = cfg["train"], r.state
         meter, monitor = _meter(r, METER_SKIP_STEPS)
@@ -126,6 +127,7 @@ def bench_cell(cfg: dict, plan: LaunchPlan, folder: RunFolder) -> dict | None:
     metered (the sampler runs on across epochs; no validation, no checkpoint), then the same step on batches held on
     the device (the data-free ceiling). Rank 0 writes cell.json with every rank's figures."""
     r = Rank(cfg, plan, folder, validation=False)
+    plan = r.plan
     try:
         bench = cfg["bench"]
         warmup, steps = int(bench["warmup_steps"]), int(bench["steps"])

@@ -26,11 +26,25 @@ def host_cpu_busy(start, end) -> float:
     return 1 - idle / total if total > 0 else 0.0
 
 
+def torch_memory(device) -> dict:
+    """The caching allocator's peaks on a CUDA rank since the run's start (train.batch_per_device=auto: since its
+    probe was freed), and the GPU's total: reserved is what the allocator took from the GPU (what an out-of-memory
+    error sees; auto fills train.memory_fraction of the total with it), allocated what tensors held; NVML's
+    memory_peak_gib adds the CUDA context and other processes."""
+    if device.type != "cuda":
+        return {"memory_peak_reserved_gib": None, "memory_peak_allocated_gib": None, "memory_total_gib": None}
+    gib = 2**30
+    return {"memory_peak_reserved_gib": torch.cuda.max_memory_reserved(device) / gib,
+            "memory_peak_allocated_gib": torch.cuda.max_memory_allocated(device) / gib,
+            "memory_total_gib": torch.cuda.get_device_properties(device).total_memory / gib}
+
+
 def rank_report(*, rank: int, device, meter, monitor, net, loss_items: dict | None, state, samples=None,
                 input_gpu_ms: float | None = None) -> dict:
     m = meter.summary()
     gpus = [vars(g) for g in monitor.stats()] if monitor is not None else []
     return {
+        **torch_memory(device),
         "rank": rank,
         "device": str(device),
         "images_per_s": m.images_per_s,
@@ -72,6 +86,9 @@ def summary(*, plan, state, epochs: int, reports: list[dict], weights, last, run
         "device": plan.device,
         "global_batch": plan.global_batch,
         "batch_per_device": plan.batch_per_device,
+        "accumulate": plan.accumulate,
+        # train.batch_per_device=auto: the rule, the batch the ranks measured and why (rank/step/auto_batch.py)
+        "auto_batch": plan.auto_batch or None,
         "lr0": plan.lr0,
         "warmup_iterations": plan.warmup_iterations,
         # ranks run concurrently: their rates add up; None when the run was too short to leave its warm-up steps
@@ -80,6 +97,9 @@ def summary(*, plan, state, epochs: int, reports: list[dict], weights, last, run
         "images": plan.images,  # per split: usable and dropped images, and why (the plan's check, inputs/labels.py)
         "data_wait": max(r["data_wait"] for r in reports),  # the worst-fed rank sets the pace
         "gpu_util": min(utils) if utils else None,  # the least busy GPU
+        **{key: max((r[key] for r in reports if r.get(key) is not None), default=None)  # the fullest GPU
+           for key in ("memory_peak_reserved_gib", "memory_peak_allocated_gib", "memory_peak_gib")},
+        "memory_total_gib": min((r["memory_total_gib"] for r in reports if r.get("memory_total_gib")), default=None),
         "weights": str(weights),
         "last": str(last),
         "run_dir": str(run_dir),

@@ -31,16 +31,13 @@ def hyperparameters(cfg: dict, plan: LaunchPlan, run_dir: Path, local_rank: int)
         "data": str(cfg["data"]["path"]),
         "epochs": train["epochs"],
         "imgsz": train["imgsz"],
-        "batch": plan.global_batch,
-        "nbs": plan.global_batch,  # Ultralytics' accumulation and weight-decay rescaling off: plan/lr.py
+        **({} if plan.batch_pending else batch_args(plan)),  # auto: Ultralytics' defaults until set_batch
         "device": "cpu" if plan.device == "cpu" else str(local_rank),
         "workers": plan.workers_per_rank,
         "optimizer": {"sgd": "SGD", "adamw": "AdamW"}[str(optim["name"]).lower()],
-        "lr0": plan.lr0,
         "lrf": optim["lrf"],
         "momentum": optim["momentum"],
         "weight_decay": optim["weight_decay"],
-        "warmup_epochs": plan.warmup_epochs or 0.0,
         "warmup_momentum": optim["warmup_momentum"],
         "warmup_bias_lr": optim["warmup_bias_lr"],
         "cos_lr": optim["cos_lr"],
@@ -58,6 +55,22 @@ def hyperparameters(cfg: dict, plan: LaunchPlan, run_dir: Path, local_rank: int)
         **(train.get("extra") or {}),
     }
     return get_cfg(overrides=args)
+
+
+def batch_args(plan: LaunchPlan) -> dict:
+    """The training arguments that follow the batch."""
+    return {
+        "batch": plan.global_batch,
+        "nbs": plan.global_batch,  # Ultralytics' accumulation and weight-decay rescaling off: plan/lr.py
+        "lr0": plan.lr0,
+        "warmup_epochs": plan.warmup_epochs or 0.0,
+    }
+
+
+def set_batch(hyp, plan: LaunchPlan) -> None:
+    """The batch train.batch_per_device=auto chose, in the arguments the network and its loss already hold."""
+    for key, value in batch_args(plan).items():
+        setattr(hyp, key, value)
 
 
 def seed(hyp, rank: int, world_size: int) -> None:
