@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 from launcher.launch.logs import LogStreamer, QuietStop, say
+from launcher.plan.environment import TORCHRUN_STARTED
 from launcher.plan.plan import LaunchPlan
 
 WORKER_MODULE = "launcher.rank.worker"
@@ -106,6 +107,7 @@ def run_torchrun(
     # job ignores USR1, which SLURM sends to every process of the step; a handler installed before the fork would be
     # reset to the default, "terminate", in torchrun and the ranks), and the parent-death request runs in the child
     # between fork and exec, where no other thread of the launcher should exist.
+    env = {**env, TORCHRUN_STARTED: repr(time.time())}  # rank 0's timeline (rank/metrics/timeline.py)
     proc = subprocess.Popen(cmd, env={**os.environ, **env}, start_new_session=True, stderr=subprocess.PIPE,
                             preexec_fn=parent_death_signal(signal.SIGTERM))
     stderr = threading.Thread(target=QuietStop(sys.stderr).copy, args=(proc.stderr,), daemon=True)
