@@ -8,7 +8,10 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import time
 from pathlib import Path
+
+STARTED = time.time()  # the command's start, before Hydra's imports: where rank 0's timeline begins
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -16,6 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from launcher.entry import EXIT_PLAN_ERROR, GROUPS, Jobs, RunFolderGuard, conf_dir, print_help_if_asked
 from launcher.launch import torchrun, warm_torchrun
+from launcher.plan.environment import LAUNCH_STARTED
 
 jobs = Jobs()
 
@@ -43,6 +47,7 @@ def _hydra_entry(cfg: DictConfig) -> int:
 
 
 def main() -> None:
+    os.environ[LAUNCH_STARTED] = repr(STARTED)  # torchrun and the ranks inherit it
     conf = Path(conf_dir())
     if print_help_if_asked(sys.argv[1:], "ddp-launch", "train Ultralytics YOLO on every GPU and node, through torchrun",
                            groups={g: GROUPS[g] for g in ("model", "data", "launcher", "experiment")}, files=[(conf / "config.yaml", "")]):

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 
 import pytest
 import yaml
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
 
+from launcher.bench.cli import run_bench
 from launcher.launch.start import start as launch
 from launcher.problems import PlanError
 from tests.conftest import CONF, compose_config
@@ -57,10 +61,16 @@ def test_every_group_option_composes_and_dry_runs(group, option, tmp_path, custo
 def test_every_experiment_composes_dry_runs_and_names_its_command(experiment, tmp_path, capsys, cache_dir):
     text = (CONF / "experiment" / f"{experiment}.yaml").read_text()
     assert text.startswith("# @package _global_")
-    run_lines = [line for line in text.splitlines() if line.startswith("# Run: ddp-launch ")]
+    run_lines = [line for line in text.splitlines() if line.startswith(("# Run: ddp-launch ", "# Run: ddp-bench "))]
     assert run_lines, f"experiment/{experiment}.yaml does not name the command that runs it"
     assert f"+experiment={experiment}" in run_lines[0]
-    out = dry_run([f"+experiment={experiment}"], tmp_path, capsys)
+    if run_lines[0].startswith("# Run: ddp-bench "):  # a benchmark's experiment: its command as written, dry-run
+        with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+            cfg = compose("bench", overrides=[*shlex.split(run_lines[0].split(None, 3)[3]), "dry_run=true"])
+        assert run_bench(OmegaConf.to_container(cfg, resolve=True), tmp_path / "run", tmp_path, run_lines[0]) == 0
+        out = capsys.readouterr().out
+    else:
+        out = dry_run([f"+experiment={experiment}"], tmp_path, capsys)
     assert "dry run: nothing started" in out
 
 

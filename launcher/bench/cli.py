@@ -1,5 +1,6 @@
 """`ddp-bench`: run every cell (mode x size) of the benchmark with the same model, per-device batch, data and seed,
-one after another in this invocation, and write bench.json, bench.md and bench.png into the run folder.
+one after another in this invocation, and write bench.json, bench.md and bench.png into the run folder
+(`bench.kind=throughput`, the default; `bench.kind=time_to_model` is the command-to-weights race, time_to_model.py).
 
 Each cell is a real launch (torchrun, the ranks, ddp-launch's trainer) that trains `bench.warmup_steps +
 bench.steps` steps and then times the same step on batches already on the device (the data-free ceiling).
@@ -17,7 +18,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from launcher.bench import report
+from launcher.bench import report, time_to_model
 from launcher.bench.cells import Cell, plan_cells
 from launcher.entry import GROUPS, Jobs, RunFolderGuard, conf_dir, print_help_if_asked
 from launcher.inputs.data import resolve_data
@@ -46,9 +47,14 @@ def run_bench(cfg: dict, run_dir: Path, base_dir: Path, command: str) -> int:
     if on_gpu and hw.gpu_count == 0:
         raise PlanError([Problem(f"gpus={gpus} but {hw.describe_gpus()}; benchmark CPU ranks with gpus=0")])
     b = cfg["bench"]
-    cells, problems = plan_cells(
-        list(b["sizes"]), list(b["modes"]), b["baseline"], hw.gpu_count, hw.cpu_count, on_gpu, b.get("variants") or None
-    )
+    kind = b.get("kind") or "throughput"
+    if kind == "throughput":
+        cells, problems = plan_cells(list(b["sizes"]), list(b["modes"]), b["baseline"], hw.gpu_count, hw.cpu_count,
+                                     on_gpu, b.get("variants") or None)
+    elif kind == "time_to_model":
+        cells, problems = [], time_to_model.problems(b)
+    else:
+        cells, problems = [], [f"bench.kind={kind!r}: expected throughput or time_to_model"]
     model, model_msgs = resolve_model(cfg["model"], base_dir)
     if problems or model_msgs:
         raise PlanError(config_problems(problems + model_msgs))
@@ -58,6 +64,10 @@ def run_bench(cfg: dict, run_dir: Path, base_dir: Path, command: str) -> int:
     errors, warnings = check_plan(data_problems, dry_run=dry_run)
     if errors:
         raise PlanError(errors)
+    if kind == "time_to_model":
+        for w in warnings if dry_run else []:
+            say(f"WARNING: {w.message} (a real run would refuse)")
+        return time_to_model.run(cfg, run_dir, model, data, on_gpu, command, dry_run)
 
     to_run = [c for c in cells if not c.skip]
     say(f"ddp-bench: {len(to_run)} cell(s) on {hw.describe_gpus() if on_gpu else f'{hw.cpu_count} CPU core(s)'}")
@@ -187,7 +197,7 @@ def _hydra_entry(cfg: DictConfig) -> int:
 
 def main() -> None:
     conf = Path(conf_dir())
-    if print_help_if_asked(sys.argv[1:], "ddp-bench", "single vs DataParallel vs DDP throughput, and where the time goes",
+    if print_help_if_asked(sys.argv[1:], "ddp-bench", "single vs DataParallel vs DDP throughput and where the time goes; or the time to a trained model against Ultralytics' trainer (bench.kind=time_to_model)",
                            groups={g: GROUPS[g] for g in ("model", "data", "bench")}, files=[(conf / "bench" / "default.yaml", "bench.")]):
         print("Every ddp-launch key works here too: ddp-launch --help lists them.")
         return

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from launcher.launch.logs import LogStreamer, QuietStop, say
 from launcher.launch.warm_torchrun import warm
+from launcher.plan.environment import TORCHRUN_STARTED
 from launcher.plan.plan import LaunchPlan
 
 WORKER_MODULE = "launcher.rank.worker"
@@ -108,6 +109,7 @@ def run_torchrun(
     # job ignores USR1, which SLURM sends to every process of the step; a handler installed before the fork would be
     # reset to the default, "terminate", in torchrun and the ranks), and the parent-death request runs in the child
     # between fork and exec, where no other thread of the launcher should exist.
+    env = {**env, TORCHRUN_STARTED: repr(time.time())}  # rank 0's timeline (rank/metrics/timeline.py): handed over
     proc = warm.take(cmd, {**os.environ, **env}) or subprocess.Popen(
         cmd, env={**os.environ, **env}, start_new_session=True, stderr=subprocess.PIPE,
         preexec_fn=parent_death_signal(signal.SIGTERM))

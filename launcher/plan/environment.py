@@ -11,6 +11,10 @@ from pathlib import Path
 # NCCL_DEBUG levels users set; VERSION only prints the version line.
 NCCL_DEBUG_LEVELS = ("VERSION", "WARN", "INFO", "TRACE")
 TORCH_DEBUG_LEVELS = ("OFF", "INFO", "DETAIL")
+# When the launcher command and torchrun started (time.time()), for rank 0's timeline (rank/metrics/timeline.py):
+# set by the launcher process as it runs, never stored in the plan (a resumed run starts again).
+LAUNCH_STARTED = "DDP_LAUNCH_STARTED"
+TORCHRUN_STARTED = "DDP_LAUNCH_TORCHRUN_STARTED"
 
 
 def ultralytics_home(cache_dir: Path) -> Path:

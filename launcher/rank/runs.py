@@ -20,6 +20,9 @@ and per epoch (after_epoch):
   Progress        the epoch's line, with its mAP;
   InputBoundWarning  once per run, from the meter's window so far;
   AgreeToStop     last: the ranks take rank 0's stop decision, after all of rank 0's work of the epoch.
+On rank 0 the timeline (metrics/timeline.py) stamps the run for summary.json: TimelineEdges stands first (an
+epoch's start before closing mosaic, its training end before the validation, the last epoch's end before any
+after_train work), and Timed wraps Evaluate (each validation, the final one) and Checkpoint (the stripped weights).
 LRSchedule and ModelEpochs act before each epoch (lr, train mode) and LRSchedule before each step
 (warmup). after_train runs in list order: the final validation of best.pt (with Ultralytics' plots) before the
 plotter is waited for and before the checkpoints are stripped. InputGpuTime (loader.augment_on=gpu) only reads the
@@ -42,6 +45,7 @@ from launcher.rank.loop import Hook, TrainLoop
 from launcher.rank.metrics import report, results
 from launcher.rank.metrics.gpu_monitor import GpuMonitor
 from launcher.rank.metrics.meter import StepMeter
+from launcher.rank.metrics.timeline import Timed, Timeline, TimelineEdges
 from launcher.rank.ultralytics import build, checkpoint
 from launcher.rank.ultralytics.plots import Plotter
 from launcher.rank.ultralytics.tracking import Tracking
@@ -58,11 +62,14 @@ def _meter(r: Rank, skip_steps: int) -> tuple[StepMeter, GpuMonitor | None]:
                      in_flight=r.cfg["train"].get("steps_in_flight", 1)), monitor
 
 
-def train(cfg: dict, plan: LaunchPlan, folder: RunFolder) -> dict | None:
-    """Train on this rank; rank 0 writes summary.json. Returns the summary on rank 0."""
+def train(cfg: dict, plan: LaunchPlan, folder: RunFolder, stamps: dict | None = None) -> dict | None:
+    """Train on this rank; rank 0 writes summary.json. Returns the summary on rank 0. `stamps`: the process's own
+    for the timeline (worker.py: its start, its imports done)."""
+    timeline = Timeline(stamps)
     r = Rank(cfg, plan, folder)
     plan = r.plan  # with train.batch_per_device=auto, the batch the ranks measured
     try:
+        timeline.stamp("components_built")
         train_cfg, state = cfg["train"], r.state
         meter, monitor = _meter(r, METER_SKIP_STEPS)
         early_stop = h.EarlyStop(int(train_cfg["patience"]), r.log)
@@ -72,7 +79,15 @@ def train(cfg: dict, plan: LaunchPlan, folder: RunFolder) -> dict | None:
         epochs, on_rank0 = int(train_cfg["epochs"]), r.rank == 0
         integrations = cfg.get("log", {}).get("integrations") or []
         input_time = h.InputGpuTime(r.gpu_input, METER_SKIP_STEPS) if r.gpu_input else None
+        evaluate = h.Evaluate(lambda loop: _validate(r, loop), lambda loop, w: _validate(r, loop, w),
+                              lambda: _best_weights(r), interval=int(train_cfg["val_interval"]), comm=r.comm,
+                              device=r.device, log=r.log)
+        save = h.Checkpoint(checkpointer, int(train_cfg["save_period"]), lambda: _strip(r)) if on_rank0 else None
+        if on_rank0:
+            evaluate = Timed(evaluate, timeline, name="val", final="final_val", keep=lambda loop: loop.state.validated)
+            save = Timed(save, timeline, name=None, final="weights")
         hooks: list[Hook | None] = [
+            TimelineEdges(timeline, r.inputs) if on_rank0 else None,
             h.LRSchedule(r.schedule, plan.warmup_iterations or 0),
             h.ModelEpochs(train_mode=lambda: build.train_mode(r.net, r.frozen),
                           close_at=r.close_at, criterion=r.net.criterion, ema=r.ema, net=r.net, log=r.log),
@@ -82,9 +97,7 @@ def train(cfg: dict, plan: LaunchPlan, folder: RunFolder) -> dict | None:
             h.FaultInjection(r.faults),
             h.StopOnSignal(r.comm, r.heartbeat, r.inputs, save=lambda loop: checkpointer.save(),
                            log=r.log),
-            h.Evaluate(lambda loop: _validate(r, loop), lambda loop, w: _validate(r, loop, w),
-                       lambda: _best_weights(r), interval=int(train_cfg["val_interval"]), comm=r.comm,
-                       device=r.device, log=r.log),
+            evaluate,
             h.ResultsCsv(folder.path / "results.csv", r.validator.metric_keys, r.schedule.lrs, label_loss_items)
             if on_rank0 else None,
             h.Plots(Plotter(folder.path, r.log), folder.path / "results.csv", r.train_dataset.labels, r.data["names"])
@@ -92,7 +105,7 @@ def train(cfg: dict, plan: LaunchPlan, folder: RunFolder) -> dict | None:
             Tracking(list(integrations), run_dir=folder.path, hyp=r.hyp, data=r.data, net=r.net, lrs=r.schedule.lrs,
                      log=r.log) if on_rank0 and integrations else None,
             early_stop,
-            h.Checkpoint(checkpointer, int(train_cfg["save_period"]), lambda: _strip(r)) if on_rank0 else None,
+            save,
             h.Progress(meter, r.optimizer, r.device, r.rank, int(cfg.get("log", {}).get("interval_steps", 20)),
                        r.log, monitor),
             h.InputBoundWarning(meter, plan.workers_per_rank, r.log, monitor),
@@ -116,6 +129,8 @@ def train(cfg: dict, plan: LaunchPlan, folder: RunFolder) -> dict | None:
         weights = r.folder.weights / ("best.pt" if (r.folder.weights / "best.pt").exists() else "last.pt")
         record = report.summary(plan=plan, state=state, epochs=epochs, reports=reports, weights=weights,
                                 last=r.folder.weights / "last.pt", run_dir=folder.path, started=started)
+        timeline.stamp("end")
+        record["timeline"] = timeline.to_dict()
         folder.write_json("summary.json", record)
         return record
     finally:

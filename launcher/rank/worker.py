@@ -13,6 +13,8 @@ import sys
 import time
 from pathlib import Path
 
+STARTED = time.time()  # this process's start, for rank 0's timeline (rank/metrics/timeline.py)
+
 from launcher.problems import plain_text
 from launcher.rank.signals import stop_when_orphaned
 from launcher.run_folder import RunFolder
@@ -74,7 +76,10 @@ def main(argv: list[str] | None = None) -> int:
     def _run() -> None:
         from launcher.rank import runs  # imports Ultralytics: only now, with the environment in place
 
-        (runs.bench_cell if cfg.get("bench", {}).get("cell") else runs.train)(cfg, plan, folder)
+        if cfg.get("bench", {}).get("cell"):
+            runs.bench_cell(cfg, plan, folder)
+        else:
+            runs.train(cfg, plan, folder, stamps={"rank_start": STARTED, "imports_done": time.time()})
 
     try:
         _run()

@@ -16,6 +16,8 @@ Reaches into internals, each in one place:
   and the frozen-layer rule of BaseTrainer._setup_train, each re-stated; DetectionValidator._check_max_det called.
 - checkpoint.py: BaseTrainer.save_model's checkpoint keys.
 - baseline.py: BaseTrainer.read_results_csv and check_amp replaced for the benchmark's baseline cell.
+- time_to_model.py: the same two for the time-to-model benchmark's Ultralytics side, and engine.trainer's
+  strip_optimizer wrapped to stamp when final_eval has stripped the checkpoints.
 
 They are written against one release: importing this package checks it (the launcher checks the package metadata
 when it plans, so a mismatch is refused before any rank starts).

@@ -1,0 +1,452 @@
+"""`ddp-bench bench.kind=time_to_model`: the wall clock from the command to the trained weights, Ultralytics' own
+trainer against ddp-launch's defaults, and where each side's time went.
+
+Both sides run one after the other in this invocation, per seed of `bench.seeds` (the side that goes first alternates
+from seed to seed), on the same data YAML, model, image size, epochs, batch, optimizer (SGD), lr0 (optim.base_lr),
+close_mosaic and seed, validating after every epoch; every other setting is each side's own default:
+- ultralytics: `YOLO(model).train(...)` in a fresh process (rank/ultralytics/time_to_model.py), bench.baseline_workers
+  workers, no cache, AMP, its rectangular validation;
+- ddp_launch: the `ddp-launch` command itself, on one GPU (or one CPU process with gpus=0), train.val_interval=1.
+
+Each side's wall clock starts here, just before its process is started, and ends when the final weights are on disk
+with the final validation done (plots written after that, and the process's exit, are timed separately). Its
+breakdown, from the side's timeline (rank 0's summary.json `timeline`; the Ultralytics side's callbacks):
+- startup: the command to the first training step (its batch in hand);
+- training: each epoch's training, from its start (the first epoch's: the first step) to its last step's end;
+- validation: the validation after each epoch;
+- boundaries: the rest between the first step and the last epoch's end (checkpoints, the EMA's attributes, the
+  loader between epochs), listed apart from training;
+- end: the last epoch's end to the final weights (the final validation, stripping the checkpoints);
+- other: the wall clock the stamps do not attribute (zero when the timeline is complete and in order).
+Before the first timed side, the dataset's labels are scanned once (Ultralytics' labels.cache, which both sides read),
+so that no side pays the first scan of a dataset.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+from launcher.bench import report
+from launcher.inputs.labels import list_images
+from launcher.launch.logs import say
+from launcher.launch.ultralytics_home import prepare_ultralytics_home
+from launcher.plan.environment import offline_environment
+
+SIDES = ("ultralytics", "ddp_launch")
+ULTRALYTICS_MODULE = "launcher.rank.ultralytics.time_to_model"
+PARTS = ("startup", "training", "validation", "boundaries", "end", "other")
+TARGET = 2.0  # the issue's target: ddp-launch reaches the weights at least this much sooner ...
+INPUT_BOUND = 0.15  # ... where Ultralytics' training waits for data at least this share of its step time
+MAP_TOLERANCE = 0.01  # mAP50-95 within this of Ultralytics' (means over the seeds)
+
+# What each side's start-up is made of: the stamps from the command to the first step, in order, and what lies
+# between the one before and each (a missing stamp merges into the next).
+STARTUP = {
+    "ddp_launch": [
+        ("launcher_start", "the launcher's interpreter start"),
+        ("torchrun_start", "composing, planning, checking the data, writing the run folder"),
+        ("rank_start", "torchrun's start and the rank's interpreter"),
+        ("imports_done", "the rank's imports (torch, Ultralytics)"),
+        ("components_built", "the process group, the network, the loaders, the validator"),
+        ("loop_start", "the resume state and the hooks"),
+        ("first_step", "the first batch"),
+    ],
+    "ultralytics": [
+        ("module_start", "the interpreter and Ultralytics' import"),
+        ("pretrain_start", "YOLO(model) and the trainer's init"),
+        ("pretrain_end", "the trainer's set-up: the dataset's check, the network, the loaders, the optimizer"),
+        ("loop_start", "the set-up's last steps"),
+        ("first_step", "the first batch"),
+    ],
+}
+
+
+def problems(bench: dict) -> list[str]:
+    seeds = bench.get("seeds")
+    if seeds is None:
+        return []
+    if not isinstance(seeds, list) or not seeds or not all(isinstance(s, int) and not isinstance(s, bool)
+                                                           for s in seeds):
+        return [f"bench.seeds={seeds!r}: expected a list of integer seeds, e.g. bench.seeds=[0,1]"]
+    if len(set(seeds)) != len(seeds):
+        return [f"bench.seeds={seeds!r}: each seed once"]
+    return []
+
+
+def run_order(seeds: list[int]) -> list[tuple[str, int]]:
+    """(side, seed) in run order: the sides interleaved seed by seed, the first side alternating."""
+    order = []
+    for i, seed in enumerate(seeds):
+        order += [(side, seed) for side in (SIDES if i % 2 == 0 else SIDES[::-1])]
+    return order
+
+
+# --- the breakdown ---------------------------------------------------------------------------------------------------
+def breakdown(command: float, timeline: dict) -> dict:
+    """Where a side's wall clock went: the parts (seconds, adding up to wall_s), the start-up's and the end's own
+    parts, and each epoch's training and validation. `command`: when the side's command was started."""
+    s, epochs = timeline["stamps"], timeline["epochs"]
+    first, last, done = s["first_step"], s["last_epoch_end"], s["weights_end"]
+    parts = dict.fromkeys(PARTS, 0.0)
+    parts["startup"] = first - command
+    per_epoch, edge = [], first  # edge: where the last attributed interval ended
+
+    def gap(until: float) -> None:
+        nonlocal edge
+        parts["boundaries"] += max(until - edge, 0.0)
+        edge = max(edge, until)
+
+    for i, e in enumerate(epochs):
+        start = first if i == 0 else e["train_start"]
+        gap(start)
+        training = e["train_end"] - start
+        parts["training"] += training
+        edge = e["train_end"]
+        validation = None
+        if "val_start" in e:
+            gap(e["val_start"])
+            validation = e["val_end"] - e["val_start"]
+            parts["validation"] += validation
+            edge = e["val_end"]
+        per_epoch.append({"epoch": e["epoch"], "training_s": training, "validation_s": validation})
+    gap(last)
+    parts["end"] = done - last
+    wall = done - command
+    parts["other"] = wall - sum(v for k, v in parts.items() if k != "other")
+    final = s["final_val_end"] - s["final_val_start"] if "final_val_start" in s and "final_val_end" in s else 0.0
+    return {
+        "wall_s": wall,
+        "breakdown": parts,
+        "startup_parts": _startup_parts(command, s, STARTUP["ddp_launch" if "rank_start" in s else "ultralytics"]),
+        "end_parts": {"final_validation": final, "checkpoints": parts["end"] - final},
+        "epochs": per_epoch,
+    }
+
+
+def _startup_parts(command: float, stamps: dict, steps: list[tuple[str, str]]) -> list[dict]:
+    out, previous = [], command
+    for key, what in steps:
+        if stamps.get(key) is None:
+            continue
+        out.append({"until": key, "what": what, "s": stamps[key] - previous})
+        previous = stamps[key]
+    return out
+
+
+def timeline_in_order(command: float, timeline: dict) -> list[str]:
+    """What is out of order in a side's timeline (empty: every stamp follows the one before)."""
+    s = timeline["stamps"]
+    seq = [("command", command)]
+    for i, e in enumerate(timeline["epochs"]):
+        seq += [(f"epoch {e['epoch']} train_start", e["train_start"])]
+        seq += [("first_step", s["first_step"])] if i == 0 else []
+        seq += [(f"epoch {e['epoch']} {k}", e[k]) for k in ("train_end", "val_start", "val_end") if k in e]
+    seq += [(k, s[k]) for k in ("last_epoch_end", "final_val_start", "final_val_end", "weights_end") if k in s]
+    return [f"{b} ({tb:.3f}) before {a} ({ta:.3f})" for (a, ta), (b, tb) in zip(seq, seq[1:]) if tb < ta]
+
+
+# --- running the sides -----------------------------------------------------------------------------------------------
+def ddp_launch_command(cfg: dict, data_yaml: Path, seed: int, on_gpu: bool, run_dir: Path) -> list[str]:
+    """The ddp-launch command of the comparison: its defaults, plus the shared settings."""
+    exe = Path(sys.executable).parent / "ddp-launch"
+    head = [str(exe)] if exe.exists() else [sys.executable, "-m", "launcher.cli"]
+    t, m = cfg["train"], cfg["model"]
+    return head + [
+        f"gpus={1 if on_gpu else 0}",
+        f"model={m['name']}",
+        f"model.cfg={_value(m.get('cfg'))}",
+        f"model.weights={_value(m.get('weights'))}",
+        "data=custom",
+        f"data.path={data_yaml}",
+        f"train.imgsz={t['imgsz']}",
+        f"train.epochs={t['epochs']}",
+        f"train.batch_per_device={t['batch_per_device']}",
+        f"train.close_mosaic={t['close_mosaic']}",
+        "train.val_interval=1",
+        "optim.name=sgd",
+        f"optim.base_lr={cfg['optim']['base_lr']}",
+        f"seed={seed}",
+        f"paths.cache={cfg['paths']['cache']}",
+        f"hydra.run.dir={run_dir}",
+    ]
+
+
+def _value(v) -> str:
+    return "null" if v is None else str(v)
+
+
+def ultralytics_settings(cfg: dict, model, data_yaml: Path, seed: int, on_gpu: bool) -> dict:
+    t = cfg["train"]
+    return {"model": model.cfg or model.weights, "data": str(data_yaml), "imgsz": t["imgsz"], "epochs": t["epochs"],
+            "batch": t["batch_per_device"], "lr0": cfg["optim"]["base_lr"], "close_mosaic": t["close_mosaic"],
+            "seed": seed, "workers": int(cfg["bench"]["baseline_workers"]), "device": 0 if on_gpu else "cpu"}
+
+
+def run(cfg: dict, run_dir: Path, model, data, on_gpu: bool, command: str, dry_run: bool) -> int:
+    seeds = list(cfg["bench"].get("seeds") or [cfg["seed"]])
+    order = run_order(seeds)
+    cache = Path(cfg["paths"]["cache"]).expanduser()
+    data_yaml = run_dir / "data.yaml"
+    say(f"ddp-bench time_to_model: {len(order)} run(s) on {'one GPU' if on_gpu else 'the CPU'}, seeds {seeds}")
+    say(f"run folder      {run_dir}\n")
+    if dry_run:
+        for side, seed in order:
+            if side == "ddp_launch":
+                say(f"  {side} seed {seed}: {' '.join(ddp_launch_command(cfg, data_yaml, seed, on_gpu, run_dir / f'{side}-seed{seed}' / 'run'))}")
+            else:
+                say(f"  {side} seed {seed}: YOLO(...).train(**{ultralytics_settings(cfg, model, data_yaml, seed, on_gpu)})")
+        say("\ndry run: nothing started")
+        return 0
+    run_dir.mkdir(parents=True, exist_ok=True)
+    data_yaml.write_text(yaml.safe_dump(data.spec, sort_keys=False))
+    prepare_ultralytics_home(cache)
+    env = {**os.environ, **offline_environment(cache), "PYTHONUNBUFFERED": "1"}
+    scan = subprocess.run([sys.executable, "-m", ULTRALYTICS_MODULE, "--scan", str(data_yaml)], env=env,
+                          capture_output=True, text=True)
+    if scan.returncode != 0:
+        say(f"ddp-bench: scanning the dataset's labels failed:\n{scan.stdout[-2000:]}{scan.stderr[-2000:]}")
+        return 1
+    sides = []
+    for i, (side, seed) in enumerate(order):
+        side_dir = run_dir / f"{side}-seed{seed}"
+        say(f"--- {side} seed {seed} ---")
+        record = run_side(side, seed, side_dir, cfg, model, data_yaml, on_gpu, env)
+        record["order"] = i
+        sides.append(record)
+        if "error" in record:
+            say(f"    {side} seed {seed}: failed ({record['error']})")
+        else:
+            say(f"    {side} seed {seed}: {record['wall_s']:.1f} s to the weights, mAP50-95 {record['map50_95']:.4f}, "
+                + ", ".join(f"{k} {v:.1f} s" for k, v in record["breakdown"].items() if k != "other"))
+    out = summarize(sides)
+    out.update(kind="time_to_model", command=command, settings=_settings(cfg, model, data, seeds, on_gpu),
+               environment=report.environment())
+    write(out, run_dir)
+    say("\n" + markdown(out))
+    say(f"report: {run_dir / 'bench.md'}, {run_dir / 'bench.json'}, {run_dir / 'bench.png'}")
+    return 0 if all("error" not in s for s in sides) else 1
+
+
+def run_side(side: str, seed: int, side_dir: Path, cfg: dict, model, data_yaml: Path, on_gpu: bool, env: dict) -> dict:
+    side_dir.mkdir(parents=True, exist_ok=True)
+    if side == "ultralytics":
+        (side_dir / "side.json").write_text(json.dumps(ultralytics_settings(cfg, model, data_yaml, seed, on_gpu)))
+        cmd = [sys.executable, "-m", ULTRALYTICS_MODULE, str(side_dir)]
+    else:
+        cmd = ddp_launch_command(cfg, data_yaml, seed, on_gpu, side_dir / "run")
+    log = side_dir / "console.log"
+    with open(log, "wb") as out:
+        started = time.time()  # the wall clock starts here: the command, as a user types it
+        code = subprocess.run(cmd, env=env, cwd=side_dir, stdout=out, stderr=subprocess.STDOUT).returncode
+        exited = time.time()
+    record = {"name": side, "seed": seed, "command_line": cmd, "log": str(log), "exit_code": code}
+    result = side_dir / ("result.json" if side == "ultralytics" else "run/summary.json")
+    if code != 0 or not result.is_file():
+        return {**record, "error": f"exit code {code}; see {log}"}
+    measured = json.loads(result.read_text())
+    timeline = measured["timeline"]
+    stamps = timeline["stamps"]
+    record.update(
+        map50=measured["map50"], map50_95=measured["map50_95"], data_wait=measured.get("data_wait"),
+        gpu_util=measured.get("gpu_util"), images_per_s=measured.get("images_per_s"),
+        run_dir=str(side_dir / ("ultralytics" if side == "ultralytics" else "run")),
+        **breakdown(started, timeline),
+        process_s=exited - started,
+        # after the weights: Ultralytics' plots (results.png), then each process's exit
+        after_weights={"plots_s": stamps["plots_end"] - stamps["weights_end"] if "plots_end" in stamps else 0.0,
+                       "exit_s": exited - max(stamps["weights_end"], stamps.get("plots_end", 0.0))},
+        process_start={"parent": started, "child": stamps.get("launcher_start") or stamps.get("module_start")},
+        timeline_problems=timeline_in_order(started, timeline),
+        timeline=timeline,
+        started=started,
+    )
+    if side == "ultralytics":
+        record["plots"] = measured.get("plots")
+    return record
+
+
+def _settings(cfg: dict, model, data, seeds: list[int], on_gpu: bool) -> dict:
+    spec = data.spec
+    root = Path(str(spec.get("path") or "."))
+    train = spec["train"] if isinstance(spec["train"], list) else [spec["train"]]
+    files = list_images([str(root / str(e)) for e in train])
+    sizes = [os.path.getsize(f) for f in files]
+    t = cfg["train"]
+    return {
+        "model": model.cfg or model.weights,
+        "data": {"name": data.name, "path": str(spec.get("path")), "train_images": data.train_images,
+                 "val_images": data.val_images, "mean_train_file_kb": sum(sizes) / len(sizes) / 1000 if sizes else None},
+        "imgsz": t["imgsz"], "epochs": t["epochs"], "batch": t["batch_per_device"], "optimizer": "SGD",
+        "lr0": cfg["optim"]["base_lr"], "close_mosaic": t["close_mosaic"], "seeds": seeds, "val_interval": 1,
+        "device": "one GPU" if on_gpu else "CPU", "ultralytics_workers": int(cfg["bench"]["baseline_workers"]),
+    }
+
+
+# --- the report ------------------------------------------------------------------------------------------------------
+def _mean(values: list) -> float | None:
+    values = [v for v in values if v is not None]
+    return sum(values) / len(values) if values else None
+
+
+def summarize(sides: list[dict]) -> dict:
+    """Means per side over the seeds, the ratio of the walls (Ultralytics / ddp-launch) and the verdict."""
+    ran = [s for s in sides if "error" not in s]
+    means = {}
+    for name in SIDES:
+        mine = [s for s in ran if s["name"] == name]
+        if mine:
+            means[name] = {
+                "runs": len(mine),
+                **{k: _mean([s.get(k) for s in mine]) for k in ("wall_s", "map50", "map50_95", "data_wait", "gpu_util")},
+                "breakdown": {p: _mean([s["breakdown"][p] for s in mine]) for p in PARTS},
+            }
+    per_seed = {}
+    for seed in dict.fromkeys(s["seed"] for s in ran):
+        walls = {s["name"]: s["wall_s"] for s in ran if s["seed"] == seed}
+        if len(walls) == 2:
+            per_seed[str(seed)] = walls["ultralytics"] / walls["ddp_launch"]
+    both = len(means) == 2
+    ratio = means["ultralytics"]["wall_s"] / means["ddp_launch"]["wall_s"] if both else None
+    map_diff = means["ddp_launch"]["map50_95"] - means["ultralytics"]["map50_95"] if both else None
+    return {"sides": sides, "means": means, "ratio": ratio, "ratio_per_seed": per_seed, "map50_95_diff": map_diff,
+            "verdict": verdict(means, ratio, map_diff)}
+
+
+def verdict(means: dict, ratio: float | None, map_diff: float | None) -> dict:
+    if ratio is None:
+        return {"target": TARGET, "met": None, "input_bound": None, "text": "incomplete: a side failed (see its log)"}
+    wait = means["ultralytics"]["data_wait"]
+    input_bound = None if wait is None else wait >= INPUT_BOUND
+    same_map = abs(map_diff) <= MAP_TOLERANCE
+    d = means["ddp_launch"]["breakdown"]
+    bound = max((p for p in PARTS if p != "other"), key=lambda p: d[p])
+    head = f"ddp-launch reached the weights {ratio:.2f}x sooner (Ultralytics {means['ultralytics']['wall_s']:.1f} s, " \
+           f"ddp-launch {means['ddp_launch']['wall_s']:.1f} s); mAP50-95 {map_diff:+.4f} " \
+           f"({'within' if same_map else 'outside'} {MAP_TOLERANCE})"
+    if input_bound is None:
+        where = "Ultralytics' data wait was not measured (the run was shorter than the meter's warm-up)"
+        met = None
+    elif input_bound:
+        met = ratio >= TARGET and same_map
+        where = f"Ultralytics input-bound ({100 * wait:.0f} % data wait): the {TARGET:.1f}x target is " \
+                f"{'met' if met else 'missed'}"
+    else:
+        met = None
+        where = f"Ultralytics' loader kept up ({100 * wait:.0f} % data wait, under {100 * INPUT_BOUND:.0f} %): " \
+                f"the {TARGET:.1f}x target applies to input-bound runs; the ratio and both breakdowns are reported"
+    text = f"{head}. {where}"
+    if met is not True:
+        text += f". ddp-launch's largest part: {bound} {d[bound]:.1f} s ({100 * d[bound] / means['ddp_launch']['wall_s']:.0f} %)"
+    return {"target": TARGET, "met": met, "input_bound": input_bound, "same_map": same_map, "text": text}
+
+
+def _fmt(v, spec: str, scale: float = 1.0, suffix: str = "") -> str:
+    return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v * scale:{spec}}{suffix}"
+
+
+def markdown(out: dict) -> str:
+    st = out["settings"]
+    lines = [
+        "# ddp-bench: time to a trained model",
+        "",
+        f"Command: `{out['command']}`",
+        "",
+        f"{st['model']}, {st['data']['train_images']} train / {st['data']['val_images']} val images "
+        f"({_fmt(st['data']['mean_train_file_kb'], '.0f', suffix=' kB')} per train file), {st['imgsz']} px, "
+        f"{st['epochs']} epochs, batch {st['batch']}, SGD lr0 {st['lr0']}, close_mosaic {st['close_mosaic']}, "
+        f"validation after every epoch, {st['device']}; seeds {st['seeds']}.",
+        "",
+        "| side | seed | wall s | startup | training | validation | boundaries | end | other | mAP50 | mAP50-95 | data wait | after the weights |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for s in sorted(out["sides"], key=lambda s: (s["name"], s["seed"])):
+        if "error" in s:
+            lines.append(f"| {s['name']} | {s['seed']} | failed: {s['error']} |" + " |" * 10)
+            continue
+        b, a = s["breakdown"], s["after_weights"]
+        lines.append("| " + " | ".join([s["name"], str(s["seed"]), _fmt(s["wall_s"], ".1f"),
+                                        *(_fmt(b[p], ".1f") for p in PARTS), _fmt(s["map50"], ".4f"),
+                                        _fmt(s["map50_95"], ".4f"), _fmt(s["data_wait"], ".1f", 100, " %"),
+                                        _fmt(a["plots_s"] + a["exit_s"], ".1f")]) + " |")
+    for name, m in out["means"].items():
+        b = m["breakdown"]
+        lines.append("| " + " | ".join([f"**{name} mean**", f"{m['runs']} run(s)", _fmt(m["wall_s"], ".1f"),
+                                        *(_fmt(b[p], ".1f") for p in PARTS), _fmt(m["map50"], ".4f"),
+                                        _fmt(m["map50_95"], ".4f"), _fmt(m["data_wait"], ".1f", 100, " %"), ""]) + " |")
+    per_seed = ", ".join(f"seed {k}: {v:.2f}x" for k, v in out["ratio_per_seed"].items())
+    lines += [
+        "",
+        f"Ratio (Ultralytics wall / ddp-launch wall, means): **{_fmt(out['ratio'], '.2f', suffix='x')}**"
+        + (f" ({per_seed})" if per_seed else "") + f"; target {TARGET:.1f}x where Ultralytics is input-bound "
+        f"(data wait >= {100 * INPUT_BOUND:.0f} %).",
+        "",
+        f"Verdict: {out['verdict']['text']}.",
+        "",
+        "Seconds. The wall clock runs from the side's command to its final weights on disk with the final validation "
+        "done; startup: to the first training step; training: the epochs' steps (the first epoch from its first step); "
+        "validation: after each epoch; boundaries: the rest between epochs (checkpoints, the loader between epochs); "
+        "end: the last epoch's end to the weights (final validation, stripping); other: what the stamps leave "
+        "unattributed. After the weights: Ultralytics' plots and each process's exit, not in the wall clock. Data wait: "
+        "the share of step time the training loop waited for its batch (10 warm-up steps left out).",
+        "",
+        "Start-up, first seed:",
+    ]
+    for s in out["sides"]:
+        if "error" not in s and s["seed"] == st["seeds"][0]:
+            lines.append(f"- {s['name']}: " + "; ".join(f"{p['what']} {p['s']:.1f} s" for p in s["startup_parts"])
+                         + f"; end: final validation {s['end_parts']['final_validation']:.1f} s, the rest "
+                           f"{s['end_parts']['checkpoints']:.1f} s")
+    if any(s.get("plots") is False for s in out["sides"]):
+        lines += ["", "Note: polars is not installed: Ultralytics' plots were off (plots=False), ddp-launch left out "
+                      "labels.jpg and results.png."]
+    env = out["environment"]
+    lines += ["", f"Environment: {', '.join(env['gpus']) or 'no GPU'}; driver {env.get('driver')}; torch {env['torch']} "
+                  f"(CUDA {env.get('cuda')}); ultralytics {env.get('ultralytics')}; {env['cpu_count']} CPU cores; "
+                  f"Python {env['python']}."]
+    return "\n".join(lines) + "\n"
+
+
+COLOURS = {"startup": "#8c8c8c", "training": "#1f77b4", "validation": "#ff7f0e", "boundaries": "#9467bd",
+           "end": "#d62728", "other": "#e0e0e0"}
+
+
+def plot(out: dict, path: Path) -> None:
+    """A stacked horizontal bar per side and seed: where its wall clock went."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ran = sorted((s for s in out["sides"] if "error" not in s), key=lambda s: (s["name"], s["seed"]))
+    fig, ax = plt.subplots(figsize=(10, 2.2 + 0.5 * max(len(ran), 1)))
+    for y, s in enumerate(ran):
+        left = 0.0
+        for part in PARTS:
+            width = max(s["breakdown"][part], 0.0)
+            ax.barh(y, width, left=left, color=COLOURS[part], label=part if y == 0 else None)
+            left += width
+        ax.text(left, y, f" {s['wall_s']:.1f} s, mAP50-95 {s['map50_95']:.3f}", va="center", fontsize=8)
+    ax.set_yticks(range(len(ran)), [f"{s['name']} seed {s['seed']}" for s in ran])
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds from the command to the final weights")
+    ax.set_xlim(0, 1.3 * max((s["wall_s"] for s in ran), default=1.0))
+    ratio = out.get("ratio")
+    fig.suptitle("time to a trained model" + (f": Ultralytics / ddp-launch = {ratio:.2f}x" if ratio else ""))
+    fig.legend(*ax.get_legend_handles_labels(), ncol=len(PARTS), fontsize=8, loc="upper center",
+               bbox_to_anchor=(0.5, 0.93))
+    ax.grid(axis="x", alpha=0.3)
+    fig.tight_layout(rect=(0, 0, 1, 0.84))
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write(out: dict, folder: Path) -> None:
+    report.write(out, folder, as_markdown=markdown, as_plot=plot)

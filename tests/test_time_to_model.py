@@ -1,0 +1,195 @@
+"""ddp-bench bench.kind=time_to_model: the breakdown of a side's wall clock from its timeline, the verdict, the
+report; and the benchmark itself on the CPU, both sides for real on tiny data."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from launcher.bench import time_to_model as ttm
+from tests.conftest import TINY, ddp_launch
+
+T0 = 1000.0  # the side's command
+
+
+def ddp_launch_timeline(**changes) -> dict:
+    """Two epochs, both validated: start-up 12 s, training 20 + 18 s, validation 2 + 3 s, 1 + 0.5 s of epoch
+    boundaries, 4 s at the end (3 s of it the final validation)."""
+    stamps = {"launcher_start": 1000.1, "torchrun_start": 1003.0, "rank_start": 1005.0, "imports_done": 1009.0,
+              "components_built": 1011.5, "loop_start": 1011.6, "first_step": 1012.0, "last_epoch_end": 1056.5,
+              "final_val_start": 1057.0, "final_val_end": 1060.0, "weights_start": 1060.0, "weights_end": 1060.5}
+    epochs = [{"epoch": 1, "train_start": 1011.7, "train_end": 1032.0, "val_start": 1032.0, "val_end": 1034.0},
+              {"epoch": 2, "train_start": 1035.0, "train_end": 1053.0, "val_start": 1053.0, "val_end": 1056.0}]
+    for key, value in changes.items():
+        epoch, _, name = key.partition("__")
+        if name:
+            epochs[int(epoch[1:]) - 1][name] = value
+        else:
+            stamps[key] = value
+    return {"stamps": stamps, "epochs": epochs}
+
+
+def test_the_parts_of_a_side_tile_its_wall_clock():
+    out = ttm.breakdown(T0, ddp_launch_timeline())
+    assert out["wall_s"] == pytest.approx(60.5)
+    assert out["breakdown"] == pytest.approx({"startup": 12.0, "training": 38.0, "validation": 5.0,
+                                              "boundaries": 1.5, "end": 4.0, "other": 0.0})
+    assert out["end_parts"] == pytest.approx({"final_validation": 3.0, "checkpoints": 1.0})
+    assert [e["training_s"] for e in out["epochs"]] == pytest.approx([20.0, 18.0])
+    # the start-up's own parts, from the command to the first step
+    assert [p["until"] for p in out["startup_parts"]] == ["launcher_start", "torchrun_start", "rank_start",
+                                                          "imports_done", "components_built", "loop_start",
+                                                          "first_step"]
+    assert sum(p["s"] for p in out["startup_parts"]) == pytest.approx(12.0)
+    assert ttm.timeline_in_order(T0, ddp_launch_timeline()) == []
+
+
+def test_an_epoch_without_validation_adds_none_and_its_gap_is_a_boundary():
+    timeline = ddp_launch_timeline()
+    for key in ("val_start", "val_end"):
+        del timeline["epochs"][0][key]
+    out = ttm.breakdown(T0, timeline)
+    assert out["breakdown"]["validation"] == pytest.approx(3.0)
+    assert out["breakdown"]["boundaries"] == pytest.approx(3.5)  # epoch 1's training end to epoch 2's start
+    assert out["epochs"][0]["validation_s"] is None
+    assert sum(out["breakdown"].values()) == pytest.approx(out["wall_s"])
+
+
+def test_a_timeline_out_of_order_is_named_and_its_overlap_is_left_as_other():
+    timeline = ddp_launch_timeline(e2__train_start=1033.0)  # before epoch 1's validation ended
+    out = ttm.breakdown(T0, timeline)
+    assert out["breakdown"]["other"] == pytest.approx(-1.0)  # counted twice: training and validation overlap
+    assert sum(out["breakdown"].values()) == pytest.approx(out["wall_s"])
+    assert ttm.timeline_in_order(T0, timeline) == ["epoch 2 train_start (1033.000) before epoch 1 val_end (1034.000)"]
+
+
+def test_the_sides_alternate_seed_by_seed_and_bad_seeds_are_named():
+    assert ttm.run_order([0, 1]) == [("ultralytics", 0), ("ddp_launch", 0), ("ddp_launch", 1), ("ultralytics", 1)]
+    assert ttm.problems({"seeds": None}) == []
+    assert "expected a list of integer seeds" in ttm.problems({"seeds": "0,1"})[0]
+    assert "each seed once" in ttm.problems({"seeds": [1, 1]})[0]
+
+
+def side(name: str, seed: int, wall: float, map50_95: float, data_wait: float | None) -> dict:
+    parts = {"startup": 0.2 * wall, "training": 0.6 * wall, "validation": 0.1 * wall, "boundaries": 0.05 * wall,
+             "end": 0.05 * wall, "other": 0.0}
+    return {"name": name, "seed": seed, "wall_s": wall, "map50": 0.9, "map50_95": map50_95, "data_wait": data_wait,
+            "gpu_util": None, "breakdown": parts, "after_weights": {"plots_s": 1.0, "exit_s": 1.0},
+            "startup_parts": [{"until": "first_step", "what": "all of it", "s": 0.2 * wall}],
+            "end_parts": {"final_validation": 0.03 * wall, "checkpoints": 0.02 * wall}}
+
+
+def test_input_bound_ultralytics_meets_the_target_with_the_same_map():
+    out = ttm.summarize([side("ultralytics", 0, 100.0, 0.96, 0.30), side("ddp_launch", 0, 45.0, 0.965, 0.02),
+                         side("ddp_launch", 1, 55.0, 0.955, 0.02), side("ultralytics", 1, 120.0, 0.97, 0.20)])
+    assert out["means"]["ultralytics"]["wall_s"] == pytest.approx(110.0)
+    assert out["ratio"] == pytest.approx(110.0 / 50.0)
+    assert out["ratio_per_seed"] == pytest.approx({"0": 100 / 45, "1": 120 / 55})
+    assert out["map50_95_diff"] == pytest.approx(-0.005)
+    v = out["verdict"]
+    assert v["met"] is True and v["input_bound"] is True
+    assert "2.20x sooner" in v["text"] and "input-bound (25 % data wait): the 2.0x target is met" in v["text"]
+
+
+def test_a_missed_target_names_what_bounds_ddp_launch():
+    v = ttm.summarize([side("ultralytics", 0, 90.0, 0.96, 0.25), side("ddp_launch", 0, 60.0, 0.96, 0.02)])["verdict"]
+    assert v["met"] is False
+    assert "target is missed" in v["text"] and "ddp-launch's largest part: training 36.0 s (60 %)" in v["text"]
+
+
+def test_a_fed_ultralytics_reports_the_ratio_without_judging_the_target():
+    v = ttm.summarize([side("ultralytics", 0, 90.0, 0.96, 0.05), side("ddp_launch", 0, 60.0, 0.90, 0.02)])["verdict"]
+    assert v["met"] is None and v["input_bound"] is False and not v["same_map"]
+    assert "loader kept up (5 % data wait, under 15 %)" in v["text"] and "outside 0.01" in v["text"]
+
+
+def test_a_failed_side_leaves_an_incomplete_verdict():
+    out = ttm.summarize([side("ultralytics", 0, 90.0, 0.96, 0.05),
+                         {"name": "ddp_launch", "seed": 0, "error": "exit code 1; see x.log"}])
+    assert out["ratio"] is None and out["verdict"]["text"].startswith("incomplete")
+
+
+def test_the_report_shows_each_run_the_means_the_ratio_and_the_verdict(tmp_path):
+    out = ttm.summarize([side("ultralytics", 0, 100.0, 0.96, 0.30), side("ddp_launch", 0, 40.0, 0.965, 0.02)])
+    out.update(kind="time_to_model", command="ddp-bench bench.kind=time_to_model", environment={
+        "gpus": ["H200"], "torch": "2.11", "cpu_count": 16, "python": "3.12"}, settings={
+        "model": "yolov8s.yaml", "data": {"train_images": 8000, "val_images": 800, "mean_train_file_kb": 126.3},
+        "imgsz": 640, "epochs": 10, "batch": 64, "lr0": 0.01, "close_mosaic": 5, "device": "one GPU", "seeds": [0]})
+    ttm.write(out, tmp_path)
+    md = (tmp_path / "bench.md").read_text()
+    assert "| ultralytics | 0 | 100.0 | 20.0 | 60.0 | 10.0 | 5.0 | 5.0 | 0.0 | 0.9000 | 0.9600 | 30.0 % | 2.0 |" in md
+    assert "| **ddp_launch mean** | 1 run(s) | 40.0 |" in md and "**2.50x** (seed 0: 2.50x)" in md
+    assert out["verdict"]["text"] in md and "126 kB per train file" in md
+    assert json.loads((tmp_path / "bench.json").read_text())["ratio"] == pytest.approx(2.5)
+    assert (tmp_path / "bench.png").stat().st_size > 0
+
+
+def test_the_ultralytics_callbacks_stamp_its_epochs_and_the_end_after_final_eval():
+    """The callbacks in the order Ultralytics' trainer fires them (engine/trainer.py): the final weights are on disk
+    once final_eval has stripped them and validated best.pt."""
+    import torch
+
+    from launcher.rank.metrics.meter import StepMeter
+    from launcher.rank.ultralytics.time_to_model import Stamps
+
+    clock = iter(range(100, 200)).__next__
+    stamps = Stamps(StepMeter(torch.device("cpu"), skip_steps=0), clock=lambda: float(clock()))
+    calls = stamps.callbacks()
+    trainer = type("Trainer", (), {"epoch": 0, "batch_size": 4})()
+    for name in ("on_pretrain_routine_start", "on_pretrain_routine_end", "on_train_start"):
+        calls[name](trainer)
+    for epoch in range(2):
+        trainer.epoch = epoch
+        calls["on_train_epoch_start"](trainer)
+        for _ in range(2):
+            calls["on_train_batch_start"](trainer)
+            calls["on_train_batch_end"](trainer)
+        for name in ("on_train_epoch_end", "on_val_start", "on_val_end", "on_fit_epoch_end"):
+            calls[name](trainer)
+    strip = stamps.strip(lambda f, updates=None: {})
+    strip("last.pt")
+    strip("best.pt")
+    for name in ("on_val_start", "on_val_end", "on_fit_epoch_end", "on_train_end"):  # final_eval, then plots
+        calls[name](trainer)
+    timeline = stamps.to_dict()
+    s = timeline["stamps"]
+    assert s["first_step"] == 104 and s["last_epoch_end"] == s["stripped"] - 2
+    assert (s["final_val_start"], s["final_val_end"]) == (s["stripped"], s["weights_end"]) and s["plots_end"] > s["weights_end"]
+    assert [sorted(e) for e in timeline["epochs"]] == [["end", "epoch", "train_end", "train_start", "val_end", "val_start"]] * 2
+    assert ttm.timeline_in_order(99.0, timeline) == []
+    out = ttm.breakdown(99.0, timeline)
+    assert out["breakdown"]["other"] == 0 and out["end_parts"]["final_validation"] == 1
+    assert [p["until"] for p in out["startup_parts"]][-1] == "first_step"
+
+
+@pytest.mark.slow
+def test_the_benchmark_on_the_cpu_reports_both_sides_and_parts_that_add_up(tmp_path, cache_dir):
+    """Both sides for real, tiny data: each side's wall clock is its breakdown's parts, the ddp-launch side's
+    timeline is in order, and the report's three files agree."""
+    out = tmp_path / "b"
+    tiny = [a for a in TINY if not a.startswith(("data.synthetic.train_images", "data.synthetic.val_images",
+                                                 "train.close_mosaic"))]
+    args = ["bench.kind=time_to_model", "gpus=0", "data=shapes", "data.synthetic.train_images=16",
+            "data.synthetic.val_images=8", "train.epochs=1", "train.close_mosaic=0", *tiny, f"hydra.run.dir={out}"]
+    result = ddp_launch(args, cwd=tmp_path, timeout=600, tool="ddp-bench")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    report = json.loads((out / "bench.json").read_text())
+    assert report["kind"] == "time_to_model" and (out / "bench.png").stat().st_size > 0
+    sides = {s["name"]: s for s in report["sides"]}
+    assert set(sides) == {"ultralytics", "ddp_launch"}
+    md = (out / "bench.md").read_text()
+    for name, s in sides.items():
+        assert math.isfinite(s["map50"]) and math.isfinite(s["map50_95"]), s
+        parts = s["breakdown"]
+        assert sum(v for k, v in parts.items() if k != "other") == pytest.approx(s["wall_s"], rel=0.01), parts
+        assert all(v >= 0 for k, v in parts.items() if k != "other"), parts
+        assert s["wall_s"] < s["process_s"] and s["timeline_problems"] == [], s
+        assert [e["epoch"] for e in s["epochs"]] == [1] and s["epochs"][0]["validation_s"] > 0
+        assert f"| {name} | 0 | {s['wall_s']:.1f} |" in md
+    d = sides["ddp_launch"]["timeline"]["stamps"]
+    order = ["launcher_start", "torchrun_start", "rank_start", "imports_done", "components_built", "first_step",
+             "last_epoch_end", "final_val_start", "final_val_end", "weights_end", "end"]
+    assert [d[k] for k in order] == sorted(d[k] for k in order), d
+    assert report["ratio"] == pytest.approx(sides["ultralytics"]["wall_s"] / sides["ddp_launch"]["wall_s"])
