@@ -6,7 +6,7 @@ import random
 
 import numpy as np
 
-from launcher.rank.data.sampler import EpochBatchSampler, EpochSeededDataset, epoch_indices
+from launcher.rank.data.sampler import EpochBatchSampler, EpochSeededDataset, epoch_indices, mosaic_closes_at
 
 
 def take(sampler: EpochBatchSampler, n_batches: int) -> list[list[tuple[int, int]]]:
@@ -69,3 +69,8 @@ def test_from_close_mosaic_epoch_on_samples_come_from_the_closed_dataset():
 
     ds = EpochSeededDataset(Named("mosaic"), seed=0, closed=Named("closed"), close_at=3)
     assert [ds[(e, 0)] for e in range(5)] == ["mosaic"] * 3 + ["closed"] * 2
+
+
+def test_mosaic_closes_for_the_last_epochs_as_in_ultralytics_and_never_in_a_shorter_run():
+    assert mosaic_closes_at(10, 5) == 5 and mosaic_closes_at(5, 5) == 0
+    assert mosaic_closes_at(1, 5) is None and mosaic_closes_at(10, 0) is None  # Ultralytics: epoch == epochs - close

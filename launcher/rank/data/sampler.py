@@ -59,8 +59,10 @@ class EpochBatchSampler(Sampler):
 
 
 def mosaic_closes_at(epochs: int, close_mosaic: int) -> int | None:
-    """The first epoch without mosaic (Ultralytics' close_mosaic: the last `close_mosaic` epochs), None if none."""
-    return max(epochs - close_mosaic, 0) if close_mosaic > 0 else None
+    """The first epoch without mosaic (Ultralytics' close_mosaic: the last `close_mosaic` epochs), None if none. As in
+    Ultralytics' trainer, a run of fewer epochs than close_mosaic never closes it."""
+    at = epochs - close_mosaic
+    return at if close_mosaic > 0 and at >= 0 else None
 
 
 def sample_seed(seed: int, epoch: int, index: int) -> int:
