@@ -44,3 +44,27 @@ def test_the_readme_clear_cache_command_removes_unused_caches(command, tmp_path)
                    env={"DDP_LAUNCH_CACHE": str(tmp_path)})
     assert r.returncode == 0, r.stdout + r.stderr
     assert not stale.exists() and f"{tmp_path / 'images'}: removed 1 cache file(s)" in r.stdout
+
+
+@pytest.mark.parametrize("version_py,nccl", [
+    ("cuda: Optional[str] = '13.0'\nhip: Optional[str] = None\n", True),
+    ("cuda: Optional[str] = None\nhip: Optional[str] = '6.2.4'\n", True),  # ROCm: RCCL under the nccl backend
+    ("cuda: Optional[str] = None\nhip: Optional[str] = None\n", False),  # a CPU build of torch
+], ids=["cuda", "rocm", "cpu"])
+def test_nccl_is_read_off_torchs_build_without_importing_torch(tmp_path, monkeypatch, version_py, nccl):
+    """Planning on a GPU node must not import torch (seconds on the critical path before torchrun starts)."""
+    import importlib.machinery
+    import importlib.util
+    import sys
+
+    from launcher.machine import hardware
+
+    (tmp_path / "torch").mkdir()
+    (tmp_path / "torch" / "version.py").write_text(version_py)
+    spec = importlib.machinery.ModuleSpec("torch", None, is_package=True)
+    spec.submodule_search_locations = [str(tmp_path / "torch")]
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: spec if name == "torch" else None)
+    monkeypatch.setattr(sys, "platform", "linux")
+    monkeypatch.delitem(sys.modules, "torch.distributed", raising=False)
+    assert hardware._nccl_available() is nccl
+    assert "torch.distributed" not in sys.modules

@@ -10,6 +10,8 @@ from __future__ import annotations
 import ctypes.util
 import importlib.util
 import os
+import re
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -154,6 +156,15 @@ def detect() -> Hardware:
 
 
 def _nccl_available() -> bool:
-    import torch.distributed as dist
-
-    return dist.is_available() and dist.is_nccl_available()
+    """Whether torch here can use NCCL, read off torch/version.py, not by importing torch (seconds at every launch,
+    on the planning's critical path): torch's Linux CUDA and ROCm builds include NCCL (RCCL), its wheels and conda's
+    alike. A source build without NCCL is told so by its ranks' process group instead, before any step."""
+    spec = importlib.util.find_spec("torch")
+    if not sys.platform.startswith("linux") or spec is None or not spec.submodule_search_locations:
+        return False
+    try:
+        text = (Path(next(iter(spec.submodule_search_locations))) / "version.py").read_text()
+    except OSError:
+        return False
+    builds = re.findall(r"^(cuda|hip)\b[^=\n]*=\s*['\"]([^'\"]+)['\"]", text, flags=re.M)  # cuda: Optional[str] = '13.0'
+    return bool(builds)
