@@ -303,3 +303,52 @@ def test_a_step_in_flight_keeps_the_gpu_busy_across_step_boundaries_and_is_timed
     synced, in_flight = step_ms(0), step_ms(1)
     assert in_flight == pytest.approx(gpu_ms, rel=0.1)
     assert synced - in_flight == pytest.approx(5.0, abs=2.0)
+
+
+def test_the_fast_validator_on_cuda_gives_ultralytics_map(tmp_path, cache_dir):
+    """val.engine=fast (fp16, CUDA graphs, batched NMS and matching) against Ultralytics' DetectionValidator on the
+    same trained weights and split: the same mAP up to fp16 rounding; both engines' images/s printed."""
+    import time
+    from types import SimpleNamespace
+
+    import yaml
+    from ultralytics.cfg import get_cfg
+
+    from launcher.rank.dist import Comm
+    from launcher.rank.ultralytics import datasets
+    from launcher.rank.ultralytics.fast_validation import FastValidator
+    from launcher.rank.ultralytics.validation import Validator
+
+    r = ddp_launch([*TINY, "data.synthetic.val_images=64", "train.epochs=8", "train.plots=false", "gpus=1"],
+                   cwd=tmp_path)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    run_dir = run_dir_of(r)
+    assert "preloaded on the device" in (run_dir / "logs" / "rank0.log").read_text()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    device = torch.device("cuda", 0)
+    model = torch.load(summary["weights"], map_location="cpu", weights_only=False)["model"].float().to(device)
+    hyp = get_cfg(overrides={"imgsz": 64, "plots": False})
+    model.args = hyp
+    spec = yaml.safe_load((run_dir / "data.yaml").read_text())
+    data = {"val": spec["val"], "names": spec["names"], "nc": len(spec["names"]), "channels": 3}
+    kwargs = dict(device=device, data=data, amp=True, epoch=0, epochs=1,
+                  loss_items={k: torch.zeros((), device=device) for k in ("box_loss", "cls_loss", "dfl_loss")})
+    ema = SimpleNamespace(ema=model)
+    results = {}
+    for name in ("ultralytics", "fast"):
+        loader = datasets.val_loader(hyp, data, 16, 32, 2, device)
+        validator = (Validator(loader, hyp, tmp_path / name) if name == "ultralytics" else
+                     FastValidator(loader, hyp, tmp_path / name, batch=32, amp_dtype=torch.float16, log=print))
+        validator.validate(ema, Comm(), **kwargs)  # workers start / the preload and the graphs' capture
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        metrics, _ = validator.validate(ema, Comm(), **kwargs)
+        torch.cuda.synchronize()
+        results[name] = (metrics, 64 / (time.perf_counter() - t0))
+        print(f"{name}: {results[name][1]:.0f} images/s, mAP50 {metrics['metrics/mAP50(B)']:.4f} "
+              f"mAP50-95 {metrics['metrics/mAP50-95(B)']:.4f}")
+    want, got = results["ultralytics"][0], results["fast"][0]
+    assert want["metrics/mAP50(B)"] > 0.05  # the run learned something: the comparison is not of zeros
+    assert list(got) == list(want)
+    for key in ("metrics/mAP50(B)", "metrics/mAP50-95(B)"):
+        assert abs(got[key] - want[key]) <= 0.01, (key, got[key], want[key])

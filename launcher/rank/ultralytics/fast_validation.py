@@ -109,11 +109,12 @@ class FastValidator:
         with torch.inference_mode(), torch.autocast(device.type, enabled=False):
             result = run_pass(self.split, self.forward, batch=self.batch, nc=v.nc, nms=nms_settings(v.args, v.end2end),
                               single_cls=bool(v.args.single_cls), on_batch=self.on_batch, each_batch=each_batch,
-                              loss_fn=lambda targets, preds: model.loss(targets, preds)[1])
+                              loss_fn=lambda targets, preds: self._loss(model, targets, preds))
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         elapsed = time.perf_counter() - started
         self.timing.update(pass_s=elapsed, images_per_s=result.images / elapsed if elapsed else 0.0)
+        self.log(f"validation: {result.images} images in {elapsed:.2f} s ({self.timing['images_per_s']:.0f} images/s)")
         loss = {k: (v_.cpu() / max(result.batches, 1)).float() for k, v_ in result.loss.items()}
         mine = {"stats": result.stats, "loss": loss, "images": result.images,
                 "matrix": v.confusion_matrix.matrix if plots else None}
@@ -140,6 +141,11 @@ class FastValidator:
         loss = {k: torch.stack([r["loss"][k] for r in everyone]).mean() for k in loss}
         metrics = {k: round(float(x), 5) for k, x in {**stats, **label_loss_items(loss, "val")}.items()}
         return metrics, metrics.pop("fitness", None)
+
+    def _loss(self, model, targets: dict, preds) -> dict:
+        """The EMA's own loss items, under the forward's autocast as in BaseValidator (its BCE in fp32)."""
+        with self.forward.autocast():
+            return model.loss(targets, preds)[1]
 
     def validate_weights(self, weights: dict[str, torch.Tensor], ema, comm: Comm, **kwargs):
         """best.pt's EMA in the EMA's place, loaded in place (the captured graphs read the same tensors)."""

@@ -37,7 +37,7 @@ class InferenceForward:
         out[: len(img)].copy_(x)
         return out
 
-    def _autocast(self):
+    def autocast(self):
         return torch.autocast(self.device.type, dtype=self.amp_dtype or torch.float32,
                               enabled=self.amp_dtype is not None and self.device.type == "cuda", cache_enabled=False)
 
@@ -52,7 +52,7 @@ class InferenceForward:
                 self._input(img, static)
                 graph.replay()
                 return pytree.tree_unflatten(list(outputs), spec)
-        with self._autocast():
+        with self.autocast():
             return self.model(self._input(img))
 
     def _capture(self, shape: tuple[int, int]) -> None:
@@ -62,13 +62,13 @@ class InferenceForward:
         try:
             side = torch.cuda.Stream(self.device)
             side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(side), self._autocast():
+            with torch.cuda.stream(side), self.autocast():
                 for _ in range(2):  # cuDNN picks its algorithms, the head makes its anchors for this shape
                     self.model(static)
             torch.cuda.current_stream(self.device).wait_stream(side)
             self._pool = self._pool or torch.cuda.graph_pool_handle()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool), self._autocast():
+            with torch.cuda.graph(graph, pool=self._pool), self.autocast():
                 leaves, spec = pytree.tree_flatten(self.model(static))
         except Exception as e:  # a network whose eval forward syncs with the host: run it eagerly
             self.failed = True
