@@ -184,11 +184,26 @@ def test_dry_run_turns_machine_problems_into_warnings_but_not_config_errors():
         (["train.cuda_graphs=always"], "train.cuda_graphs='always': expected auto, true or false"),
         (["train.steps_in_flight=-1"], "train.steps_in_flight=-1: expected a whole number >= 0"),
         (["train.steps_in_flight=two"], "train.steps_in_flight='two': expected a whole number >= 0"),
+        (["val.engine=turbo"], "val.engine='turbo': expected auto, fast or ultralytics"),
+        (["val.batch=0"], "val.batch=0: must be >= 1"),
+        (["val.cuda_graphs=maybe"], "val.cuda_graphs='maybe': expected auto, true or false"),
+        (["val.engine=fast", "+train.extra.save_json=true"], "the fast validation engine does not write it"),
     ],
 )
 def test_bad_config_values_are_named(overrides, expected):
     _, problems = plan_for(overrides)
     assert expected in messages(problems)
+
+
+def test_the_validation_engine_is_the_fast_one_unless_ultralytics_must_write_files_only_it_writes():
+    from launcher.plan.checks import val_batch, val_engine
+
+    assert val_engine({"engine": "auto"}, {"extra": {}}) == "fast"
+    assert val_engine({"engine": "auto"}, {"extra": {"save_txt": True}}) == "ultralytics"
+    assert val_engine({"engine": "ultralytics"}, {"extra": {}}) == "ultralytics"
+    assert (val_batch({"batch": "auto"}, 64), val_batch({"batch": 96}, 64)) == (128, 96)
+    _, problems = plan_for(["+train.extra.save_json=true"])  # auto gives way: nothing refused
+    assert "validation engine" not in messages(problems)
 
 
 # --- the step's speed settings ----------------------------------------------------------------------------------

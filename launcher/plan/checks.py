@@ -232,6 +232,42 @@ def input_problems(loader: dict, train: dict, *, augment_on: str) -> list[Proble
     return problems
 
 
+VAL_ENGINES = ("auto", "fast", "ultralytics")
+FAST_VAL_UNSUPPORTED = ("save_json", "save_txt")  # Ultralytics' validator writes these; the fast engine does not
+
+
+def val_engine(val: dict, train: dict) -> str:
+    """val.engine resolved to `fast` or `ultralytics`: `auto` takes the fast engine unless the run asks Ultralytics'
+    validator for files only it writes (train.extra.save_json, save_txt)."""
+    value = (val or {}).get("engine", "auto")
+    if value == "auto":
+        extra = train.get("extra") or {}
+        return "ultralytics" if any(extra.get(k) for k in FAST_VAL_UNSUPPORTED) else "fast"
+    return value
+
+
+def val_batch(val: dict, micro_batch: int) -> int:
+    """val.batch resolved: `auto` is twice the training micro-batch (Ultralytics' validation batch)."""
+    value = (val or {}).get("batch", "auto")
+    return 2 * micro_batch if value == "auto" else int(value)
+
+
+def val_problems(val: dict, train: dict) -> list[Problem]:
+    """val.engine, val.batch and val.cuda_graphs; what the fast engine cannot write."""
+    problems: list[Problem] = []
+    val = val or {}
+    if not one_of(val.get("engine", "auto"), VAL_ENGINES, "val.engine", problems, "auto, fast or ultralytics"):
+        return problems
+    if val.get("batch", "auto") != "auto":
+        as_int(val.get("batch"), "val.batch", problems, 1)
+    one_of(val.get("cuda_graphs", "auto"), GRAPHS_VALUES, "val.cuda_graphs", problems, "auto, true or false")
+    extra = train.get("extra") or {}
+    if val.get("engine") == "fast":
+        problems += [Problem(f"train.extra.{k}=true: the fast validation engine does not write it; use "
+                             "val.engine=ultralytics (or auto)") for k in FAST_VAL_UNSUPPORTED if extra.get(k)]
+    return problems
+
+
 def integration_problems(log_cfg: dict) -> list[Problem]:
     """log.integrations: known names, each with its package installed on this machine."""
     names = log_cfg.get("integrations") or []

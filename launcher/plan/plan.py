@@ -152,6 +152,7 @@ def make_plan(
     notes += [why] if why else []
     problems += checks.input_problems(loader, train, augment_on=augment_on)
     problems += checks.integration_problems(cfg.get("log") or {})
+    problems += checks.val_problems(cfg.get("val") or {}, train)
     workers, threads = _loader_threads(loader, top, hw, problems, notes, augment_on)
     on_slurm = (cfg.get("launcher") or {}).get("name") == "slurm"
     rendezvous = _rendezvous(dist, top, on_slurm, port_is_free, problems, notes)

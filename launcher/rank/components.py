@@ -7,7 +7,8 @@
    its own, freed before the run's own are built: everything below is built for the batch chosen;
 2. the process group, and the heartbeat over its store; the job's batch, the smallest any rank measured;
 3. the network, from model.cfg and/or model.weights, with the resume state loaded before anything copies it;
-4. the training loader, the validation loader (the validator copies the hyperparameters once max_det is set),
+4. the training loader, the validation loader (the validator copies the hyperparameters once max_det is set; the fast
+   one reads the loader once, at the first validation),
    the optimizer on the bare network;
 5. class weights, then the EMA copy (it carries them), then the training loss (the EMA keeps Ultralytics' own, which
    validation uses, collective-free);
@@ -23,6 +24,7 @@ import torch
 from torch import nn
 
 from launcher.machine.report import report as environment_report
+from launcher.plan import checks
 from launcher.plan import lr as lrmod
 from launcher.plan.describe import batch_lines
 from launcher.plan.plan import LaunchPlan, with_batch
@@ -44,6 +46,7 @@ from launcher.rank.step.train_step import TrainStep
 from launcher.rank.step.wrap import wrap
 from launcher.rank.ultralytics import build, datasets
 from launcher.rank.ultralytics.loss import training_criterion
+from launcher.rank.ultralytics.fast_validation import FastValidator
 from launcher.rank.ultralytics.validation import Validator
 from launcher.run_folder import RunFolder
 
@@ -128,8 +131,10 @@ class Rank:
         if validation:
             self.val_loader = datasets.val_loader(self.hyp, self.data, plan.micro_batch * 2, self.stride,
                                                   2 * plan.workers_per_rank, self.device, bind=self._worker_init)
+            if "val" in self.caches:  # the node's decoded validation images: no decoding in the loader's workers
+                datasets.attach_cache(self.val_loader.dataset, self.caches["val"])
             build.align_max_det(self.net, self.hyp, self.train_dataset, self.val_loader.dataset)  # before the copies
-            self.validator = Validator(self.val_loader, self.hyp, folder.path, on_batch=lambda: self.heartbeat.working())
+            self.validator = self._validator()
         optim = cfg["optim"]
         self.optimizer = self._optimizer(self.net, plan.lr0)
         self.schedule = Schedule(self.optimizer, epochs=int(train["epochs"]), lrf=optim["lrf"], cos_lr=optim["cos_lr"],
@@ -319,6 +324,18 @@ class Rank:
         if not loader_cfg.get("mosaic_buffer", True):
             datasets.set_mosaic_buffer(dataset, False)
         return dataset, None
+
+    def _validator(self):
+        """val.engine: the fast validator (the split preloaded on the device, rank/validate/) or Ultralytics' own
+        DetectionValidator over the loader; both shard the split as the loader does."""
+        val = self.cfg.get("val") or {}
+        beat = lambda: self.heartbeat.working()  # noqa: E731 (a long validation is progress, not a hang)
+        if checks.val_engine(val, self.cfg["train"]) == "ultralytics":
+            return Validator(self.val_loader, self.hyp, self.folder.path, on_batch=beat)
+        graphs = val.get("cuda_graphs", "auto") in ("auto", True) and self.device.type == "cuda"
+        return FastValidator(self.val_loader, self.hyp, self.folder.path,
+                             batch=checks.val_batch(val, self.plan.micro_batch), amp_dtype=self.amp_dtype,
+                             cuda_graphs=graphs, on_batch=beat, log=self.log)
 
     @property
     def input_dtype(self) -> torch.dtype:

@@ -1,0 +1,155 @@
+"""Validation at inference speed (`val.engine=fast`, what `auto` picks), with Ultralytics' metrics.
+
+The split is read once per run through Ultralytics' own validation loader (rect batches, pad 0.5: its pixels) and kept
+on the device (rank/validate/store.py); each validation then runs the EMA in fp16 over large batches, replayed as
+CUDA graphs (rank/validate/forward.py), with NMS and the matching of detections to targets batched over the whole
+batch on the device (rank/validate/nms.py, matching.py). What reaches the metrics is what DetectionValidator's
+update_metrics collects, in the same layout; Ultralytics' own DetMetrics (ap_per_class), ConfusionMatrix and plotting
+compute and draw the rest, through a DetectionValidator that never runs a batch itself:
+  - the PR/F1/P/R curves from DetMetrics.process(plot=True), as Ultralytics draws them;
+  - the confusion matrix from ConfusionMatrix.process_batch on the same detections, image by image (only when plots
+    are drawn: the final validation), summed over the ranks;
+  - val_batch{0,1,2}_labels.jpg and _pred.jpg from rank 0's first three batches (up to 16 images each, as before).
+The validation loss is the EMA's own Ultralytics loss on the same outputs, summed per batch and divided by the batch
+count, averaged over the ranks (Ultralytics' rule; larger batches move it a little). DetMetrics' per-image
+precision/recall dict (image_metrics) is not kept: nothing of a training run reads it.
+
+Per-rank statistics go to rank 0 through the rank's own process group (Comm.gather), in rank order.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import nullcontext
+from copy import copy
+
+import numpy as np
+import torch
+from ultralytics.models.yolo.detect import DetectionValidator
+
+from launcher.rank.dist import Comm
+from launcher.rank.ultralytics.plots import PLOT_LOCK
+from launcher.rank.ultralytics.validation import label_loss_items
+from launcher.rank.validate.engine import NmsSettings, detections_of, run_pass
+from launcher.rank.validate.forward import InferenceForward
+from launcher.rank.validate.store import PreloadedSplit
+
+PLOTTED_BATCHES = 3  # BaseValidator plots its first three batches
+
+
+def nms_settings(args, end2end: bool) -> NmsSettings:
+    """DetectionValidator.postprocess's arguments (task detect: multi_label, agnostic with single_cls)."""
+    return NmsSettings(conf=float(args.conf), iou=float(args.iou), max_det=int(args.max_det),
+                       agnostic=bool(args.single_cls or args.agnostic_nms), end2end=end2end, multi_label=True)
+
+
+def gathered_stats(per_rank: list[dict]) -> dict[str, list]:
+    """DetMetrics.stats from every rank's concatenated arrays, rank after rank (DetectionValidator.gather_stats)."""
+    return {k: [r[k] for r in per_rank] for k in per_rank[0]}
+
+
+class FastValidator:
+    """The interface of validation.Validator: `validate(...)` -> (metrics, fitness) on rank 0, (None, None)
+    elsewhere; every rank calls it. `batch`: images per forward; `cuda_graphs`: replay the forward per shape."""
+
+    def __init__(self, loader, hyp, run_dir, *, batch: int, amp_dtype: torch.dtype | None, cuda_graphs: bool = True,
+                 on_batch=None, log=print):
+        self.loader, self.batch, self.amp_dtype, self.cuda_graphs = loader, batch, amp_dtype, cuda_graphs
+        self.on_batch, self.log = on_batch or (lambda: None), log
+        self.validator = DetectionValidator(loader, save_dir=run_dir, args=copy(hyp))
+        self.split: PreloadedSplit | None = None
+        self.forward: InferenceForward | None = None
+        self.timing: dict[str, float] = {}  # preload_s (once), last pass_s and images/s
+
+    @property
+    def metric_keys(self) -> list[str]:
+        return list(self.validator.metrics.keys)
+
+    def preload(self, device: torch.device) -> None:
+        """This rank's shard, once: its loader's batches kept (the loader's workers are not needed after)."""
+        started = time.perf_counter()
+        self.split = PreloadedSplit.load(iter(self.loader), device, on_batch=self.on_batch)
+        self.timing["preload_s"] = time.perf_counter() - started
+        self.loader.close()  # its workers are done: the split is read from memory from now on
+        where = "on the device" if self.split.on_device else "in pinned host memory"
+        shapes = ", ".join(f"{n} at {h}x{w}" for (h, w), n in self.split.shapes.items())
+        self.log(f"validation: {len(self.split)} images ({shapes}) preloaded {where} in "
+                 f"{self.timing['preload_s']:.2f} s ({self.split.nbytes / 2**20:.0f} MiB)")
+
+    def validate(self, ema, comm: Comm, *, device, data, amp: bool, loss_items: dict, epoch: int, epochs: int,
+                 plots: bool = False):
+        if comm.distributed:  # BaseTrainer.validate: rank 0's EMA buffers (BatchNorm statistics) on every rank
+            comm.broadcast_from_rank0(list(ema.ema.buffers()))
+        if self.split is None:
+            self.preload(device)
+        model = ema.ema
+        v = self.validator
+        v.training, v.device, v.data = True, device, data
+        v.args.plots = plots
+        if hasattr(model, "end2end"):  # BaseValidator.__call__ in training
+            model.end2end = v.args.nms is False
+        model.float().eval()
+        v.init_metrics(model)  # names, nc, the head's max_det, the confusion matrix, cleared statistics
+        if self.forward is None or self.forward.model is not model:
+            self.forward = InferenceForward(model, device, batch=self.batch, graphs=self.cuda_graphs,
+                                            amp_dtype=self.amp_dtype if amp and device.type == "cuda" else None,
+                                            log=self.log)
+        plotted: list = []
+
+        def each_batch(vb, det, boxes):
+            if plots:
+                for i in range(vb.n):
+                    n = int(vb.count[i])
+                    truth = {"cls": vb.cls[i, :n], "bboxes": boxes[i, :n]}
+                    v.confusion_matrix.process_batch(detections_of(det, i), truth, conf=v.args.conf)
+                if comm.rank == 0 and len(plotted) < PLOTTED_BATCHES:
+                    plotted.append((vb, det))
+
+        started = time.perf_counter()
+        with torch.inference_mode(), torch.autocast(device.type, enabled=False):
+            result = run_pass(self.split, self.forward, batch=self.batch, nc=v.nc, nms=nms_settings(v.args, v.end2end),
+                              single_cls=bool(v.args.single_cls), on_batch=self.on_batch, each_batch=each_batch,
+                              loss_fn=lambda targets, preds: self._loss(model, targets, preds))
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        elapsed = time.perf_counter() - started
+        self.timing.update(pass_s=elapsed, images_per_s=result.images / elapsed if elapsed else 0.0)
+        self.log(f"validation: {result.images} images in {elapsed:.2f} s ({self.timing['images_per_s']:.0f} images/s)")
+        loss = {k: (v_.cpu() / max(result.batches, 1)).float() for k, v_ in result.loss.items()}
+        mine = {"stats": result.stats, "loss": loss, "images": result.images,
+                "matrix": v.confusion_matrix.matrix if plots else None}
+        everyone = comm.gather(mine)
+        if comm.rank != 0:
+            v.metrics.clear_stats()
+            return None, None
+        v.metrics.stats = gathered_stats([r["stats"] for r in everyone])
+        v.seen = sum(r["images"] for r in everyone)
+        if plots and comm.world_size > 1:
+            v.confusion_matrix.matrix = np.sum([r["matrix"] for r in everyone], axis=0)
+        with PLOT_LOCK if plots else nullcontext():
+            for ni, (vb, det) in enumerate(plotted):
+                targets = vb.ultralytics_targets()
+                batch = {"img": vb.img[: vb.n], **targets, "im_file": vb.files}
+                v.plot_val_samples(batch, ni)
+                v.plot_predictions(batch, [detections_of(det, i) for i in range(vb.n)], ni)
+            stats = v.get_stats()
+            v.speed = {"preprocess": 0.0, "inference": 1e3 * elapsed / max(result.images, 1), "loss": 0.0,
+                       "postprocess": 0.0}
+            v.finalize_metrics()
+        v.print_results()
+        v.args.plots = False
+        loss = {k: torch.stack([r["loss"][k] for r in everyone]).mean() for k in loss}
+        metrics = {k: round(float(x), 5) for k, x in {**stats, **label_loss_items(loss, "val")}.items()}
+        return metrics, metrics.pop("fitness", None)
+
+    def _loss(self, model, targets: dict, preds) -> dict:
+        """The EMA's own loss items, under the forward's autocast as in BaseValidator (its BCE in fp32)."""
+        with self.forward.autocast():
+            return model.loss(targets, preds)[1]
+
+    def validate_weights(self, weights: dict[str, torch.Tensor], ema, comm: Comm, **kwargs):
+        """best.pt's EMA in the EMA's place, loaded in place (the captured graphs read the same tensors)."""
+        if comm.rank == 0:
+            ema.ema.load_state_dict(weights)
+        comm.broadcast_from_rank0(list(ema.ema.state_dict().values()))
+        return self.validate(ema, comm, **kwargs)

@@ -1,0 +1,93 @@
+"""One validation pass over a preloaded split: forward, batched NMS, batched matching, and what the metrics need.
+
+Everything stays on the device until the pass ends; then one copy brings the statistics to the host in the layout of
+Ultralytics' DetMetrics.stats (per detection: the 10 true-positive flags, confidence, class; per target: its class;
+per image: its classes, once each), in image order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torch.utils import _pytree as pytree
+
+from launcher.rank.validate.matching import true_positives
+from launcher.rank.validate.nms import Detections, batched_nms, xywh2xyxy
+from launcher.rank.validate.store import PreloadedSplit, ValBatch
+
+
+@dataclass
+class NmsSettings:
+    """What DetectionValidator.postprocess passes to non_max_suppression in training."""
+
+    conf: float = 0.001
+    iou: float = 0.7
+    max_det: int = 300
+    agnostic: bool = False
+    end2end: bool = False
+    multi_label: bool = True
+
+
+@dataclass
+class PassResult:
+    stats: dict[str, np.ndarray]  # tp, conf, pred_cls, target_cls, target_img (DetMetrics.stats, concatenated)
+    images: int
+    batches: int
+    loss: dict[str, torch.Tensor] = field(default_factory=dict)  # summed over the batches
+
+
+def target_boxes(batch: ValBatch, shape) -> torch.Tensor:
+    """The targets in pixels of the letterboxed image, as DetectionValidator._prepare_batch computes them."""
+    h, w = shape
+    return xywh2xyxy(batch.xywh) * torch.tensor([w, h, w, h], device=batch.xywh.device)
+
+
+def batch_stats(vb: ValBatch, det: Detections, boxes: torch.Tensor, nc: int) -> dict[str, torch.Tensor]:
+    """What DetectionValidator.update_metrics adds to DetMetrics.stats for these images, concatenated image after
+    image (still on the device)."""
+    valid_t, valid_p = vb.valid(), det.valid()
+    tp = true_positives(det.boxes, det.cls, valid_p, boxes, vb.cls, valid_t)
+    present = torch.zeros((vb.n, max(nc, 1)), dtype=torch.bool, device=vb.cls.device)
+    rows = torch.arange(vb.n, device=vb.cls.device)[:, None].expand_as(valid_t)
+    present[rows[valid_t], vb.cls[valid_t].long()] = True
+    return {"tp": tp[valid_p], "conf": det.conf[valid_p], "pred_cls": det.cls[valid_p], "target_cls": vb.cls[valid_t],
+            "target_img": present.nonzero()[:, 1].float()}  # np.unique(cls) of each image, image after image
+
+
+def run_pass(split: PreloadedSplit, forward, *, batch: int, nc: int, nms: NmsSettings, single_cls: bool = False,
+             loss_fn=None, on_batch=lambda: None, each_batch=None) -> PassResult:
+    """`forward(img)` -> the model's eval output; `loss_fn(targets, preds)` -> a dict of loss items (the val loss);
+    `each_batch(batch, detections, target_boxes)` sees every batch (the plots' confusion matrix, the first batches)."""
+    out = {k: [] for k in ("tp", "conf", "pred_cls", "target_cls", "target_img")}
+    loss: dict[str, torch.Tensor] = {}
+    batches = images = 0
+    for vb in split.batches(batch):
+        n, shape = vb.n, tuple(vb.img.shape[2:])
+        preds = forward(vb.img)
+        y = preds[0] if isinstance(preds, (list, tuple)) else preds
+        det = batched_nms(y[:n], nms.conf, nms.iou, max_det=nms.max_det, multi_label=nms.multi_label,
+                          agnostic=nms.agnostic, nc=nc, end2end=nms.end2end)
+        if single_cls:
+            det = det._replace(cls=det.cls * 0)
+        boxes = target_boxes(vb, shape)
+        for k, v in batch_stats(vb, det, boxes, nc).items():
+            out[k].append(v)
+        if loss_fn is not None:
+            sliced = pytree.tree_map(lambda t: t[:n] if isinstance(t, torch.Tensor) else t, preds)
+            for k, v in loss_fn(vb.ultralytics_targets(), sliced).items():
+                loss[k] = loss[k] + v.detach() if k in loss else v.detach().clone()
+        if each_batch is not None:
+            each_batch(vb, det, boxes)
+        batches += 1
+        images += n
+        on_batch()
+    stats = {k: (torch.cat(v).cpu().numpy() if v else np.zeros((0, 10) if k == "tp" else 0)) for k, v in out.items()}
+    return PassResult(stats=stats, images=images, batches=batches, loss=loss)
+
+
+def detections_of(det: Detections, i: int) -> dict[str, torch.Tensor]:
+    """Image i's detections as DetectionValidator.postprocess returns them."""
+    n = int(det.count[i])
+    return {"bboxes": det.boxes[i, :n], "conf": det.conf[i, :n], "cls": det.cls[i, :n]}

@@ -1,0 +1,226 @@
+"""The fast validation engine (val.engine=fast) against Ultralytics' own: the same boxes kept by NMS, the same true
+positives, the same metrics from the same predictions, and the same results as DetectionValidator on a real model
+and data (CPU, fp32: the same pixels and arithmetic, so to 1e-4)."""
+
+from __future__ import annotations
+
+from copy import copy
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from ultralytics.cfg import get_cfg
+from ultralytics.models.yolo.detect import DetectionValidator
+from ultralytics.nn.tasks import DetectionModel
+from ultralytics.utils import nms as ultralytics_nms
+
+from launcher.inputs.shapes import CLASSES, ShapesSpec, ensure_dataset
+from launcher.rank.dist import Comm
+from launcher.rank.ultralytics import datasets
+from launcher.rank.ultralytics.fast_validation import FastValidator, gathered_stats, nms_settings
+from launcher.rank.ultralytics.validation import Validator
+from launcher.rank.validate.engine import batch_stats, run_pass, target_boxes
+from launcher.rank.validate.matching import IOU_THRESHOLDS, true_positives
+from launcher.rank.validate.nms import batched_nms
+from launcher.rank.validate.store import PreloadedSplit
+
+NC = 3
+
+
+def head_output(b: int, nc: int, anchors: int, seed: int, size: float = 160.0) -> torch.Tensor:
+    """A detector's inference output (B, 4 + nc, anchors): xywh boxes crowded around a few objects, scores in [0, 1)
+    (cubed: most near 0, as a trained head's)."""
+    g = torch.Generator().manual_seed(seed)
+    centres = torch.rand(b, 2, 5, generator=g) * size
+    pick = torch.randint(0, 5, (b, 1, anchors), generator=g).expand(b, 2, anchors)
+    xy = centres.gather(2, pick) + torch.randn(b, 2, anchors, generator=g) * 4
+    wh = 10 + torch.rand(b, 2, anchors, generator=g) * 30
+    return torch.cat([xy, wh, torch.rand(b, nc, anchors, generator=g) ** 3], 1)
+
+
+def rows(det, i: int) -> torch.Tensor:
+    n = int(det.count[i])
+    return torch.cat([det.boxes[i, :n], det.conf[i, :n, None], det.cls[i, :n, None]], 1)
+
+
+@pytest.mark.parametrize("nc,multi_label,agnostic,max_det", [
+    (3, True, False, 300), (3, True, False, 40), (1, True, False, 300), (3, False, False, 300), (3, True, True, 300),
+    (12, True, False, 100),
+])
+def test_batched_nms_keeps_the_boxes_ultralytics_keeps(nc, multi_label, agnostic, max_det):
+    pred = head_output(4, nc, 120 if nc < 10 else 40, seed=nc + max_det)
+    ref = ultralytics_nms.non_max_suppression(pred, 0.001, 0.7, multi_label=multi_label, agnostic=agnostic,
+                                              max_det=max_det)
+    det = batched_nms(pred, 0.001, 0.7, max_det=max_det, multi_label=multi_label, agnostic=agnostic)
+    assert sum(len(r) for r in ref) > 4 * 20  # enough survivors, and suppression happened
+    for i, want in enumerate(ref):
+        assert torch.equal(rows(det, i), want), i
+
+
+def test_images_with_more_candidates_than_the_matrix_holds_take_torchvisions_nms(monkeypatch):
+    from launcher.rank.validate import nms
+
+    monkeypatch.setattr(nms, "LARGE", 100)  # image 0 has ~600 candidates, the others fewer than 100
+    pred = head_output(3, 3, 120, seed=7)
+    pred[1:, 4:] *= 0.05
+    ref = ultralytics_nms.non_max_suppression(pred, 0.001, 0.7, multi_label=True, max_det=300)
+    det = batched_nms(pred, 0.001, 0.7, max_det=300)
+    for i, want in enumerate(ref):
+        assert torch.equal(rows(det, i), want), i
+
+
+def test_an_end_to_end_head_is_only_filtered_by_confidence():
+    g = torch.Generator().manual_seed(0)
+    pred = torch.rand(4, 50, 6, generator=g)
+    ref = ultralytics_nms.non_max_suppression(pred, 0.3, 0.7, max_det=20, end2end=True)
+    det = batched_nms(pred, 0.3, 0.7, max_det=20, end2end=True)
+    for i, want in enumerate(ref):
+        assert torch.equal(rows(det, i), want), i
+
+
+def _targets(b: int, seed: int, size: float = 160.0, most: int = 6):
+    """Per image 0..most targets (cls, xyxy in pixels), padded: (cls (B, T), boxes (B, T, 4), count (B,)); placed
+    where head_output(seed=seed) crowds its boxes, so that detections match some at some thresholds."""
+    g = torch.Generator().manual_seed(seed)
+    centres = torch.rand(b, 2, 5, generator=g) * size  # head_output's first draw with this seed
+    count = torch.randint(0, most + 1, (b,), generator=g)
+    count[0] = most
+    xy = centres.transpose(1, 2)[:, torch.arange(most) % 5] + torch.randn(b, most, 2, generator=g) * 3
+    wh = 15 + torch.rand(b, most, 2, generator=g) * 20
+    return torch.randint(0, NC, (b, most), generator=g).float(), torch.cat([xy - wh / 2, xy + wh / 2], -1), count
+
+
+def test_true_positives_are_ultralytics_match_predictions(tmp_path):
+    pred = head_output(6, NC, 200, seed=3)
+    det = batched_nms(pred, 0.001, 0.7, max_det=300)
+    cls, boxes, count = _targets(6, seed=3)
+    valid_t = torch.arange(cls.shape[1]) < count[:, None]
+    tp = true_positives(det.boxes, det.cls, det.valid(), boxes, cls, valid_t)
+    v = DetectionValidator(save_dir=tmp_path, args={"conf": 0.001, "plots": False})
+    total = 0
+    for i in range(6):
+        n, m = int(det.count[i]), int(count[i])
+        want = v._process_batch({"cls": det.cls[i, :n], "bboxes": det.boxes[i, :n]},
+                                {"cls": cls[i, :m], "bboxes": boxes[i, :m]})["tp"]
+        assert np.array_equal(tp[i, :n].numpy(), want), i
+        total += want.sum()
+    assert tp[..., 0].sum() > 10 and tp[..., -1].sum() < tp[..., 0].sum()  # matches, fewer at stricter thresholds
+
+
+def _loader_batches(b: int, per_batch: int, shape=(96, 128), seed: int = 5) -> list[dict]:
+    """Batches as Ultralytics' validation loader collates them (uint8 images, flat normalised xywh labels); batch k's
+    targets lie where head_output(seed=seed + k, size=90) crowds its boxes."""
+    g = torch.Generator().manual_seed(seed)
+    h, w = shape
+    out = []
+    for k, start in enumerate(range(0, b, per_batch)):
+        n = min(per_batch, b - start)
+        cls, xyxy, count = _targets(n, seed + k, size=90.0)
+        idx, c, xywh = [], [], []
+        for i in range(n):
+            m = int(count[i])
+            box = xyxy[i, :m]
+            idx += [i] * m
+            c.append(cls[i, :m])
+            xywh.append(torch.cat([(box[:, :2] + box[:, 2:]) / 2, box[:, 2:] - box[:, :2]], 1) / torch.tensor([w, h, w, h]))
+        out.append({"img": torch.randint(0, 255, (n, 3, h, w), dtype=torch.uint8, generator=g),
+                    "batch_idx": torch.tensor(idx, dtype=torch.float32), "cls": torch.cat(c)[:, None],
+                    "bboxes": torch.cat(xywh), "im_file": [f"im{start + i}.jpg" for i in range(n)],
+                    "ori_shape": [(h, w)] * n, "ratio_pad": [((1.0, 1.0), (0.0, 0.0))] * n})
+    return out
+
+
+def _ultralytics_validator(save_dir: Path):
+    v = DetectionValidator(save_dir=save_dir, args={"conf": None, "plots": False})  # conf 0.001, as in training
+    v.training, v.device, v.data = True, torch.device("cpu"), {"val": ""}
+    v.init_metrics(SimpleNamespace(names=dict(enumerate(CLASSES))))
+    return v
+
+
+def test_metrics_from_the_same_predictions_equal_ultralytics(tmp_path):
+    """Ultralytics' postprocess and update_metrics per batch, against the fast engine's pass over the same batches
+    preloaded (two ranks' shards gathered in rank order, as rank 0 does)."""
+    batches = _loader_batches(10, 4)
+    preds = [head_output(len(b["im_file"]), NC, 300, seed=5 + k, size=90.0) for k, b in enumerate(batches)]
+    ref = _ultralytics_validator(tmp_path)
+    for batch, pred in zip(batches, preds):
+        ref.update_metrics(ref.postprocess(pred), {**batch, "img": batch["img"].float() / 255})
+    want = ref.get_stats()
+
+    shards = [(batches[:2], preds[:2]), (batches[2:], preds[2:])]
+    per_rank = []
+    for shard_batches, shard_preds in shards:
+        split = PreloadedSplit.load(shard_batches, torch.device("cpu"))
+        replies = iter(shard_preds)
+        result = run_pass(split, lambda img: next(replies), batch=4, nc=NC, nms=nms_settings(ref.args, False))
+        per_rank.append(result.stats)
+    mine = _ultralytics_validator(tmp_path)
+    mine.metrics.stats = gathered_stats(per_rank)
+    got = mine.get_stats()
+    assert want["metrics/mAP50(B)"] > 0.02  # the predictions do find targets
+    for k in want:
+        assert got[k] == pytest.approx(want[k], abs=1e-4), k
+    assert got == want  # and in fact exactly
+
+
+def test_the_preload_keeps_every_image_once_grouped_by_shape_with_its_labels():
+    a, b = _loader_batches(5, 2, shape=(64, 96), seed=1), _loader_batches(3, 2, shape=(96, 64), seed=2)
+    split = PreloadedSplit.load([a[0], b[0], a[1], b[1], a[2]], torch.device("cpu"))
+    assert split.shapes == {(64, 96): 5, (96, 64): 3} and len(split) == 8
+    seen = []
+    for vb in split.batches(4):
+        seen += vb.files
+        source = a if vb.img.shape[2:] == (64, 96) else b
+        for i, f in enumerate(vb.files):
+            k = int(f[2:-4])
+            batch, j = source[k // 2], k % 2
+            assert torch.equal(vb.img[i], batch["img"][j])
+            mine = batch["batch_idx"] == j
+            n = int(vb.count[i])
+            assert torch.equal(vb.cls[i, :n], batch["cls"][mine, 0]) and torch.equal(vb.xywh[i, :n], batch["bboxes"][mine])
+        targets = vb.ultralytics_targets()
+        assert targets["cls"].shape[0] == int(vb.count.sum()) == targets["bboxes"].shape[0]
+        assert torch.equal(target_boxes(vb, vb.img.shape[2:])[..., 2:] >= target_boxes(vb, vb.img.shape[2:])[..., :2],
+                           torch.ones_like(vb.cls, dtype=torch.bool)[..., None].expand(-1, -1, 2))
+    assert sorted(seen) == sorted([f"im{i}.jpg" for i in range(5)] + [f"im{i}.jpg" for i in range(3)])
+
+
+@pytest.fixture(scope="module")
+def val_split(tmp_path_factory) -> Path:
+    """Odd-sized images (97x71): rect batches with padding, resized from their own size."""
+    spec = ShapesSpec(train_images=2, val_images=6, width=97, height=71, seed=3)
+    return ensure_dataset(tmp_path_factory.mktemp("val"), spec, workers=1, log=lambda *_: None).parent
+
+
+def test_the_fast_validator_gives_what_detection_validator_gives_on_a_real_model(val_split, tmp_path):
+    """The same weights and split through both engines: metrics and validation losses equal (CPU, fp32)."""
+    torch.manual_seed(0)
+    model = DetectionModel("yolov8n.yaml", nc=NC, verbose=False)
+    model.args = get_cfg()
+    model.names = dict(enumerate(CLASSES))
+    head = model.model[-1]
+    with torch.no_grad():  # boxes the size of the objects around every anchor (a random net's are anywhere)
+        for level in head.cv2:
+            last = level[-1]
+            last.weight.zero_()
+            last.bias.copy_(torch.tensor([0.0, 8.0] + [0.0] * 14).repeat(4))  # each side 1 stride from the anchor
+        for level in head.cv3:  # scores spread over (0, 1) (a fresh head's are all about 1e-3: ties everywhere)
+            level[-1].bias.zero_()
+            level[-1].weight.normal_(0, 2.0)
+    ema = SimpleNamespace(ema=model)
+    hyp = get_cfg(overrides={"imgsz": 64, "plots": False})
+    data = {"val": str(val_split / "images" / "val"), "names": dict(enumerate(CLASSES)), "nc": NC, "channels": 3}
+    loaders = [datasets.val_loader(hyp, data, 4, 32, 0, torch.device("cpu")) for _ in range(2)]
+    kwargs = dict(device=torch.device("cpu"), data=data, amp=False, epoch=0, epochs=1,
+                  loss_items={k: torch.zeros(()) for k in ("box_loss", "cls_loss", "dfl_loss")})
+    want, want_fitness = Validator(loaders[0], hyp, tmp_path / "a").validate(ema, Comm(), **kwargs)
+    fast = FastValidator(loaders[1], hyp, tmp_path / "b", batch=4, amp_dtype=None, cuda_graphs=False, log=print)
+    got, got_fitness = fast.validate(ema, Comm(), **kwargs)
+    again, _ = fast.validate(ema, Comm(), **kwargs)  # from the preloaded split
+    assert list(got) == list(want)
+    assert got == pytest.approx(want, abs=1e-4) and got_fitness == pytest.approx(want_fitness, abs=1e-4)
+    assert again == got
+    assert want["metrics/recall(B)"] > 0  # something was found: the comparison is not of zeros
+    print(want, got)
