@@ -127,8 +127,18 @@ def breakdown(command: float, timeline: dict) -> dict:
         "breakdown": parts,
         "startup_parts": _startup_parts(command, s, STARTUP["ddp_launch" if "rank_start" in s else "ultralytics"]),
         "end_parts": {"final_validation": final, "checkpoints": parts["end"] - final},
+        "setup_parts": _setup_parts(s.get("imports_done"), timeline.get("setup") or []),
         "epochs": per_epoch,
     }
+
+
+def _setup_parts(start: float | None, setup: list[dict]) -> list[dict]:
+    """The rank's set-up (its components, part by part: components.Rank), from the end of its imports."""
+    out, previous = [], start
+    for p in setup if start is not None else []:
+        out.append({"part": p["part"], "s": p["end"] - previous})
+        previous = p["end"]
+    return out
 
 
 def _startup_parts(command: float, stamps: dict, steps: list[tuple[str, str]]) -> list[dict]:
@@ -404,6 +414,9 @@ def markdown(out: dict) -> str:
             lines.append(f"- {s['name']}: " + "; ".join(f"{p['what']} {p['s']:.1f} s" for p in s["startup_parts"])
                          + f"; end: final validation {s['end_parts']['final_validation']:.1f} s, the rest "
                            f"{s['end_parts']['checkpoints']:.1f} s")
+            if s.get("setup_parts"):
+                lines.append(f"  - {s['name']}'s rank set-up: " + ", ".join(
+                    f"{p['part'].replace('_', ' ')} {p['s']:.1f} s" for p in s["setup_parts"]))
     if any(s.get("plots") is False for s in out["sides"]):
         lines += ["", "Note: polars is not installed: Ultralytics' plots were off (plots=False), ddp-launch left out "
                       "labels.jpg and results.png."]

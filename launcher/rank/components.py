@@ -18,6 +18,8 @@
 
 from __future__ import annotations
 
+import time
+
 from pathlib import Path
 
 import torch
@@ -80,6 +82,7 @@ class Rank:
         torch.set_num_threads(plan.threads_per_rank)  # importing Ultralytics changed it
         build.seed(self.hyp, self.rank, world)
         self.data = build.dataset_info(self.hyp)
+        self.setup_stamps = [("hyperparameters", time.time())]  # where the start-up went (summary.json's timeline)
         train, loader_cfg = cfg["train"], cfg["loader"]
         amp = train["amp"] if self.device.type == "cuda" else False
         self.amp_dtype = (torch.bfloat16 if amp == "bf16" else torch.float16) if amp else None
@@ -87,6 +90,7 @@ class Rank:
         # 1. the node's image cache, before the process group; the batch this GPU takes (train.batch_per_device=auto)
         self.caches = self._image_caches() if train["cache"] == "shared" else {}
         measured = self._measure_batch() if plan.batch_pending else None
+        self._stamp("image_cache_and_batch")
         # 2. the process group and the heartbeat; the job's batch
         self.comm = Comm(self.rank, 1)
         self.heartbeat = NoHeartbeat()
@@ -99,6 +103,7 @@ class Rank:
         if self.rank == 0:
             build.save_args(self.hyp, folder.path)
             folder.env_file.write_text(environment_report())  # what a bug report needs (ddp-env prints the same)
+        self._stamp("process_group_and_environment_report")
         # 3. the network, and the resume state
         self.state = TrainState(world_size=world, global_batch=plan.global_batch, device=self.device)
         checkpoint_io.remove_stale_temporaries(folder.weights)  # left by a writer that was SIGKILLed
@@ -112,6 +117,7 @@ class Rank:
         if plan.mode == "ddp" and cfg["dist"]["sync_bn"]:
             self.net = nn.SyncBatchNorm.convert_sync_batchnorm(self.net)
 
+        self._stamp("network")
         # 4. the loaders and the optimizer
         self.cores = self._bind_cores()
         self.close_at = mosaic_closes_at(int(train["epochs"]), int(train["close_mosaic"]))
@@ -127,14 +133,17 @@ class Rank:
             fetch_ahead=bool(loader_cfg.get("fetch_ahead", True)), persistent=bool(loader_cfg["persistent_workers"]),
             background=self.gpu_input is not None and bool(loader_cfg.get("fetch_ahead", True)),
         )
+        self._stamp("train_data")
         self.val_loader = self.validator = None
         if validation:
-            self.val_loader = datasets.val_loader(self.hyp, self.data, plan.micro_batch * 2, self.stride,
-                                                  2 * plan.workers_per_rank, self.device, bind=self._worker_init)
+            self.val_loader = datasets.val_loader(self.hyp, self.data, checks.val_batch(cfg.get("val"), plan.micro_batch),
+                                                  self.stride, 2 * plan.workers_per_rank, self.device,
+                                                  bind=self._worker_init)
             if "val" in self.caches:  # the node's decoded validation images: no decoding in the loader's workers
                 datasets.attach_cache(self.val_loader.dataset, self.caches["val"])
             build.align_max_det(self.net, self.hyp, self.train_dataset, self.val_loader.dataset)  # before the copies
             self.validator = self._validator()
+        self._stamp("val_data")
         optim = cfg["optim"]
         self.optimizer = self._optimizer(self.net, plan.lr0)
         self.schedule = Schedule(self.optimizer, epochs=int(train["epochs"]), lrf=optim["lrf"], cos_lr=optim["cos_lr"],
@@ -149,6 +158,7 @@ class Rank:
             self.log(f"WARNING: {type(self.net.criterion).__name__}: loss normalised per rank (not a YOLO detection "
                      "loss), and not sync-free")
 
+        self._stamp("optimizer_ema_loss")
         # 6. what the step calls
         graphed = self._graphed() if plan.cuda_graphs and self.device.type == "cuda" else None
         self.model = wrap(self.net, mode=plan.mode, device=self.device, devices_per_rank=plan.devices_per_rank,
@@ -158,12 +168,17 @@ class Rank:
                               grad_clip=float(optim.get("grad_clip", 10.0)), amp_dtype=self.amp_dtype,
                               accumulate=plan.accumulate)
 
+        self._stamp("graphs_and_step")
         # 7. the checkpoint's components (runs.py adds its hooks' and restores them: restore())
         self.components = {"model": ModuleState(self.net), "ema": EmaState(self.ema), "optimizer": self.optimizer,
                            "scaler": self.scaler, "train": self.state}
         self.resume, self.resumed_from = resume, resumed_from
 
     # --- helpers -------------------------------------------------------------------------------------------------
+    def _stamp(self, part: str) -> None:
+        """`part` of the set-up has ended (the stamps before it: rank 0's timeline)."""
+        self.setup_stamps.append((part, time.time()))
+
     def log(self, msg: str) -> None:
         print(f"[rank {self.rank}] {msg}", flush=True)
 

@@ -70,6 +70,7 @@ def train(cfg: dict, plan: LaunchPlan, folder: RunFolder, stamps: dict | None = 
     plan = r.plan  # with train.batch_per_device=auto, the batch the ranks measured
     try:
         timeline.stamp("components_built")
+        timeline.setup = r.setup_stamps
         train_cfg, state = cfg["train"], r.state
         meter, monitor = _meter(r, METER_SKIP_STEPS)
         early_stop = h.EarlyStop(int(train_cfg["patience"]), r.log)

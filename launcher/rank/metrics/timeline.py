@@ -36,6 +36,7 @@ class Timeline:
                                                 "torchrun_start": _env_time(env, TORCHRUN_STARTED),
                                                 **(started or {})}
         self.epochs: list[dict] = []
+        self.setup: list[tuple[str, float]] = []  # the rank's set-up, part by part: (part, when it ended)
 
     def stamp(self, name: str, at: float | None = None) -> None:
         self.stamps[name] = self.clock() if at is None else at
@@ -44,7 +45,8 @@ class Timeline:
         self.epochs[-1][name] = self.clock() if at is None else at
 
     def to_dict(self) -> dict:
-        return {"clock": "time.time() on rank 0", "stamps": dict(self.stamps), "epochs": [dict(e) for e in self.epochs]}
+        return {"clock": "time.time() on rank 0", "stamps": dict(self.stamps), "epochs": [dict(e) for e in self.epochs],
+                "setup": [{"part": part, "end": end} for part, end in self.setup]}
 
 
 class TimelineEdges(Hook):
