@@ -83,6 +83,7 @@ class Rank:
         build.seed(self.hyp, self.rank, world)
         self.data = build.dataset_info(self.hyp)
         self.setup_stamps = [("hyperparameters", time.time())]  # where the start-up went (summary.json's timeline)
+        self.setup_memory: dict[str, float] = {}
         train, loader_cfg = cfg["train"], cfg["loader"]
         amp = train["amp"] if self.device.type == "cuda" else False
         self.amp_dtype = (torch.bfloat16 if amp == "bf16" else torch.float16) if amp else None
@@ -178,6 +179,8 @@ class Rank:
     def _stamp(self, part: str) -> None:
         """`part` of the set-up has ended (the stamps before it: rank 0's timeline)."""
         self.setup_stamps.append((part, time.time()))
+        if self.device.type == "cuda":  # what each part left reserved on the GPU (train.batch_per_device=auto's room)
+            self.setup_memory[part] = round(torch.cuda.memory_reserved(self.device) / 2**30, 2)
 
     def log(self, msg: str) -> None:
         print(f"[rank {self.rank}] {msg}", flush=True)

@@ -71,6 +71,7 @@ def train(cfg: dict, plan: LaunchPlan, folder: RunFolder, stamps: dict | None = 
     try:
         timeline.stamp("components_built")
         timeline.setup = r.setup_stamps
+        timeline.setup_memory = r.setup_memory
         train_cfg, state = cfg["train"], r.state
         meter, monitor = _meter(r, METER_SKIP_STEPS)
         early_stop = h.EarlyStop(int(train_cfg["patience"]), r.log)

@@ -27,6 +27,8 @@ print(f"  batch {s['batch_per_device']}, global {s['global_batch']}, lr0 {s['lr0
       f"{s['memory_peak_reserved_gib']:.1f} GiB ({100 * s['memory_peak_reserved_gib'] / s['memory_total_gib']:.0f} % of "
       f"{s['memory_total_gib']:.1f}), allocated {s['memory_peak_allocated_gib']:.1f}, NVML {s['memory_peak_gib']} GiB; "
       + (f"{ips:.0f} images/s" if ips else f"images/s: too few steps ({s['steps_measured']} measured)"))
+print(f"  allocator retries {s.get('memory_alloc_retries')}; reserved after each set-up part: "
+      + ", ".join(f"{p['part']} {p.get('reserved_gib')}" for p in (s.get("timeline") or {}).get("setup", [])))
 if a:
     print(f"  why: {a['memory_per_image_mib']} MiB per image + {a['fixed_mib']} MiB fixed, limit {a['limit_gib']} GiB "
           f"of {a['total_gib']} GiB; measured " + ", ".join(f"{c['batch']}: {c['peak_gib']}" for c in a["candidates"]))

@@ -32,11 +32,14 @@ def torch_memory(device) -> dict:
     error sees; auto fills train.memory_fraction of the total with it), allocated what tensors held; NVML's
     memory_peak_gib adds the CUDA context and other processes."""
     if device.type != "cuda":
-        return {"memory_peak_reserved_gib": None, "memory_peak_allocated_gib": None, "memory_total_gib": None}
+        return {"memory_peak_reserved_gib": None, "memory_peak_allocated_gib": None, "memory_total_gib": None,
+                "memory_alloc_retries": None}
     gib = 2**30
     return {"memory_peak_reserved_gib": torch.cuda.max_memory_reserved(device) / gib,
             "memory_peak_allocated_gib": torch.cuda.max_memory_allocated(device) / gib,
-            "memory_total_gib": torch.cuda.get_device_properties(device).total_memory / gib}
+            "memory_total_gib": torch.cuda.get_device_properties(device).total_memory / gib,
+            # the allocator emptied its cache to retry an allocation: memory pressure, and steps stalled by it
+            "memory_alloc_retries": torch.cuda.memory_stats(device).get("num_alloc_retries", 0)}
 
 
 def rank_report(*, rank: int, device, meter, monitor, net, loss_items: dict | None, state, samples=None,
@@ -98,7 +101,8 @@ def summary(*, plan, state, epochs: int, reports: list[dict], weights, last, run
         "data_wait": max(r["data_wait"] for r in reports),  # the worst-fed rank sets the pace
         "gpu_util": min(utils) if utils else None,  # the least busy GPU
         **{key: max((r[key] for r in reports if r.get(key) is not None), default=None)  # the fullest GPU
-           for key in ("memory_peak_reserved_gib", "memory_peak_allocated_gib", "memory_peak_gib")},
+           for key in ("memory_peak_reserved_gib", "memory_peak_allocated_gib", "memory_peak_gib",
+                       "memory_alloc_retries")},
         "memory_total_gib": min((r["memory_total_gib"] for r in reports if r.get("memory_total_gib")), default=None),
         "weights": str(weights),
         "last": str(last),

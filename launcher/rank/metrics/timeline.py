@@ -37,6 +37,7 @@ class Timeline:
                                                 **(started or {})}
         self.epochs: list[dict] = []
         self.setup: list[tuple[str, float]] = []  # the rank's set-up, part by part: (part, when it ended)
+        self.setup_memory: dict[str, float] = {}  # GiB reserved on the GPU at each part's end
 
     def stamp(self, name: str, at: float | None = None) -> None:
         self.stamps[name] = self.clock() if at is None else at
@@ -46,7 +47,8 @@ class Timeline:
 
     def to_dict(self) -> dict:
         return {"clock": "time.time() on rank 0", "stamps": dict(self.stamps), "epochs": [dict(e) for e in self.epochs],
-                "setup": [{"part": part, "end": end} for part, end in self.setup]}
+                "setup": [{"part": part, "end": end, "reserved_gib": self.setup_memory.get(part)}
+                          for part, end in self.setup]}
 
 
 class TimelineEdges(Hook):
