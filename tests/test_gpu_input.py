@@ -297,12 +297,14 @@ def _plan(overrides: list[str], gpus: int = 1, cpus: int = 16):
     return make_plan(compose_config(overrides), hw, None, port_is_free=lambda port: True)
 
 
-def test_auto_takes_the_gpu_input_where_cores_are_few_and_it_needs_four_workers():
+def test_auto_takes_the_gpu_input_where_cores_are_few_or_images_large_and_it_needs_four_workers():
     few, problems = _plan([], cpus=8)
     assert not problems and few.augment_on == "gpu" and few.workers_per_rank == 4
     assert [n for n in few.notes if "loader.augment_on=auto: the input on the GPU (8 core(s) per rank" in n]
-    many, problems = _plan([])  # 16 cores: Ultralytics' pipeline keeps up
+    many, problems = _plan([])  # 16 cores at 160 px: Ultralytics' pipeline keeps up
     assert not problems and many.augment_on == "cpu" and many.workers_per_rank == 12 and not many.notes
+    large, problems = _plan(["train.imgsz=640"])  # 16 cores at 640 px: the GPU decodes and augments faster
+    assert not problems and large.augment_on == "gpu" and [n for n in large.notes if "(640 px: at 512 px" in n]
     assert _plan([], gpus=8, cpus=64)[0].augment_on == "gpu"  # 8 cores per rank
     gpu_input, problems = _plan(["loader.augment_on=gpu"])
     assert not problems and gpu_input.augment_on == "gpu" and gpu_input.workers_per_rank == 4

@@ -21,6 +21,7 @@ AUGMENT_ON = ("auto", "cpu", "gpu")
 INTEGRATIONS = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow", "clearml": "clearml",
                 "comet": "comet_ml", "dvc": "dvclive"}
 GPU_INPUT_BELOW_CORES = 12  # loader.augment_on=auto: the GPU input for ranks with fewer cores (see augment_on)
+GPU_INPUT_FROM_IMGSZ = 512  # ... and at image sizes from this one up, whatever the cores (see augment_on)
 GPU_INPUT_UNSUPPORTED = ("mixup", "cutmix", "copy_paste")  # Ultralytics strengths the GPU pipeline does not do
 # (rank/data/gpu_augment.py refuses them too, from this tuple)
 OPTIMIZERS = ("sgd", "adamw")
@@ -188,22 +189,28 @@ def augment_on(loader: dict, train: dict, device: str, cores_per_rank: int) -> t
     """loader.augment_on resolved to `cpu` (Ultralytics' transforms in the loader's workers) or `gpu` (the workers
     read file bytes, the GPU decodes and augments), and a note when `auto` chose the GPU input or was kept from it.
 
-    `auto` (the default) takes the GPU input on a CUDA rank with fewer than GPU_INPUT_BELOW_CORES cores. Measured on
-    an H200 (docs/benchmarks/README.md, section 6): with 4 cores the CPU pipeline fed yolov8s 126 images/s against
-    1,102 for the GPU input; with 16 they were level at 640 px (1,079 and 1,160; 1,156 and 1,194), and at 320 px the
+    `auto` (the default) takes the GPU input on a CUDA rank with fewer than GPU_INPUT_BELOW_CORES cores, or at an
+    image size of GPU_INPUT_FROM_IMGSZ or more. Measured on an H200 (docs/benchmarks/README.md, sections 6 and 8):
+    with 4 cores the CPU pipeline fed yolov8s 126 images/s against 1,102 for the GPU input; with 16 cores at 640 px
+    the GPU input was ahead on both datasets measured (1,160 against 1,079 on the 4,096 textured images; 1,201
+    against 906, the CPU pipeline waiting 33 % of the time, on 8,000 photo-like ones of 125 kB), and at 320 px the
     CPU pipeline was faster (2,125 against 1,336: the GPU input's host work shares the training process's
     interpreter). `gpu` on a CPU run runs the same tensor maths on the CPU (slow; how CI tests it)."""
     value = loader.get("augment_on", "auto")
     if value in ("cpu", "gpu"):
         return value, None
-    if value != "auto" or device != "cuda" or cores_per_rank >= GPU_INPUT_BELOW_CORES:  # a wrong value: input_problems
+    few_cores = cores_per_rank < GPU_INPUT_BELOW_CORES
+    large = isinstance(train.get("imgsz"), int) and train["imgsz"] >= GPU_INPUT_FROM_IMGSZ  # a bad one: train_problems
+    if value != "auto" or device != "cuda" or not (few_cores or large):  # a wrong value: input_problems
         return "cpu", None
     needs = [setting for setting, _ in cpu_only_settings(train)]
     if needs:
         return "cpu", (f"loader.augment_on=auto: Ultralytics' CPU pipeline, for {', '.join(needs)} (the GPU "
                        f"pipeline does not do it), with {cores_per_rank} core(s) per rank: it may starve the GPU")
-    return "gpu", (f"loader.augment_on=auto: the input on the GPU ({cores_per_rank} core(s) per rank; Ultralytics' "
-                   f"CPU pipeline needs about {GPU_INPUT_BELOW_CORES} per GPU to keep up)")
+    why = (f"{cores_per_rank} core(s) per rank; Ultralytics' CPU pipeline needs about {GPU_INPUT_BELOW_CORES} per GPU "
+           "to keep up" if few_cores else f"{train.get('imgsz')} px: at {GPU_INPUT_FROM_IMGSZ} px and more the GPU "
+           "decodes and augments faster than the CPU pipeline, whatever the cores")
+    return "gpu", f"loader.augment_on=auto: the input on the GPU ({why})"
 
 
 def cpu_only_settings(train: dict) -> list[tuple[str, str]]:
