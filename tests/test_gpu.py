@@ -320,6 +320,8 @@ def test_auto_batch_measure_survives_a_real_out_of_memory_and_frees_what_it_allo
     assert torch.cuda.memory_reserved() == before
 
 
+@pytest.mark.xfail(strict=True, reason="issue 17, open: on the H200 (2026-12-01) the probe's 60 % held, but the run's "
+                   "reserved memory grew to 93-99 % (allocated 50 %); docs/benchmarks/h200-auto-batch/README.md")
 def test_auto_batch_fits_and_an_epoch_at_it_uses_50_to_70_percent_of_the_gpu(tmp_path, cache_dir):
     """yolov8s at 640 px with train.batch_per_device=auto (the default fraction, 0.6) on real CUDA graphs, AMP and
     the sync-free loss: the chosen batch is a multiple of 8, its verified step within the limit, and a training
