@@ -80,6 +80,9 @@ def test_the_rule_bounds_the_batch_global_batch_divisors_and_the_datas_share():
     assert max(gpu.steps) <= 160 and all(160 % b == 0 for b in gpu.steps)
     small = FakeGpu(per_image=900 * MiB).choose({**RULE, "divides": 96, "most": 96})
     assert small.batch == 48  # 56, 64 fit memory but do not divide 96; 96 does not fit
+    odd_gpu = FakeGpu()
+    odd = odd_gpu.choose({**RULE, "divides": 120, "most": 120})  # global_batch=120 on 1 GPU: 8, 24, 40, 120
+    assert odd.batch == 120 and all(120 % b == 0 for b in odd_gpu.steps)  # measured at its own sizes, not 8 alone
     data = FakeGpu().choose({**RULE, "most": 40})
     assert data.batch == 40 and data.limited_by == "the training set"
 

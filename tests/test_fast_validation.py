@@ -224,3 +224,12 @@ def test_the_fast_validator_gives_what_detection_validator_gives_on_a_real_model
     assert again == got
     assert want["metrics/recall(B)"] > 0  # something was found: the comparison is not of zeros
     print(want, got)
+
+
+def test_the_validation_loss_is_the_mean_over_the_ranks_that_had_images():
+    from launcher.rank.ultralytics.fast_validation import mean_loss
+
+    ranks = [{"box_loss": torch.tensor(1.0), "cls_loss": torch.tensor(3.0)}, {},  # 8 GPUs, 4 batches: empty shards
+             {"box_loss": torch.tensor(2.0), "cls_loss": torch.tensor(5.0)}]
+    assert {k: float(v) for k, v in mean_loss(ranks).items()} == {"box_loss": 1.5, "cls_loss": 4.0}
+    assert mean_loss([{}, {}]) == {}

@@ -321,6 +321,7 @@ def test_auto_batch_on_the_cpu_is_the_default_with_a_note():
     (["mode=dp"], "train.batch_per_device=auto is not supported with mode=dp"),
     (["train.global_batch=100"], "the global batch must be a multiple of 16; use 96 or 112"),
     (["train.global_batch=64", "train.accumulate=2"], "set one"),
+    (["+train.extra.multi_scale=0.5"], "multi-scale batches reach 1.5 x that"),
 ])
 def test_an_auto_batch_that_cannot_be_measured_is_refused_with_what_can(overrides, message):
     _, problems = plan_for(["gpus=2", "train.batch_per_device=auto", *overrides])

@@ -70,6 +70,7 @@ def test_the_sides_alternate_seed_by_seed_and_bad_seeds_are_named():
     assert ttm.problems({"seeds": None}) == []
     assert "expected a list of integer seeds" in ttm.problems({"seeds": "0,1"})[0]
     assert "each seed once" in ttm.problems({"seeds": [1, 1]})[0]
+    assert "give train.batch_per_device as a number" in ttm.problems({"seeds": [0]}, {"batch_per_device": "auto"})[0]
 
 
 def side(name: str, seed: int, wall: float, map50_95: float, data_wait: float | None) -> dict:

@@ -15,11 +15,17 @@ def test_the_warm_torchrun_runs_the_command_with_exactly_the_environment_given(t
     warm.start()
     env = {k: v for k, v in os.environ.items() if k != "HOME"} | {"WARM_MARK": "planned", "PET_LOG_DIR": str(tmp_path)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", "--no-python",
-           "sh", "-c", f'echo "$WARM_MARK ${{HOME:-unset}} $LOCAL_RANK $WORLD_SIZE" > {out}']
-    proc = warm.take(cmd, env)
+           "sh", "-c", f'echo "$WARM_MARK ${{HOME:-unset}} $LOCAL_RANK $WORLD_SIZE $(pwd)" > {out}']
+    here = os.getcwd()
+    os.chdir(tmp_path)  # the launcher moved (hydra.job.chdir=true) after the warm torchrun started
+    try:
+        proc = warm.take(cmd, env)
+    finally:
+        os.chdir(here)
     assert proc is not None and warm.take(cmd, env) is None  # taken once; a second launch starts its own
     assert proc.wait(timeout=120) == 0, proc.stderr.read().decode()[-3000:]
-    assert out.read_text().split() == ["planned", "unset", "0", "1"]  # the plan's variables; none of the launcher's own
+    # the plan's variables, none of the launcher's own; where the launcher is
+    assert out.read_text().split() == ["planned", "unset", "0", "1", str(tmp_path)]
 
 
 def test_a_command_that_is_not_this_pythons_torchrun_is_not_given_to_it():

@@ -52,7 +52,7 @@ def run_bench(cfg: dict, run_dir: Path, base_dir: Path, command: str) -> int:
         cells, problems = plan_cells(list(b["sizes"]), list(b["modes"]), b["baseline"], hw.gpu_count, hw.cpu_count,
                                      on_gpu, b.get("variants") or None)
     elif kind == "time_to_model":
-        cells, problems = [], time_to_model.problems(b)
+        cells, problems = [], time_to_model.problems(b, cfg["train"])
     else:
         cells, problems = [], [f"bench.kind={kind!r}: expected throughput or time_to_model"]
     model, model_msgs = resolve_model(cfg["model"], base_dir)

@@ -69,7 +69,10 @@ STARTUP = {
 }
 
 
-def problems(bench: dict) -> list[str]:
+def problems(bench: dict, train: dict | None = None) -> list[str]:
+    if (train or {}).get("batch_per_device") == "auto":
+        return ["bench.kind=time_to_model with train.batch_per_device=auto: both sides train at the same batch, and "
+                "Ultralytics' batch=-1 chooses its own; give train.batch_per_device as a number"]
     seeds = bench.get("seeds")
     if seeds is None:
         return []

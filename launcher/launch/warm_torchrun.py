@@ -7,7 +7,9 @@ for the command line and environment that run_torchrun would have given a fresh 
 launch that needs no torchrun (a dry run, a refused plan, a SLURM submission) closes its stdin, and it exits without
 a word; a launcher that dies takes it along (the parent-death signal, as for any torchrun it starts).
 
-Set DDP_LAUNCH_WARM_START=0 to start torchrun only once the plan is made, as before.
+Two differences from a torchrun started afresh: the ranks' stdin is /dev/null, not the launcher's terminal (so a
+`breakpoint()` in a rank cannot be typed into), and what Python read from the environment while it started (before
+it was given the plan's) stays. Set DDP_LAUNCH_WARM_START=0 to start torchrun only once the plan is made, as before.
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ class WarmTorchrun:
             _discard(proc)
             return None
         try:
-            proc.stdin.write((json.dumps({"argv": cmd[3:], "env": env}) + "\n").encode())
+            proc.stdin.write((json.dumps({"argv": cmd[3:], "env": env, "cwd": os.getcwd()}) + "\n").encode())
             proc.stdin.close()
         except (BrokenPipeError, OSError):  # it died while the plan was made: start a fresh one
             _discard(proc)
@@ -87,9 +89,10 @@ def _agent() -> None:
     if not line:
         return  # the launcher needed no torchrun
     job = json.loads(line)
-    null = os.open(os.devnull, os.O_RDONLY)  # the ranks inherit stdin: nothing to read, as under a fresh torchrun
+    null = os.open(os.devnull, os.O_RDONLY)  # the ranks inherit this stdin, not the terminal (see the docstring)
     os.dup2(null, 0)
     os.close(null)
+    os.chdir(job["cwd"])  # where the launcher is now (hydra.job.chdir=true moves it after this process started)
     os.environ.clear()
     os.environ.update(job["env"])  # before torchrun parses its arguments: PET_* variables are its defaults
     sys.argv = ["torchrun", *job["argv"]]

@@ -361,6 +361,10 @@ def batch_problems(train: dict, *, device: str, mode: str, devices: int, multipl
                                 "batch over the node's GPUs and gathers every prediction on the first, so no one GPU's "
                                 "step says what fits; use mode=ddp (one rank per GPU), or give train.batch_per_device "
                                 "as a number"))
+    if (train.get("extra") or {}).get("multi_scale"):
+        problems.append(Problem("train.batch_per_device=auto with train.extra.multi_scale: the batch is measured at "
+                                "train.imgsz, and multi-scale batches reach 1.5 x that (2.25 x the memory); give "
+                                "train.batch_per_device as a number, or leave multi_scale off"))
     wanted = train.get("global_batch")
     if isinstance(wanted, int) and not isinstance(wanted, bool) and wanted > 0 and wanted % (multiple * devices):
         step = multiple * devices

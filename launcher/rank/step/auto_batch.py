@@ -91,7 +91,10 @@ def choose(measure: Callable[[int], int | None], *, total: int, rule: dict,
             measured[b] = measure(b)
         return measured[b] is not None and measured[b] <= limit
 
-    sizes = [b for b in profile if ok(b)] or [multiple]
+    sizes = [b for b in profile if ok(b)]
+    if len(sizes) < 2:  # a rule few profile sizes meet (a global batch's share of 8 x an odd number): its own sizes
+        sizes = sorted({*sizes, *[b for b in range(multiple, (most or profile[-1]) + 1, multiple) if ok(b)][:2]})
+    sizes = sizes or [multiple]
     fitted, failed = [], None
     for b in sizes:
         if not fits(b):

@@ -138,7 +138,7 @@ class FastValidator:
             v.finalize_metrics()
         v.print_results()
         v.args.plots = False
-        loss = {k: torch.stack([r["loss"][k] for r in everyone]).mean() for k in loss}
+        loss = mean_loss([r["loss"] for r in everyone])
         metrics = {k: round(float(x), 5) for k, x in {**stats, **label_loss_items(loss, "val")}.items()}
         return metrics, metrics.pop("fitness", None)
 
@@ -153,3 +153,10 @@ class FastValidator:
             ema.ema.load_state_dict(weights)
         comm.broadcast_from_rank0(list(ema.ema.state_dict().values()))
         return self.validate(ema, comm, **kwargs)
+
+
+def mean_loss(losses: list[dict]) -> dict:
+    """The validation loss items over the ranks that validated something: a rank whose shard is empty (fewer
+    batches than ranks: Ultralytics' sampler hands out whole batches) has none."""
+    ran = [loss for loss in losses if loss]
+    return {k: torch.stack([loss[k] for loss in ran]).mean() for k in (ran[0] if ran else {})}
