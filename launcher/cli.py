@@ -52,7 +52,7 @@ def main() -> None:
     if print_help_if_asked(sys.argv[1:], "ddp-launch", "train Ultralytics YOLO on every GPU and node, through torchrun",
                            groups={g: GROUPS[g] for g in ("model", "data", "launcher", "experiment")}, files=[(conf / "config.yaml", "")]):
         return
-    if warm_torchrun.wanted(sys.argv[1:]):  # torchrun's imports overlap composing and planning (warm_torchrun.py)
+    if warm_torchrun.enabled() and warm_torchrun.wanted(sys.argv[1:]):  # torchrun's imports overlap the planning
         warm_torchrun.warm.start(preexec_fn=torchrun.parent_death_signal(signal.SIGTERM))
     try:
         _hydra_entry()

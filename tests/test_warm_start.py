@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import sys
 
-from launcher.launch.warm_torchrun import WarmTorchrun, wanted
+from launcher.launch.warm_torchrun import WarmTorchrun, enabled, wanted
 
 
 def test_the_warm_torchrun_runs_the_command_with_exactly_the_environment_given(tmp_path):
@@ -43,6 +43,7 @@ def test_an_unneeded_warm_torchrun_exits_and_info_commands_start_none(monkeypatc
     warm.discard()
     assert proc.poll() is not None and warm.proc is None
     assert wanted(["model=yolov8s", "gpus=2"]) and not wanted(["dry_run=true"]) and not wanted(["--cfg", "job"])
-    monkeypatch.setenv("DDP_LAUNCH_WARM_START", "0")
-    warm.start()
-    assert warm.proc is None
+    monkeypatch.delenv("DDP_LAUNCH_WARM_START", raising=False)
+    assert not enabled()  # opt-in (warm_torchrun.py says why)
+    monkeypatch.setenv("DDP_LAUNCH_WARM_START", "1")
+    assert enabled()

@@ -9,7 +9,9 @@ a word; a launcher that dies takes it along (the parent-death signal, as for any
 
 Two differences from a torchrun started afresh: the ranks' stdin is /dev/null, not the launcher's terminal (so a
 `breakpoint()` in a rank cannot be typed into), and what Python read from the environment while it started (before
-it was given the plan's) stays. Set DDP_LAUNCH_WARM_START=0 to start torchrun only once the plan is made, as before.
+it was given the plan's) stays. Opt-in for now, with DDP_LAUNCH_WARM_START=1: the tests of the launcher's signal
+paths failed now and then in CI with it on (twice in three runs, each time another test), and until that is
+explained torchrun starts once the plan is made, as before.
 """
 
 from __future__ import annotations
@@ -21,10 +23,15 @@ import subprocess
 import sys
 
 TORCHRUN = ["-m", "torch.distributed.run"]
-OFF = "DDP_LAUNCH_WARM_START"
+SWITCH = "DDP_LAUNCH_WARM_START"
 
 
 INFO_FLAGS = ("--help", "-h", "--hydra-help", "--cfg", "-c", "--info", "-i", "--shell-completion", "-sc")
+
+
+def enabled() -> bool:
+    """DDP_LAUNCH_WARM_START=1 (see the module's docstring for why it is not the default yet)."""
+    return os.environ.get(SWITCH) == "1"
 
 
 def wanted(argv: list[str]) -> bool:
@@ -39,7 +46,7 @@ class WarmTorchrun:
         self.proc: subprocess.Popen | None = None
 
     def start(self, preexec_fn=None) -> None:
-        if os.environ.get(OFF, "1") == "0" or self.proc is not None:
+        if self.proc is not None:
             return
         self.proc = subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.PIPE, stderr=subprocess.PIPE,
                                      start_new_session=True, preexec_fn=preexec_fn)
