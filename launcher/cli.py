@@ -6,7 +6,6 @@ Hydra composes once, here. The ranks read the resolved config from the run folde
 from __future__ import annotations
 
 import os
-import signal
 import sys
 import time
 from pathlib import Path
@@ -53,7 +52,7 @@ def main() -> None:
                            groups={g: GROUPS[g] for g in ("model", "data", "launcher", "experiment")}, files=[(conf / "config.yaml", "")]):
         return
     if warm_torchrun.enabled() and warm_torchrun.wanted(sys.argv[1:]):  # torchrun's imports overlap the planning
-        warm_torchrun.warm.start(preexec_fn=torchrun.parent_death_signal(signal.SIGTERM))
+        warm_torchrun.warm.start(preexec_fn=torchrun.parent_death_signal())
     try:
         _hydra_entry()
     finally:

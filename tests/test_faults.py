@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -33,11 +34,13 @@ def launch(run_dir: Path, *args: str, fault: str | None = None, timeout: int = 6
 
 
 def leftovers(run_dir: Path) -> list[str]:
-    """Processes still running for this run (ranks, torchrun, DataLoader workers all carry the run folder)."""
+    """Processes still running for this run (ranks, torchrun, DataLoader workers all carry the run folder), other
+    than this one. (Not "any command line without 'pytest'": the run folders are under pytest's own temporary
+    folder, so that filter found nothing, and a test read the logs before the ranks had written them.)"""
     found = []
-    for p in psutil.process_iter(["cmdline"]):
+    for p in psutil.process_iter(["cmdline", "status"]):
         cmd = " ".join(p.info["cmdline"] or [])
-        if str(run_dir) in cmd and "pytest" not in cmd:
+        if str(run_dir) in cmd and p.pid != os.getpid() and p.info["status"] != psutil.STATUS_ZOMBIE:
             found.append(cmd)
     return found
 
@@ -200,17 +203,23 @@ def test_a_closed_terminal_sighup_stops_like_sigterm_and_the_run_resumes_countin
     assert [int(float(row.split(",")[0])) for row in rows] == [1, 2]
 
 
-def test_a_launcher_killed_outright_takes_torchrun_and_the_ranks_with_it(tmp_path, cache_dir):
+def test_a_launcher_killed_outright_stops_the_ranks_together_with_a_checkpoint(tmp_path, cache_dir):
     """SIGKILL (the OOM killer) gives the launcher no chance to forward anything: the kernel tells torchrun (a
-    parent-death signal), which sends every rank the SIGTERM of a Ctrl-C, and nothing of the run is left."""
+    parent-death signal, launch/torchrun.py), which stops the ranks as on a Ctrl-C: at the same step, rank 0 saving
+    where the run stands, and nothing of the run is left."""
     run = tmp_path / "run"
     proc = start_and_wait_for(run, 3, "epoch 1/3 step 2/4")
     proc.kill()
     proc.wait(timeout=30)
     assert not gone_within(run, 30)
-    for rank in (0, 1):
-        log = (run / "logs" / f"rank{rank}.log").read_text()
-        assert "[signal] SIGTERM: finishing the step" in log, log[-2000:]
+    logs = [(run / "logs" / f"rank{rank}.log").read_text() for rank in (0, 1)]
+    context = "\n\n".join(text[-2500:] for text in logs)
+    stops = [re.findall(r"\[signal\] stopping after (epoch \d+ step \d+): SIGTERM reached", log) for log in logs]
+    assert len(stops[0]) == 1 and stops[0] == stops[1], context  # every rank, at the same step
+    assert "checkpoint saved at epoch" in logs[0], context
+    epoch, step = torch.load(run / "weights" / "last.pt", map_location="cpu", weights_only=False)[
+        "ddp_launch_state"]["train"]["position"]
+    assert (epoch, step) >= (0, 3) and step >= 1  # after the step rank 0 had logged, mid-epoch
 
 
 def test_a_stop_on_an_epochs_last_step_still_ends_that_epoch_after_resume(tmp_path, uninterrupted):
@@ -231,8 +240,8 @@ def test_a_stop_on_an_epochs_last_step_still_ends_that_epoch_after_resume(tmp_pa
 def test_two_launches_at_once_get_their_own_ports_and_run_folders(tmp_path, cache_dir):
     procs = []
     for name in ("a", "b"):
-        exe = str(Path(os.environ.get("VIRTUAL_ENV", "")) / "bin" / "ddp-launch")
-        exe = exe if os.path.exists(exe) else "ddp-launch"
+        exe = Path(sys.executable).parent / "ddp-launch"  # this environment's, as conftest.ddp_launch runs it
+        exe = str(exe) if exe.exists() else "ddp-launch"
         procs.append(subprocess.Popen([exe, *BASE, "train.epochs=1"], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     outs = [p.communicate(timeout=600)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs

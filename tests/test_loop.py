@@ -130,6 +130,52 @@ def test_an_agreed_stop_ends_the_loop_after_that_epoch():
     assert loop.completed and loop.step.seen == [0] and loop.state.epoch == 0
 
 
+class FakeComm:
+    """One rank of a job whose other ranks contribute `others` to every all-reduce."""
+
+    def __init__(self, rank: int, others: int = 0):
+        self.rank, self.others, self.barriers = rank, others, 0
+
+    def max(self, value: int) -> int:
+        return max(value, self.others)
+
+    def barrier(self) -> None:
+        self.barriers += 1
+
+
+@pytest.mark.parametrize("rank, own, others", [(0, 15, 0), (1, 0, 15), (0, 0, 2)])
+def test_a_signal_on_any_rank_stops_every_rank_after_the_same_step_and_each_log_says_where_it_came_from(rank, own, others):
+    """A rank whose own SIGTERM has not arrived (torchrun signals the ranks one after another) stops with the rest,
+    and its log says why it ended; only rank 0 saves, and no rank leaves before the save (the barrier)."""
+    saved, lines = [], []
+    comm = FakeComm(rank, others)
+    stop = hooks.StopOnSignal(comm, NoHeartbeat(), FakeInputs([]), save=saved.append, log=lines.append)
+    loop = make_loop([], epochs=1, steps=4)
+    loop.state.step = 2
+    stop.before_train(loop)
+    try:
+        stop.stop_signal.signum = own
+        with pytest.raises(SystemExit) as stopped:
+            stop.after_step(loop)
+    finally:
+        stop.after_train(loop)
+    name = "SIGTERM" if max(own, others) == 15 else "SIGINT"
+    assert stopped.value.code == 128 + max(own, others) and comm.barriers == 1
+    where = "this rank" if own else "another rank"
+    assert lines[0] == f"[signal] stopping after epoch 1 step 2: {name} reached {where}"
+    assert (len(saved), len(lines)) == ((1, 2) if rank == 0 else (0, 1))
+
+
+def test_without_a_signal_the_step_boundary_goes_on():
+    stop = hooks.StopOnSignal(FakeComm(0), NoHeartbeat(), FakeInputs([]), save=lambda loop: pytest.fail("saved"))
+    loop = make_loop([], epochs=1, steps=4)
+    stop.before_train(loop)
+    try:
+        stop.after_step(loop)  # returns: nobody was signalled
+    finally:
+        stop.after_train(loop)
+
+
 # --- an early stop decided on rank 0 and taken by every rank (2 gloo ranks) -----------------------------------------
 FITNESS = [0.50, 0.60, 0.60, 0.55, 0.90, 0.95]  # better at epochs 1 and 2, then none for `patience` epochs
 

@@ -16,12 +16,14 @@ T0 = 1000.0  # the side's command
 
 def ddp_launch_timeline(**changes) -> dict:
     """Two epochs, both validated: start-up 12 s, training 20 + 18 s, validation 2 + 3 s, 1 + 0.5 s of epoch
-    boundaries, 4 s at the end (3 s of it the final validation)."""
+    boundaries (0.25 + 0.25 s of them writing checkpoints), 4 s at the end (3 s of it the final validation)."""
     stamps = {"launcher_start": 1000.1, "torchrun_start": 1003.0, "rank_start": 1005.0, "imports_done": 1009.0,
               "components_built": 1011.5, "loop_start": 1011.6, "first_step": 1012.0, "last_epoch_end": 1056.5,
               "final_val_start": 1057.0, "final_val_end": 1060.0, "weights_start": 1060.0, "weights_end": 1060.5}
-    epochs = [{"epoch": 1, "train_start": 1011.7, "train_end": 1032.0, "val_start": 1032.0, "val_end": 1034.0},
-              {"epoch": 2, "train_start": 1035.0, "train_end": 1053.0, "val_start": 1053.0, "val_end": 1056.0}]
+    epochs = [{"epoch": 1, "train_start": 1011.7, "train_end": 1032.0, "val_start": 1032.0, "val_end": 1034.0,
+               "save_start": 1034.5, "save_end": 1034.75},
+              {"epoch": 2, "train_start": 1035.0, "train_end": 1053.0, "val_start": 1053.0, "val_end": 1056.0,
+               "save_start": 1056.0, "save_end": 1056.25}]
     for key, value in changes.items():
         epoch, _, name = key.partition("__")
         if name:
@@ -37,6 +39,7 @@ def test_the_parts_of_a_side_tile_its_wall_clock():
     assert out["breakdown"] == pytest.approx({"startup": 12.0, "training": 38.0, "validation": 5.0,
                                               "boundaries": 1.5, "end": 4.0, "other": 0.0})
     assert out["end_parts"] == pytest.approx({"final_validation": 3.0, "checkpoints": 1.0})
+    assert out["boundary_parts"] == pytest.approx({"checkpoints": 0.5, "other": 1.0})
     assert [e["training_s"] for e in out["epochs"]] == pytest.approx([20.0, 18.0])
     # the start-up's own parts, from the command to the first step
     assert [p["until"] for p in out["startup_parts"]] == ["launcher_start", "torchrun_start", "rank_start",
@@ -62,7 +65,7 @@ def test_a_timeline_out_of_order_is_named_and_its_overlap_is_left_as_other():
     out = ttm.breakdown(T0, timeline)
     assert out["breakdown"]["other"] == pytest.approx(-1.0)  # counted twice: training and validation overlap
     assert sum(out["breakdown"].values()) == pytest.approx(out["wall_s"])
-    assert ttm.timeline_in_order(T0, timeline) == ["epoch 2 train_start (1033.000) before epoch 1 val_end (1034.000)"]
+    assert ttm.timeline_in_order(T0, timeline) == ["epoch 2 train_start (1033.000) before epoch 1 save_end (1034.750)"]
 
 
 def test_the_sides_alternate_seed_by_seed_and_bad_seeds_are_named():
@@ -79,7 +82,8 @@ def side(name: str, seed: int, wall: float, map50_95: float, data_wait: float | 
     return {"name": name, "seed": seed, "wall_s": wall, "map50": 0.9, "map50_95": map50_95, "data_wait": data_wait,
             "gpu_util": None, "breakdown": parts, "after_weights": {"plots_s": 1.0, "exit_s": 1.0},
             "startup_parts": [{"until": "first_step", "what": "all of it", "s": 0.2 * wall}],
-            "end_parts": {"final_validation": 0.03 * wall, "checkpoints": 0.02 * wall}}
+            "end_parts": {"final_validation": 0.03 * wall, "checkpoints": 0.02 * wall},
+            "boundary_parts": {"checkpoints": 0.04 * wall, "other": 0.01 * wall}}
 
 
 def test_input_bound_ultralytics_meets_the_target_with_the_same_map():
@@ -123,6 +127,7 @@ def test_the_report_shows_each_run_the_means_the_ratio_and_the_verdict(tmp_path)
     assert "| ultralytics | 0 | 100.0 | 20.0 | 60.0 | 10.0 | 5.0 | 5.0 | 0.0 | 0.9000 | 0.9600 | 30.0 % | 2.0 |" in md
     assert "| **ddp_launch mean** | 1 run(s) | 40.0 |" in md and "**2.50x** (seed 0: 2.50x)" in md
     assert out["verdict"]["text"] in md and "126 kB per train file" in md
+    assert "boundaries: checkpoint writes 1.6 s, the rest 0.4 s" in md  # ddp-launch's, 40 s x 4 % and 1 %
     assert json.loads((tmp_path / "bench.json").read_text())["ratio"] == pytest.approx(2.5)
     assert (tmp_path / "bench.png").stat().st_size > 0
 
@@ -138,6 +143,7 @@ def test_the_ultralytics_callbacks_stamp_its_epochs_and_the_end_after_final_eval
     clock = iter(range(100, 200)).__next__
     stamps = Stamps(StepMeter(torch.device("cpu"), skip_steps=0), clock=lambda: float(clock()))
     calls = stamps.callbacks()
+    save_model = stamps.save(lambda trainer: True)
     trainer = type("Trainer", (), {"epoch": 0, "batch_size": 4})()
     for name in ("on_pretrain_routine_start", "on_pretrain_routine_end", "on_train_start"):
         calls[name](trainer)
@@ -147,8 +153,10 @@ def test_the_ultralytics_callbacks_stamp_its_epochs_and_the_end_after_final_eval
         for _ in range(2):
             calls["on_train_batch_start"](trainer)
             calls["on_train_batch_end"](trainer)
-        for name in ("on_train_epoch_end", "on_val_start", "on_val_end", "on_fit_epoch_end"):
+        for name in ("on_train_epoch_end", "on_val_start", "on_val_end"):
             calls[name](trainer)
+        assert save_model(trainer) is True  # Ultralytics' own return value passes through
+        calls["on_fit_epoch_end"](trainer)
     strip = stamps.strip(lambda f, updates=None: {})
     strip("last.pt")
     strip("best.pt")
@@ -158,10 +166,13 @@ def test_the_ultralytics_callbacks_stamp_its_epochs_and_the_end_after_final_eval
     s = timeline["stamps"]
     assert s["first_step"] == 104 and s["last_epoch_end"] == s["stripped"] - 2
     assert (s["final_val_start"], s["final_val_end"]) == (s["stripped"], s["weights_end"]) and s["plots_end"] > s["weights_end"]
-    assert [sorted(e) for e in timeline["epochs"]] == [["end", "epoch", "train_end", "train_start", "val_end", "val_start"]] * 2
+    assert [sorted(e) for e in timeline["epochs"]] == [["end", "epoch", "save_end", "save_start", "train_end",
+                                                        "train_start", "val_end", "val_start"]] * 2
+    assert all(e["save_end"] - e["save_start"] == 1 for e in timeline["epochs"])
     assert ttm.timeline_in_order(99.0, timeline) == []
     out = ttm.breakdown(99.0, timeline)
     assert out["breakdown"]["other"] == 0 and out["end_parts"]["final_validation"] == 1
+    assert out["boundary_parts"] == {"checkpoints": 2.0, "other": out["breakdown"]["boundaries"] - 2.0}
     assert [p["until"] for p in out["startup_parts"]][-1] == "first_step"
 
 
@@ -188,9 +199,13 @@ def test_the_benchmark_on_the_cpu_reports_both_sides_and_parts_that_add_up(tmp_p
         assert all(v >= 0 for k, v in parts.items() if k != "other"), parts
         assert s["wall_s"] < s["process_s"] and s["timeline_problems"] == [], s
         assert [e["epoch"] for e in s["epochs"]] == [1] and s["epochs"][0]["validation_s"] > 0
+        assert 0 < s["boundary_parts"]["checkpoints"] <= parts["boundaries"], s  # each side saved after its epoch
         assert f"| {name} | 0 | {s['wall_s']:.1f} |" in md
     d = sides["ddp_launch"]["timeline"]["stamps"]
     order = ["launcher_start", "torchrun_start", "rank_start", "imports_done", "components_built", "first_step",
              "last_epoch_end", "final_val_start", "final_val_end", "weights_end", "end"]
     assert [d[k] for k in order] == sorted(d[k] for k in order), d
+    setup = sides["ddp_launch"]["setup_parts"]  # the rank's set-up, from its imports to its components
+    assert [p["part"] for p in setup[:3]] == ["cuda_init", "hyperparameters_and_seeds", "dataset_check"]
+    assert all(p["s"] >= 0 for p in setup) and sum(p["s"] for p in setup) <= d["components_built"] - d["imports_done"]
     assert report["ratio"] == pytest.approx(sides["ultralytics"]["wall_s"] / sides["ddp_launch"]["wall_s"])

@@ -15,7 +15,8 @@ breakdown, from the side's timeline (rank 0's summary.json `timeline`; the Ultra
 - training: each epoch's training, from its start (the first epoch's: the first step) to its last step's end;
 - validation: the validation after each epoch;
 - boundaries: the rest between the first step and the last epoch's end (checkpoints, the EMA's attributes, the
-  loader between epochs), listed apart from training;
+  loader between epochs), listed apart from training; its checkpoint writes (each epoch's save_start..save_end)
+  are counted apart, in `boundary_parts`;
 - end: the last epoch's end to the final weights (the final validation, stripping the checkpoints);
 - other: the wall clock the stamps do not attribute (zero when the timeline is complete and in order).
 Before the first timed side, the dataset's labels are scanned once (Ultralytics' labels.cache, which both sides read),
@@ -125,11 +126,13 @@ def breakdown(command: float, timeline: dict) -> dict:
     wall = done - command
     parts["other"] = wall - sum(v for k, v in parts.items() if k != "other")
     final = s["final_val_end"] - s["final_val_start"] if "final_val_start" in s and "final_val_end" in s else 0.0
+    saves = sum(e["save_end"] - e["save_start"] for e in epochs if "save_start" in e and "save_end" in e)
     return {
         "wall_s": wall,
         "breakdown": parts,
         "startup_parts": _startup_parts(command, s, STARTUP["ddp_launch" if "rank_start" in s else "ultralytics"]),
         "end_parts": {"final_validation": final, "checkpoints": parts["end"] - final},
+        "boundary_parts": {"checkpoints": saves, "other": parts["boundaries"] - saves},
         "setup_parts": _setup_parts(s.get("imports_done"), timeline.get("setup") or []),
         "epochs": per_epoch,
     }
@@ -161,7 +164,8 @@ def timeline_in_order(command: float, timeline: dict) -> list[str]:
     for i, e in enumerate(timeline["epochs"]):
         seq += [(f"epoch {e['epoch']} train_start", e["train_start"])]
         seq += [("first_step", s["first_step"])] if i == 0 else []
-        seq += [(f"epoch {e['epoch']} {k}", e[k]) for k in ("train_end", "val_start", "val_end") if k in e]
+        seq += [(f"epoch {e['epoch']} {k}", e[k]) for k in ("train_end", "val_start", "val_end", "save_start",
+                                                             "save_end") if k in e]
     seq += [(k, s[k]) for k in ("last_epoch_end", "final_val_start", "final_val_end", "weights_end") if k in s]
     return [f"{b} ({tb:.3f}) before {a} ({ta:.3f})" for (a, ta), (b, tb) in zip(seq, seq[1:]) if tb < ta]
 
@@ -416,7 +420,8 @@ def markdown(out: dict) -> str:
         if "error" not in s and s["seed"] == st["seeds"][0]:
             lines.append(f"- {s['name']}: " + "; ".join(f"{p['what']} {p['s']:.1f} s" for p in s["startup_parts"])
                          + f"; end: final validation {s['end_parts']['final_validation']:.1f} s, the rest "
-                           f"{s['end_parts']['checkpoints']:.1f} s")
+                           f"{s['end_parts']['checkpoints']:.1f} s; boundaries: checkpoint writes "
+                           f"{s['boundary_parts']['checkpoints']:.1f} s, the rest {s['boundary_parts']['other']:.1f} s")
             if s.get("setup_parts"):
                 lines.append(f"  - {s['name']}'s rank set-up: " + ", ".join(
                     f"{p['part'].replace('_', ' ')} {p['s']:.1f} s" for p in s["setup_parts"]))

@@ -69,7 +69,16 @@ def format_command(cmd: list[str], env: dict[str, str]) -> str:
     return (f"env \\\n{exports} \\\n  " if env else "") + " ".join(shlex.quote(c) for c in cmd)
 
 
-def parent_death_signal(signum: int = signal.SIGTERM):
+# What torchrun gets when the launcher dies without a word: the SIGTERM of a Ctrl-C, so that it stops the ranks as
+# on one (and its rendezvous store lives until they have). The kernel sends it each time the child's parent *thread*
+# dies, and a launcher killed outright loses its threads one by one (the child is re-parented to the next): torchrun
+# gets it two or three times (seen with perf's signal tracepoints). The second restarts its shutdown once (its
+# run()'s finally), which signals every rank again and waits for them; a third ends torchrun without waiting, and a
+# rank left alone stops itself on seeing it gone (signals.stop_when_orphaned). Every rank stops at the same step.
+PARENT_DEATH_SIGNAL = signal.SIGTERM
+
+
+def parent_death_signal(signum: int = PARENT_DEATH_SIGNAL):
     """A preexec_fn that has the child sent `signum` when this process dies, however it dies (Linux prctl); None
     where there is no prctl. libc's prctl is looked up here, before the fork: the child only calls it."""
     if not sys.platform.startswith("linux"):
@@ -95,7 +104,7 @@ def run_torchrun(
 
     SIGINT, SIGTERM, SIGHUP and SIGUSR1 are forwarded to torchrun as SIGTERM, once; torchrun passes it to every rank,
     which checkpoints and exits, and kills what is left after its shutdown timeout. torchrun gets the same SIGTERM
-    from the kernel if the launcher dies without a word. torchrun's stderr reaches the console without the
+    from the kernel if the launcher dies without a word (PARENT_DEATH_SIGNAL). torchrun's stderr reaches the console without the
     traceback it prints when it is stopped (logs.QuietStop); torchrun is the warm one that `ddp-launch` started
     before planning, when there is one (warm_torchrun.py); its per-attempt folders (by default an empty
     /tmp/torchelastic_* left by every launch) go to a private temporary folder, removed when torchrun ends.
@@ -112,7 +121,7 @@ def run_torchrun(
     env = {**env, TORCHRUN_STARTED: repr(time.time())}  # rank 0's timeline (rank/metrics/timeline.py): handed over
     proc = warm.take(cmd, {**os.environ, **env}) or subprocess.Popen(
         cmd, env={**os.environ, **env}, start_new_session=True, stderr=subprocess.PIPE,
-        preexec_fn=parent_death_signal(signal.SIGTERM))
+        preexec_fn=parent_death_signal())
     stderr = threading.Thread(target=QuietStop(sys.stderr).copy, args=(proc.stderr,), daemon=True)
     stderr.start()
     streamer.start()

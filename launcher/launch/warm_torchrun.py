@@ -10,8 +10,9 @@ a word; a launcher that dies takes it along (the parent-death signal, as for any
 Two differences from a torchrun started afresh: the ranks' stdin is /dev/null, not the launcher's terminal (so a
 `breakpoint()` in a rank cannot be typed into), and what Python read from the environment while it started (before
 it was given the plan's) stays. Opt-in for now, with DDP_LAUNCH_WARM_START=1: the tests of the launcher's signal
-paths failed now and then in CI with it on (twice in three runs, each time another test), and until that is
-explained torchrun starts once the plan is made, as before.
+paths failed now and then in CI with it on (twice in three runs, each time another test). The SIGKILL test's
+failures are explained (the test read the logs before the ranks had written them); the SIGTERM one's is not yet,
+so until it is, torchrun starts once the plan is made, as before.
 """
 
 from __future__ import annotations

@@ -75,15 +75,19 @@ class Rank:
         self.cfg, self.plan, self.folder = cfg, plan, folder
         self.rank, self.local_rank, world = rank_info()
         self.device = torch.device("cuda", self.local_rank) if plan.device == "cuda" else torch.device("cpu")
+        self.setup_stamps: list[tuple[str, float]] = []  # where the start-up went (summary.json's timeline)
+        self.setup_memory: dict[str, float] = {}
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+            torch.empty(1, device=self.device)  # the driver and the CUDA context, made here to be timed as their own part
+        self._stamp("cuda_init")
         self.faults = FaultInjector.from_env(self.rank)
         self.hyp = build.hyperparameters(cfg, plan, folder.path, self.local_rank)
         torch.set_num_threads(plan.threads_per_rank)  # importing Ultralytics changed it
         build.seed(self.hyp, self.rank, world)
+        self._stamp("hyperparameters_and_seeds")
         self.data = build.dataset_info(self.hyp)
-        self.setup_stamps = [("hyperparameters", time.time())]  # where the start-up went (summary.json's timeline)
-        self.setup_memory: dict[str, float] = {}
+        self._stamp("dataset_check")
         train, loader_cfg = cfg["train"], cfg["loader"]
         amp = train["amp"] if self.device.type == "cuda" else False
         self.amp_dtype = (torch.bfloat16 if amp == "bf16" else torch.float16) if amp else None

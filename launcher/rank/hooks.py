@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import math
+import signal
 import time
 from pathlib import Path
 
@@ -142,6 +143,9 @@ class StopOnSignal(Hook):
         self.heartbeat.working()
         if not signum:
             return
+        epoch, step = loop.state.position
+        told = "this rank" if self.stop_signal.signum else "another rank"  # a log that just ends says nothing
+        self.log(f"[signal] stopping after epoch {epoch + 1} step {step}: {signal.Signals(signum).name} reached {told}")
         if self.save is not None and self.comm.rank == 0:
             self.save(loop)
             epoch, step = loop.state.position

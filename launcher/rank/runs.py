@@ -87,7 +87,7 @@ def train(cfg: dict, plan: LaunchPlan, folder: RunFolder, stamps: dict | None = 
         save = h.Checkpoint(checkpointer, int(train_cfg["save_period"]), lambda: _strip(r)) if on_rank0 else None
         if on_rank0:
             evaluate = Timed(evaluate, timeline, name="val", final="final_val", keep=lambda loop: loop.state.validated)
-            save = Timed(save, timeline, name=None, final="weights")
+            save = Timed(save, timeline, name="save", final="weights")
         hooks: list[Hook | None] = [
             TimelineEdges(timeline, r.inputs) if on_rank0 else None,
             h.LRSchedule(r.schedule, plan.warmup_iterations or 0),

@@ -3,12 +3,12 @@
 Wall-clock stamps (time.time(), rank 0's clock; the launcher and torchrun run on the same node) of: the launcher
 command's start and torchrun's start (passed in the environment, plan/environment.py), this process's start and the
 end of its imports (worker.py), the components built, the first step (its batch in hand), each epoch's training start
-and end and its validation, the last epoch's end, the final validation, the final weights on disk (checkpoints
-stripped) and the end. `ddp-bench bench.kind=time_to_model` turns it into a breakdown (bench/time_to_model.py).
+and end, its validation and its checkpoint write, the last epoch's end, the final validation, the final weights on
+disk (checkpoints stripped) and the end. `ddp-bench bench.kind=time_to_model` turns it into a breakdown (bench/time_to_model.py).
 
 Three hooks place the stamps (runs.py lists where): `TimelineEdges` first in the list (an epoch's start, the first
 step, an epoch's training end, the last epoch's end), and `Timed` around the validation hook and the checkpoint hook
-(a validation's start and end, the final validation, the stripped weights).
+(a validation's start and end, each epoch's checkpoint write, the final validation, the stripped weights).
 """
 
 from __future__ import annotations

@@ -10,7 +10,8 @@ ddp-launch's (rank/metrics/timeline.py).
 The stamps, time.time(), from Ultralytics' callbacks (engine/trainer.py, engine/validator.py of 8.4.190):
 on_pretrain_routine_start/end, on_train_start, each on_train_epoch_start (the first epoch's training starts at its
 first on_train_batch_start: the batch in hand, as ddp-launch's first step), on_train_epoch_end (training end),
-on_val_start/on_val_end (each epoch's validation), on_fit_epoch_end (the epoch's end, after its checkpoint). After the
+on_val_start/on_val_end (each epoch's validation), BaseTrainer.save_model (each epoch's checkpoint write, wrapped only
+to stamp its start and end), on_fit_epoch_end (the epoch's end, after its checkpoint). After the
 last epoch `final_eval` strips last.pt and best.pt (strip_optimizer, wrapped here only to stamp when it returns),
 then validates best.pt and fires on_fit_epoch_end once more: that is the final weights on disk with the final
 validation done, the end of the wall clock. plot_metrics then writes results.png and on_train_end follows: timed
@@ -103,6 +104,16 @@ class Stamps:
         self.epochs[-1]["end"] = self.clock()
         self.stamp("last_epoch_end")
 
+    def save(self, original):
+        def save_model(trainer, *args, **kwargs):
+            start = self.clock()
+            out = original(trainer, *args, **kwargs)
+            if self.epochs:
+                self.epochs[-1].update(save_start=start, save_end=self.clock())
+            return out
+
+        return save_model
+
     def strip(self, original):
         def strip_optimizer(*args, **kwargs):
             out = original(*args, **kwargs)
@@ -128,6 +139,7 @@ def run(side_dir: Path) -> dict:
     ul_trainer.check_amp = lambda model: True  # the check downloads weights; see the module docstring
     ul_trainer.BaseTrainer.read_results_csv = lambda trainer: results.read_columns(trainer.csv)
     ul_trainer.strip_optimizer = stamps.strip(ul_trainer.strip_optimizer)
+    ul_trainer.BaseTrainer.save_model = stamps.save(ul_trainer.BaseTrainer.save_model)
 
     yolo = YOLO(side["model"])
     for event, callback in stamps.callbacks().items():
