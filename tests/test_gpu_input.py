@@ -274,6 +274,38 @@ def test_mosaic_partners_come_from_the_recently_decoded_images_or_from_the_batch
     assert buffer_capacity(4096, 64) == 512 and buffer_capacity(100, 64) == 100 and buffer_capacity(10_000, 256) == 1000
 
 
+def test_mix_partners_come_with_their_own_mosaic_partners_until_close_mosaic(tmp_path):
+    """With mixup and cutmix on, each sample brings a MixUp and a CutMix partner (rows 8..15, 16..23), each another
+    image with 3 mosaic partners, from the buffer or the batch; from epoch close_at on, none (Ultralytics' close_mosaic
+    sets mixup and cutmix to 0 with mosaic). The batch stays Ultralytics' format, its boxes inside the image."""
+    images, _ = rectangles(tmp_path, 24)
+    ds = EncodedTrainDataset(images, decode_all=True)
+    groups, mixed = [], []
+
+    class Spy(GpuAugment):
+        def apply(self, raw, p):
+            groups.append(raw.groups.clone())
+            mixed.append(None if p.mixup is None else int((p.mixup | p.cutmix).sum()))
+            return super().apply(raw, p)
+
+    for from_batch in (False, True):
+        groups.clear()
+        gi = GpuInput(Spy(32, {"mixup": 0.5, "cutmix": 0.5}), Decoder(torch.device("cpu"), images.files), capacity=12,
+                      device=torch.device("cpu"), partners_from_batch=from_batch, close_at=1)
+        for k in range(2):
+            batch = gi(ds.collate_fn([ds[(0, i)] for i in range(8 * k, 8 * k + 8)]), torch.Generator().manual_seed(k))
+            assert batch["img"].shape == (8, 3, 32, 32) and set(batch["batch_idx"].long().tolist()) <= set(range(8))
+            xy, wh = batch["bboxes"][:, :2], batch["bboxes"][:, 2:]
+            assert (wh > 0).all() and (xy - wh / 2 >= -1e-6).all() and (xy + wh / 2 <= 1 + 1e-6).all()
+        assert [g.shape for g in groups] == [(24, 4)] * 2 and mixed[-1] > 0
+        own = set(groups[1][:8, 0].tolist())
+        partners = set(groups[1][8:].flatten().tolist())
+        assert partners <= own if from_batch else not partners <= own  # from the buffer: older images too
+    batch = gi(ds.collate_fn([ds[(1, i)] for i in range(8)]), torch.Generator().manual_seed(0))
+    assert groups[-1].shape == (8, 1) and mixed[-1] is None  # epoch close_at: no mosaic, no mix
+    assert batch["img"].shape == (8, 3, 32, 32)
+
+
 def test_the_shared_cache_holds_the_files_bytes(tmp_path):
     files = write_images(tmp_path, ["jpg", "png", "jpg"])
     cache = image_cache.ensure_file_cache(files, dirs=[tmp_path / "cache"], threads=1, log=lambda m: None)
@@ -313,7 +345,7 @@ def test_auto_takes_the_gpu_input_where_cores_are_few_or_images_large_and_it_nee
     assert on_cpu.augment_on == "gpu" and not problems
 
 
-@pytest.mark.parametrize("override", ["+train.extra.mixup=0.1", "+train.extra.copy_paste=0.2", "train.cache=ram"])
+@pytest.mark.parametrize("override", ["+train.extra.copy_paste=0.2", "train.cache=ram"])
 def test_auto_takes_the_cpu_pipeline_for_what_only_it_does_and_says_so(override):
     plan, problems = _plan([override], cpus=8)
     assert not problems and plan.augment_on == "cpu"
@@ -321,13 +353,21 @@ def test_auto_takes_the_cpu_pipeline_for_what_only_it_does_and_says_so(override)
 
 
 @pytest.mark.parametrize(("override", "advice"), [
-    ("+train.extra.mixup=0.1", "loader.augment_on=cpu"),
+    ("+train.extra.copy_paste=0.1", "loader.augment_on=cpu"),
     ("train.cache=ram", "train.cache=shared"),
     ("loader.augment_on=gpus", "auto, cpu or gpu"),
 ])
 def test_what_the_gpu_input_cannot_do_is_refused_with_the_setting_that_can(override, advice):
     _, problems = _plan(["loader.augment_on=gpu", override])
     assert any(advice in p.message for p in problems), [p.message for p in problems]
+
+
+def test_mixup_and_cutmix_are_the_gpu_inputs_too():
+    mix = ["+train.extra.mixup=0.1", "+train.extra.cutmix=0.2"]
+    plan, problems = _plan(["loader.augment_on=gpu", *mix])
+    assert not problems and plan.augment_on == "gpu"
+    plan, problems = _plan(mix, cpus=8)  # auto: nothing in them needs the CPU pipeline
+    assert not problems and plan.augment_on == "gpu"
 
 
 def test_the_dry_run_names_the_input_pipeline(tmp_path, cache_dir):

@@ -22,7 +22,7 @@ INTEGRATIONS = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflo
                 "comet": "comet_ml", "dvc": "dvclive"}
 GPU_INPUT_BELOW_CORES = 12  # loader.augment_on=auto: the GPU input for ranks with fewer cores (see augment_on)
 GPU_INPUT_FROM_IMGSZ = 512  # ... and at image sizes from this one up, whatever the cores (see augment_on)
-GPU_INPUT_UNSUPPORTED = ("mixup", "cutmix", "copy_paste")  # Ultralytics strengths the GPU pipeline does not do
+GPU_INPUT_UNSUPPORTED = ("copy_paste",)  # Ultralytics strengths the GPU pipeline does not do (it needs polygons)
 # (rank/data/gpu_augment.py refuses them too, from this tuple)
 OPTIMIZERS = ("sgd", "adamw")
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs", "max-autotune")  # torch.compile's

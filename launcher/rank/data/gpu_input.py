@@ -11,11 +11,14 @@ another, on a side stream, while the steps before it run):
      in one pinned copy (`upload`).
   3. mosaic partners: drawn uniformly from the buffer's filled slots, the images decoded most recently, as
      Ultralytics' Mosaic draws from its dataset's buffer of recently loaded images (min(n, 8 batches, 1000) of them).
-     With loader.mosaic_buffer=false from the same batch, so that a batch depends on its keys and the seed alone
-     (a resumed run repeats the uninterrupted one). From epoch `close_at` on (close_mosaic) there are none: the batch
-     says its epoch, so batches prepared ahead across that boundary need no restart.
+     With mixup or cutmix on, each sample also gets a partner per mix (another image of the buffer, with 3 mosaic
+     partners of its own), rendered as an extra row (gpu_augment.RawBatch.groups).
+     With loader.mosaic_buffer=false all of them from the same batch, so that a batch depends on its keys and the
+     seed alone (a resumed run repeats the uninterrupted one). From epoch `close_at` on (close_mosaic) there are
+     none, and so no mosaic, mixup or cutmix: the batch says its epoch, so batches prepared ahead across that
+     boundary need no restart.
   4. augment: gpu_augment.GpuAugment with the buffer as its images: the boxes (one host read: how many survive in
-     each image), then one pass writes the network's input.
+     each image), then one pass writes the network's input (and a second the mixed samples, when there are some).
 
 The buffer costs capacity x imgsz^2 x 3 bytes of GPU memory (512 slots at 640 px: 0.6 GiB).
 """
@@ -198,17 +201,21 @@ class GpuInput:
 
         groups = slots[:, None]
         if self.mosaic(batch.epoch):
-            if self.partners_from_batch:
-                partners = groups[torch.randint(0, b, (b * 3,), generator=generator, device=self.device), 0]
-            else:
-                partners = torch.randint(0, self.filled, (b * 3,), generator=generator, device=self.device)
-            groups = torch.cat((groups, partners.view(b, 3)), 1)
+            groups = torch.cat((groups, self._partners(groups, b * 3, generator).view(b, 3)), 1)
+            if self.augment.mixes:  # MixUp's and CutMix's partners: another image each, with 3 mosaic partners
+                groups = torch.cat((groups, self._partners(groups, b * 4 * self.augment.mixes, generator).view(-1, 4)))
         out = self.augment(self._raw(batch, groups, shapes), generator)
         if start is not None:
             end = self._event()
             self._events.append((start, end, b))
             self._collect()
         return out
+
+    def _partners(self, groups: torch.Tensor, n: int, generator: torch.Generator) -> torch.Tensor:
+        """n slots drawn uniformly from the buffer's filled ones, or from the batch's own (`partners_from_batch`)."""
+        if self.partners_from_batch:
+            return groups[torch.randint(0, len(groups), (n,), generator=generator, device=self.device), 0]
+        return torch.randint(0, self.filled, (n,), generator=generator, device=self.device)
 
     def _fit_labels(self, most: int) -> None:
         """Grow the label store when an image has more boxes than a slot holds (to the next power of two)."""
@@ -234,9 +241,9 @@ class GpuInput:
 
     def _raw(self, batch: EncodedBatch, groups: torch.Tensor, shapes) -> RawBatch:
         """The augmentation's view of the buffer: every label row of every tile, padding rows marked invalid."""
-        b, t = groups.shape
+        b, t = groups.shape  # b: the rows, the samples and then their mix partners
         width = self.labels.shape[1]
-        labels = self.labels[groups]  # (B, T, width, 5)
+        labels = self.labels[groups]  # (rows, T, width, 5)
         valid = torch.arange(width, device=self.device) < self.counts[groups][..., None]
         sample = torch.arange(b, device=self.device).view(b, 1, 1).expand(b, t, width)
         tile = torch.arange(t, device=self.device).view(1, t, 1).expand(b, t, width)

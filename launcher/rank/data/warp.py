@@ -9,7 +9,8 @@ the sample's composed matrix (mosaic placement, RandomPerspective, the flips) gi
 each of the 4 canvas pixels the bilinear filter reads is looked up in the tile that covers it (114 where none does),
 exactly as warpAffine reads a built canvas; the result is rounded like warpAffine's uint8 output, RandomHSV is applied
 in float (OpenCV's hue units), and the value is written scaled, in the output tensor's dtype and memory layout (the
-fp16 channels_last input of an AMP step, or uint8 in Ultralytics' batch format).
+fp16 channels_last input of an AMP step, or uint8 in Ultralytics' batch format). `shade` is that last step alone, on
+planes: what a sample mixed by MixUp or CutMix gets after its mix (rendered without HSV first; gpu_augment.py).
 
 The Triton kernels run on CUDA tensors; the twins on any device (the CPU machines, and the tests that compare the
 two on the same draws). With TRITON_INTERPRET=1 set before launcher is imported, the Triton kernels run on CPU
@@ -55,6 +56,23 @@ def hsv_shift(r: torch.Tensor, g: torch.Tensor, b: torch.Tensor, gains: torch.Te
         return val - val * sat * torch.minimum(k, 4 - k).clamp(0, 1)
 
     return channel(5.0), channel(3.0), channel(1.0)
+
+
+def shade(red: torch.Tensor, green: torch.Tensor, blue: torch.Tensor, gains: torch.Tensor | None, swap: torch.Tensor,
+          scale: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The end of the render pass on planes (n, P) of 0..255 values: RandomHSV (`gains` (n, 3), or None), the channel
+    order (`swap` (n,) bool: BGR), the scale to the output's range and its dtype (uint8: rounded, clipped). Also what
+    a mixed sample gets after its mix (gpu_augment: HSV comes after MixUp and CutMix)."""
+    if gains is not None:
+        red, green, blue = hsv_shift(red, green, blue, gains.float())
+    flip = swap[:, None]
+    planes = []
+    for plane in (torch.where(flip, blue, red), green, torch.where(flip, red, blue)):
+        plane = plane * scale
+        if not dtype.is_floating_point:
+            plane = torch.round(plane).clamp(0, 255)
+        planes.append(plane.to(dtype))
+    return planes[0], planes[1], planes[2]
 
 
 # --- load: decoded images into slots --------------------------------------------------------------------------------
@@ -139,16 +157,9 @@ def _render_torch(slots, tiles, centre, inverse, gains, swap, out, *, scale, bgr
             acc += weight[..., None] * tap
         acc = torch.round(acc)  # half to even, as warpAffine's saturate_cast
         c0, c1, c2 = acc.unbind(-1)
-        red, green, blue = (c2, c1, c0) if bgr_slots else (c0, c1, c2)
-        if gains is not None:
-            red, green, blue = hsv_shift(red, green, blue, gains[rows].float())
-        flip = swap[rows, None]
-        planes = (torch.where(flip, blue, red), green, torch.where(flip, red, blue))
-        for c, plane in enumerate(planes):
-            plane = plane * scale
-            if not out.dtype.is_floating_point:
-                plane = torch.round(plane).clamp(0, 255)
-            out[rows, c] = plane.view(-1, s, s).to(out.dtype)
+        rgb = (c2, c1, c0) if bgr_slots else (c0, c1, c2)
+        for c, plane in enumerate(shade(*rgb, None if gains is None else gains[rows], swap[rows], scale, out.dtype)):
+            out[rows, c] = plane.view(-1, s, s)
 
 
 def _lookup(tiles, centre, x, y, s):
