@@ -104,8 +104,8 @@ def run_torchrun(
 
     SIGINT, SIGTERM, SIGHUP and SIGUSR1 are forwarded to torchrun as SIGTERM, once; torchrun passes it to every rank,
     which checkpoints and exits, and kills what is left after its shutdown timeout. torchrun gets the same SIGTERM
-    from the kernel if the launcher dies without a word (PARENT_DEATH_SIGNAL). torchrun's stderr reaches the console without the
-    traceback it prints when it is stopped (logs.QuietStop); torchrun is the warm one that `ddp-launch` started
+    from the kernel if the launcher dies without a word (PARENT_DEATH_SIGNAL). torchrun's stderr reaches the console
+    without the traceback it prints when it is stopped (logs.QuietStop); torchrun is the warm one that `ddp-launch` started
     before planning, when there is one (warm_torchrun.py); its per-attempt folders (by default an empty
     /tmp/torchelastic_* left by every launch) go to a private temporary folder, removed when torchrun ends.
     """

@@ -148,7 +148,6 @@ class StopOnSignal(Hook):
         self.log(f"[signal] stopping after epoch {epoch + 1} step {step}: {signal.Signals(signum).name} reached {told}")
         if self.save is not None and self.comm.rank == 0:
             self.save(loop)
-            epoch, step = loop.state.position
             self.log(f"checkpoint saved at epoch {epoch + 1} step {step + 1}")
         self.inputs.close()
         self.comm.barrier()  # nobody leaves before rank 0's checkpoint is on disk

@@ -394,13 +394,13 @@ class GpuAugment:
         without HSV into uint8, MixUp's blend, CutMix's paste, then HSV and the channel order (warp.shade)."""
         s, b = self.imgsz, raw.samples
         dev = img.device
-        rows = torch.sort((~mix.need).to(torch.uint8), stable=True).indices[:needed]  # the rows needed, in order
+        rows = _first_true(mix.need, needed)  # the rows needed, in order
         table, centre, inverse = (t[rows] for t in geometry)
         parts = torch.empty((needed, 3, s, s), dtype=torch.uint8, device=dev)
         render(raw.images, table, centre, inverse, None, torch.zeros(needed, dtype=torch.bool, device=dev), parts,
                scale=1.0, bgr_slots=not raw.rgb)
         at = mix.need.long().cumsum(0) - 1  # row -> its image in `parts`
-        samples = torch.sort((~(mix.mixup | mix.cutmix)).to(torch.uint8), stable=True).indices[:mixed]
+        samples = _first_true(mix.mixup | mix.cutmix, mixed)
         x1, y1, x2, y2 = mix.area.unbind(1)  # CutMix's area on the output: mirrored with the sample's flips
         lr, ud = p.flip_lr[:b], p.flip_ud[:b]
         area = torch.stack((torch.where(lr, s - x2, x1), torch.where(ud, s - y2, y1),
@@ -505,6 +505,11 @@ def bbox_ioa(area: torch.Tensor, boxes: torch.Tensor) -> torch.Tensor:
     wh = (torch.minimum(area[..., 2:], boxes[..., 2:]) - torch.maximum(area[..., :2], boxes[..., :2])).clamp(min=0)
     return wh.prod(-1) / ((boxes[..., 2:] - boxes[..., :2]).prod(-1) + 1e-7)
 
+
+
+def _first_true(mask: torch.Tensor, n: int) -> torch.Tensor:
+    """The indices of `mask`'s first `n` True entries, in order (n counted on the host: no sync here)."""
+    return torch.sort((~mask).to(torch.uint8), stable=True).indices[:n]
 
 def box_candidates(before: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
     """RandomPerspective.box_candidates: keep a warped box (xyxy, (K, 4)) when it is wider and taller than 2 pixels,
