@@ -194,22 +194,28 @@ def val_split(tmp_path_factory) -> Path:
     return ensure_dataset(tmp_path_factory.mktemp("val"), spec, workers=1, log=lambda *_: None).parent
 
 
-def test_the_fast_validator_gives_what_detection_validator_gives_on_a_real_model(val_split, tmp_path):
-    """The same weights and split through both engines: metrics and validation losses equal (CPU, fp32)."""
+def a_model_that_finds_objects() -> DetectionModel:
+    """yolov8n whose head finds some of the shapes without training: boxes the size of the objects around every
+    anchor (a random net's are anywhere) and scores spread over (0, 1) (a fresh head's are all about 1e-3: ties)."""
     torch.manual_seed(0)
     model = DetectionModel("yolov8n.yaml", nc=NC, verbose=False)
     model.args = get_cfg()
     model.names = dict(enumerate(CLASSES))
     head = model.model[-1]
-    with torch.no_grad():  # boxes the size of the objects around every anchor (a random net's are anywhere)
+    with torch.no_grad():
         for level in head.cv2:
             last = level[-1]
             last.weight.zero_()
             last.bias.copy_(torch.tensor([0.0, 8.0] + [0.0] * 14).repeat(4))  # each side 1 stride from the anchor
-        for level in head.cv3:  # scores spread over (0, 1) (a fresh head's are all about 1e-3: ties everywhere)
+        for level in head.cv3:
             level[-1].bias.zero_()
             level[-1].weight.normal_(0, 2.0)
-    ema = SimpleNamespace(ema=model)
+    return model
+
+
+def test_the_fast_validator_gives_what_detection_validator_gives_on_a_real_model(val_split, tmp_path):
+    """The same weights and split through both engines: metrics and validation losses equal (CPU, fp32)."""
+    ema = SimpleNamespace(ema=a_model_that_finds_objects())
     hyp = get_cfg(overrides={"imgsz": 64, "plots": False})
     data = {"val": str(val_split / "images" / "val"), "names": dict(enumerate(CLASSES)), "nc": NC, "channels": 3}
     loaders = [datasets.val_loader(hyp, data, 4, 32, 0, torch.device("cpu")) for _ in range(2)]

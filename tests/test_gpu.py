@@ -351,30 +351,27 @@ def test_auto_batch_fits_and_an_epoch_at_it_uses_50_to_70_percent_of_the_gpu(tmp
 
 def test_the_fast_validator_on_cuda_gives_ultralytics_map(tmp_path, cache_dir):
     """val.engine=fast (fp16, CUDA graphs, batched NMS and matching) against Ultralytics' DetectionValidator on the
-    same trained weights and split: the same mAP up to fp16 rounding; both engines' images/s printed."""
+    same weights (a head that finds some of the shapes untrained: test_fast_validation's) and split: the same mAP up
+    to fp16 rounding; both engines' images/s printed."""
     import time
     from types import SimpleNamespace
 
-    import yaml
     from ultralytics.cfg import get_cfg
 
+    from launcher.inputs.shapes import CLASSES, ShapesSpec, ensure_dataset
     from launcher.rank.dist import Comm
     from launcher.rank.ultralytics import datasets
     from launcher.rank.ultralytics.fast_validation import FastValidator
     from launcher.rank.ultralytics.validation import Validator
+    from tests.test_fast_validation import a_model_that_finds_objects
 
-    r = ddp_launch([*TINY, "data.synthetic.val_images=64", "train.epochs=8", "train.plots=false", "gpus=1"],
-                   cwd=tmp_path)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    run_dir = run_dir_of(r)
-    assert "preloaded on the device" in (run_dir / "logs" / "rank0.log").read_text()
-    summary = json.loads((run_dir / "summary.json").read_text())
+    spec = ShapesSpec(train_images=2, val_images=64, width=97, height=71, seed=3)
+    root = ensure_dataset(tmp_path / "data", spec, workers=1, log=lambda *_: None).parent
     device = torch.device("cuda", 0)
-    model = torch.load(summary["weights"], map_location="cpu", weights_only=False)["model"].float().to(device)
+    model = a_model_that_finds_objects().to(device)
     hyp = get_cfg(overrides={"imgsz": 64, "plots": False})
     model.args = hyp
-    spec = yaml.safe_load((run_dir / "data.yaml").read_text())
-    data = {"val": spec["val"], "names": spec["names"], "nc": len(spec["names"]), "channels": 3}
+    data = {"val": str(root / "images" / "val"), "names": dict(enumerate(CLASSES)), "nc": len(CLASSES), "channels": 3}
     kwargs = dict(device=device, data=data, amp=True, epoch=0, epochs=1,
                   loss_items={k: torch.zeros((), device=device) for k in ("box_loss", "cls_loss", "dfl_loss")})
     ema = SimpleNamespace(ema=model)
@@ -392,7 +389,7 @@ def test_the_fast_validator_on_cuda_gives_ultralytics_map(tmp_path, cache_dir):
         print(f"{name}: {results[name][1]:.0f} images/s, mAP50 {metrics['metrics/mAP50(B)']:.4f} "
               f"mAP50-95 {metrics['metrics/mAP50-95(B)']:.4f}")
     want, got = results["ultralytics"][0], results["fast"][0]
-    assert want["metrics/mAP50(B)"] > 0.05  # the run learned something: the comparison is not of zeros
+    assert want["metrics/recall(B)"] > 0  # something was found: the comparison is not of zeros
     assert list(got) == list(want)
-    for key in ("metrics/mAP50(B)", "metrics/mAP50-95(B)"):
-        assert abs(got[key] - want[key]) <= 0.01, (key, got[key], want[key])
+    for key in ("metrics/mAP50(B)", "metrics/mAP50-95(B)", "metrics/precision(B)", "metrics/recall(B)"):
+        assert abs(got[key] - want[key]) <= 0.05 * want[key] + 1e-4, (key, got[key], want[key])  # both in fp16

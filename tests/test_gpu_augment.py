@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import copy
 import math
-from dataclasses import replace
+from dataclasses import fields, replace
 
 import numpy as np
 import pytest
@@ -713,6 +713,29 @@ def test_on_solid_images_mixup_blends_and_cutmix_pastes_the_partner_with_the_box
         assert out["cls"][out["batch_idx"] == i, 0].tolist() == [0, *(1 + keep).tolist()]
         pasted += 1
     assert 10 < pasted < b, pasted  # both cases ran
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the Triton render")
+@pytest.mark.parametrize("out_dtype", [None, torch.float16])
+def test_on_cuda_a_mixed_batch_is_the_cpu_maths_batch(ul, data, out_dtype):
+    """Both passes on CUDA (the batch, then the mixed samples' parts: warp.py's Triton kernels) against the torch
+    twins that CPU runs use, on the same draws: the same boxes, the same images to a grey level."""
+    hyp_ns = hyp(ul, **dict(STRONG, translate=0.3), mixup=0.5, cutmix=0.7)
+    raw, _, p, _, _ = mix_batch(ul, data, hyp_ns, seed=0)
+    assert p.mixup.any() and p.cutmix.any()
+    aug = GpuAugment(IMGSZ, hyp_ns, out_dtype=out_dtype)
+    cpu = aug.apply(raw, p)
+    on_cuda = {f.name: getattr(p, f.name) for f in fields(p)}
+    cuda = aug.apply(raw.to("cuda"), replace(p, **{k: v.cuda() for k, v in on_cuda.items() if v is not None}))
+    for key in ("batch_idx", "cls"):
+        assert torch.equal(cuda[key].cpu(), cpu[key]), key
+    torch.testing.assert_close(cuda["bboxes"].cpu(), cpu["bboxes"], atol=1e-4, rtol=0)
+    scale = 255.0 if out_dtype is not None else 1.0  # a grey level in the output's range
+    diff = (cuda["img"].cpu().float() - cpu["img"].float()).abs() * scale
+    often = float((diff > 0.5).float().mean())  # uint8: differs at all; fp16: by more than its rounding
+    # a grey level of the bilinear weights' rounding, which HSV's gains (up to 1.7) after the mix can make two
+    assert diff.max() <= 2.0 + 1e-3 and often < 1e-3, (float(diff.max()), often)
 
 
 @pytest.mark.slow

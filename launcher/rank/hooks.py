@@ -374,8 +374,9 @@ class EarlyStop(Hook):
 
 
 class Checkpoint(Hook):
-    """Rank 0: last.pt at every epoch end (best.pt when the epoch is the best, epoch<N>.pt every `save_period`);
-    at the end of a completed run every checkpoint is stripped to the final weights."""
+    """Rank 0: last.pt at every epoch end (best.pt when the epoch is the best, epoch<N>.pt every `save_period`),
+    written while the next epoch trains (state.Checkpointer); at the end of a run the write in flight is waited for
+    and, when the run completed, every checkpoint is stripped to the final weights."""
 
     def __init__(self, checkpointer, save_period: int, strip):
         self.checkpointer, self.save_period, self.strip = checkpointer, save_period, strip
@@ -387,6 +388,7 @@ class Checkpoint(Hook):
         self.checkpointer.save(best=best, epoch_copy=state.epoch if periodic else None)
 
     def after_train(self, loop: TrainLoop) -> None:
+        self.checkpointer.wait()
         if loop.completed:
             self.strip()
 

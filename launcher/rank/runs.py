@@ -16,7 +16,7 @@ and per epoch (after_epoch):
   Plots           rank 0's results.png from that row, queued to the plotter's thread (train.plots);
   Tracking        rank 0's Ultralytics integration callbacks (log.integrations), with the epoch's losses and metrics;
   EarlyStop       rank 0 decides on the new fitness, before the checkpoint records its memory;
-  Checkpoint      rank 0's last.pt / best.pt / epochN.pt;
+  Checkpoint      rank 0's last.pt / best.pt / epochN.pt, written in a thread while the next epoch trains;
   Progress        the epoch's line, with its mAP;
   InputBoundWarning  once per run, from the meter's window so far;
   AgreeToStop     last: the ranks take rank 0's stop decision, after all of rank 0's work of the epoch.
@@ -82,8 +82,8 @@ def train(cfg: dict, plan: LaunchPlan, folder: RunFolder, stamps: dict | None = 
         integrations = cfg.get("log", {}).get("integrations") or []
         input_time = h.InputGpuTime(r.gpu_input, METER_SKIP_STEPS) if r.gpu_input else None
         evaluate = h.Evaluate(lambda loop: _validate(r, loop), lambda loop, w: _validate(r, loop, w),
-                              lambda: _best_weights(r), interval=int(train_cfg["val_interval"]), comm=r.comm,
-                              device=r.device, log=r.log)
+                              lambda: _best_weights(r, checkpointer), interval=int(train_cfg["val_interval"]),
+                              comm=r.comm, device=r.device, log=r.log)
         save = h.Checkpoint(checkpointer, int(train_cfg["save_period"]), lambda: _strip(r)) if on_rank0 else None
         if on_rank0:
             evaluate = Timed(evaluate, timeline, name="val", final="final_val", keep=lambda loop: loop.state.validated)
@@ -97,7 +97,7 @@ def train(cfg: dict, plan: LaunchPlan, folder: RunFolder, stamps: dict | None = 
             h.Heartbeat(r.heartbeat),
             samples,
             h.FaultInjection(r.faults),
-            h.StopOnSignal(r.comm, r.heartbeat, r.inputs, save=lambda loop: checkpointer.save(),
+            h.StopOnSignal(r.comm, r.heartbeat, r.inputs, save=lambda loop: checkpointer.save(wait=True),
                            log=r.log),
             evaluate,
             h.ResultsCsv(folder.path / "results.csv", r.validator.metric_keys, r.schedule.lrs, label_loss_items)
@@ -133,6 +133,7 @@ def train(cfg: dict, plan: LaunchPlan, folder: RunFolder, stamps: dict | None = 
                                 last=r.folder.weights / "last.pt", run_dir=folder.path, started=started)
         timeline.stamp("end")
         record["timeline"] = timeline.to_dict()
+        record["checkpoint_write_s"] = [round(t, 3) for t in checkpointer.write_s]  # in the background, per save
         folder.write_json("summary.json", record)
         return record
     finally:
@@ -188,7 +189,8 @@ def _validate(r: Rank, loop: TrainLoop, weights=_EMA):
     return r.validator.validate_weights(weights, r.ema, r.comm, **kwargs)
 
 
-def _best_weights(r: Rank):
+def _best_weights(r: Rank, checkpointer):
+    checkpointer.wait()  # the last epoch's write may still be under way
     best = r.folder.weights / "best.pt"
     return checkpoint.ema_weights(checkpoint_io.load(best)) if best.exists() else None
 

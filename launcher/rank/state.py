@@ -9,6 +9,8 @@ component's `load_state_dict()` with its own part, so nothing is resumed approxi
 from __future__ import annotations
 
 import io
+import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -113,24 +115,55 @@ class Checkpointer:
 
     `components` are saved and restored by name; `layout()` gives Ultralytics' keys of the checkpoint at that
     moment; `before_write(path)` is the fault injector's hook (tests kill the writer half-way).
+
+    `save()` takes the state at once, as host copies (so the steps that follow cannot change it), and serialises and
+    writes it in a background thread while training goes on: the write, flushed to disk, is off the epoch boundary. One write is in flight at a time: the next `save()` and `wait()` join it first and
+    raise its error. Whoever reads the files during the run (the final validation's best.pt, the stripping) or ends
+    the process (a signal's stop) calls `wait()` first.
     """
 
     def __init__(self, weights: Path, components: dict[str, Stateful], layout: Callable[[], dict],
                  before_write: Callable[[Path], None] = lambda path: None):
         self.weights, self.components, self.layout, self.before_write = Path(weights), components, layout, before_write
         self.last, self.best = self.weights / "last.pt", self.weights / "best.pt"
+        self._writer: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self.write_s: list[float] = []  # each background write's seconds (serialising, writing, flushing)
 
-    def to_bytes(self) -> bytes:
-        buffer = io.BytesIO()
+    def snapshot(self) -> dict:
+        """The whole checkpoint as host objects owned by it alone."""
         resume = {name: c.state_dict() for name, c in self.components.items()}
-        torch.save({**self.layout(), RESUME_KEY: resume}, buffer)
+        return _on_host({**self.layout(), RESUME_KEY: resume})
+
+    def to_bytes(self, snapshot: dict | None = None) -> bytes:
+        buffer = io.BytesIO()
+        torch.save(self.snapshot() if snapshot is None else snapshot, buffer)
         return buffer.getvalue()
 
-    def save(self, *, best: bool = False, epoch_copy: int | None = None) -> None:
-        """last.pt, and best.pt / epoch<N>.pt when asked. A full disk is an error naming the folder, with the
-        previous checkpoint intact."""
-        data = self.to_bytes()
+    def save(self, *, best: bool = False, epoch_copy: int | None = None, wait: bool = False) -> None:
+        """last.pt, and best.pt / epoch<N>.pt when asked, written in the background (`wait`: before returning). A
+        full disk is an error naming the folder, with the previous checkpoint intact, raised here or by `wait()`."""
+        self.wait()
+        snapshot = self.snapshot()
+        self._writer = threading.Thread(target=self._write, args=(snapshot, best, epoch_copy), daemon=True,
+                                        name="ddp-launch-checkpoint")
+        self._writer.start()
+        if wait:
+            self.wait()
+
+    def wait(self) -> None:
+        """Until the write in flight is on disk; its error, if it failed."""
+        if self._writer is not None:
+            self._writer.join()
+            self._writer = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+    def _write(self, snapshot: dict, best: bool, epoch_copy: int | None) -> None:
+        started = time.perf_counter()
         try:
+            data = self.to_bytes(snapshot)
             self.before_write(self.last)
             atomic_write_bytes(self.last, data, keep_previous=True)
             if best:
@@ -138,11 +171,30 @@ class Checkpointer:
             if epoch_copy is not None:
                 atomic_write_bytes(self.weights / f"epoch{epoch_copy}.pt", data)
         except OSError as e:
-            raise CheckpointError(
+            self._error = CheckpointError(
                 f"could not write a checkpoint to {self.weights} ({e.strerror or e}); the previous checkpoint "
                 f"({self.last if self.last.exists() else 'none yet'}) is intact. Free space and resume with "
                 f"ddp-launch resume={self.weights.parent}"
-            ) from e
+            )
+            self._error.__cause__ = e
+        except BaseException as e:  # noqa: BLE001 - raised in the training thread by wait()
+            self._error = e
+        self.write_s.append(time.perf_counter() - started)
+
+
+def _on_host(obj):
+    """`obj` with every tensor (and module) copied to the host: the checkpoint's own, whatever the steps do next."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, torch.nn.Module):
+        return obj.to("cpu")  # layout()'s snapshot of the EMA: a fresh copy already
+    if isinstance(obj, dict):
+        return {k: _on_host(v) for k, v in obj.items()}
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a named tuple
+        return type(obj)(*(_on_host(v) for v in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_on_host(v) for v in obj)
+    return obj
 
 
 def upgrade(ckpt: dict) -> dict:

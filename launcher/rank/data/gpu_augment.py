@@ -506,10 +506,10 @@ def bbox_ioa(area: torch.Tensor, boxes: torch.Tensor) -> torch.Tensor:
     return wh.prod(-1) / ((boxes[..., 2:] - boxes[..., :2]).prod(-1) + 1e-7)
 
 
-
 def _first_true(mask: torch.Tensor, n: int) -> torch.Tensor:
     """The indices of `mask`'s first `n` True entries, in order (n counted on the host: no sync here)."""
     return torch.sort((~mask).to(torch.uint8), stable=True).indices[:n]
+
 
 def box_candidates(before: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
     """RandomPerspective.box_candidates: keep a warped box (xyxy, (K, 4)) when it is wider and taller than 2 pixels,
