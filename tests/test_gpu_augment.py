@@ -720,7 +720,7 @@ def test_on_solid_images_mixup_blends_and_cutmix_pastes_the_partner_with_the_box
 @pytest.mark.parametrize("out_dtype", [None, torch.float16])
 def test_on_cuda_a_mixed_batch_is_the_cpu_maths_batch(ul, data, out_dtype):
     """Both passes on CUDA (the batch, then the mixed samples' parts: warp.py's Triton kernels) against the torch
-    twins that CPU runs use, on the same draws: the same boxes, the same images to a grey level."""
+    twins that CPU runs use, on the same draws: the same boxes, the same images to two grey levels."""
     hyp_ns = hyp(ul, **dict(STRONG, translate=0.3), mixup=0.5, cutmix=0.7)
     raw, _, p, _, _ = mix_batch(ul, data, hyp_ns, seed=0)
     assert p.mixup.any() and p.cutmix.any()
