@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from launcher.rank.checkpoint_io import RESUME_KEY, CheckpointError, load_resumable
-from launcher.rank.state import Checkpointer, ModuleState
+from launcher.rank.state import Checkpointer
 
 
 class Counter:
@@ -26,7 +26,7 @@ class Counter:
 
 def checkpointer(tmp_path, before_write=lambda path: None):
     net, counter = torch.nn.Linear(2, 2), Counter()
-    ckpt = Checkpointer(tmp_path / "weights", {"model": ModuleState(net), "counter": counter},
+    ckpt = Checkpointer(tmp_path / "weights", {"model": net, "counter": counter},
                         lambda: {"ema": torch.nn.Linear(2, 2), "epoch": int(counter.value[0])}, before_write)
     return ckpt, net, counter
 

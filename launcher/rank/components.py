@@ -40,7 +40,7 @@ from launcher.rank.data.sampler import EpochBatchSampler, EpochSeededDataset, mo
 from launcher.rank.dist import Comm, rank_info
 from launcher.rank.faults import FaultInjector
 from launcher.rank.heartbeat import Heartbeat, NoHeartbeat
-from launcher.rank.state import Checkpointer, ModuleState, TrainState, upgrade
+from launcher.rank.state import Checkpointer, TrainState, upgrade
 from launcher.rank.step import auto_batch
 from launcher.rank.step.graphed import GraphedDetector
 from launcher.rank.step.optimizer import Schedule, fused_optimizer
@@ -60,7 +60,7 @@ class EmaState:
         self.ema = ema
 
     def state_dict(self) -> dict:
-        return {"weights": ModuleState(self.ema.ema).state_dict(), "updates": self.ema.updates}
+        return {"weights": self.ema.ema.state_dict(), "updates": self.ema.updates}  # the checkpointer copies
 
     def load_state_dict(self, state: dict) -> None:
         self.ema.ema.load_state_dict(state["weights"])
@@ -175,7 +175,7 @@ class Rank:
 
         self._stamp("graphs_and_step")
         # 7. the checkpoint's components (runs.py adds its hooks' and restores them: restore())
-        self.components = {"model": ModuleState(self.net), "ema": EmaState(self.ema), "optimizer": self.optimizer,
+        self.components = {"model": self.net, "ema": EmaState(self.ema), "optimizer": self.optimizer,
                            "scaler": self.scaler, "train": self.state}
         self.resume, self.resumed_from = resume, resumed_from
 

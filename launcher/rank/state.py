@@ -91,25 +91,6 @@ class TrainState:
         self.world_size, self.global_batch = state["world_size"], state["global_batch"]
 
 
-class ModuleState:
-    """A module's state_dict as CPU copies (the checkpoint must not hold tensors the next step changes)."""
-
-    def __init__(self, module: torch.nn.Module):
-        self.module = module
-
-    @property
-    def position(self) -> tuple[int, int]:
-        """Where a run resumed from this state starts: after an epoch's last step but before its end (validation,
-        the results row, the checkpoint), (epoch, steps per epoch), so that the end is done once."""
-        return (self.epoch + 1, 0) if self.epoch_ended else (self.epoch, self.step)
-
-    def state_dict(self) -> dict:
-        return {k: v.detach().cpu().clone() for k, v in self.module.state_dict().items()}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.module.load_state_dict(state)
-
-
 class Checkpointer:
     """Writes last.pt (the one it replaces kept as last.prev.pt), best.pt and epochN.pt; loads the newest usable one.
 
@@ -117,9 +98,10 @@ class Checkpointer:
     moment; `before_write(path)` is the fault injector's hook (tests kill the writer half-way).
 
     `save()` takes the state at once, as host copies (so the steps that follow cannot change it), and serialises and
-    writes it in a background thread while training goes on: the write, flushed to disk, is off the epoch boundary. One write is in flight at a time: the next `save()` and `wait()` join it first and
-    raise its error. Whoever reads the files during the run (the final validation's best.pt, the stripping) or ends
-    the process (a signal's stop) calls `wait()` first.
+    writes it in a background thread while training goes on: the write, flushed to disk, is off the epoch boundary.
+    One write is in flight at a time: the next `save()` and `wait()` join it first and raise its error. Whoever
+    reads the files during the run (the final validation's best.pt, the stripping) or ends the process (a signal's
+    stop) calls `wait()` first.
     """
 
     def __init__(self, weights: Path, components: dict[str, Stateful], layout: Callable[[], dict],
@@ -134,11 +116,6 @@ class Checkpointer:
         """The whole checkpoint as host objects owned by it alone."""
         resume = {name: c.state_dict() for name, c in self.components.items()}
         return _on_host({**self.layout(), RESUME_KEY: resume})
-
-    def to_bytes(self, snapshot: dict | None = None) -> bytes:
-        buffer = io.BytesIO()
-        torch.save(self.snapshot() if snapshot is None else snapshot, buffer)
-        return buffer.getvalue()
 
     def save(self, *, best: bool = False, epoch_copy: int | None = None, wait: bool = False) -> None:
         """last.pt, and best.pt / epoch<N>.pt when asked, written in the background (`wait`: before returning). A
@@ -163,7 +140,9 @@ class Checkpointer:
     def _write(self, snapshot: dict, best: bool, epoch_copy: int | None) -> None:
         started = time.perf_counter()
         try:
-            data = self.to_bytes(snapshot)
+            buffer = io.BytesIO()
+            torch.save(snapshot, buffer)
+            data = buffer.getvalue()
             self.before_write(self.last)
             atomic_write_bytes(self.last, data, keep_previous=True)
             if best:
