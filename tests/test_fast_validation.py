@@ -59,14 +59,18 @@ def test_batched_nms_keeps_the_boxes_ultralytics_keeps(nc, multi_label, agnostic
         assert torch.equal(rows(det, i), want), i
 
 
-def test_images_with_more_candidates_than_the_matrix_holds_take_torchvisions_nms(monkeypatch):
+@pytest.mark.parametrize("max_det", [300, 30, 3])
+def test_images_with_more_candidates_than_a_chunk_keep_the_boxes_ultralytics_keeps(monkeypatch, max_det):
+    """A weak model's tens of thousands of candidates per image, at a small scale: the later chunks lose boxes to
+    the survivors of the earlier ones (max_det 300: every chunk runs), or are never looked at (max_det 3)."""
     from launcher.rank.validate import nms
 
-    monkeypatch.setattr(nms, "LARGE", 100)  # image 0 has ~600 candidates, the others fewer than 100
-    pred = head_output(3, 3, 120, seed=7)
+    monkeypatch.setattr(nms, "CHUNK", 64)  # image 0 has ~600 candidates, the others fewer than 64
+    pred = head_output(3, 3, 200, seed=7)
     pred[1:, 4:] *= 0.05
-    ref = ultralytics_nms.non_max_suppression(pred, 0.001, 0.7, multi_label=True, max_det=300)
-    det = batched_nms(pred, 0.001, 0.7, max_det=300)
+    ref = ultralytics_nms.non_max_suppression(pred, 0.001, 0.7, multi_label=True, max_det=max_det)
+    det = batched_nms(pred, 0.001, 0.7, max_det=max_det)
+    assert len(ref[0]) == max_det or len(ref[0]) > 64  # image 0's survivors span several chunks
     for i, want in enumerate(ref):
         assert torch.equal(rows(det, i), want), i
 
@@ -230,6 +234,51 @@ def test_the_fast_validator_gives_what_detection_validator_gives_on_a_real_model
     assert again == got
     assert want["metrics/recall(B)"] > 0  # something was found: the comparison is not of zeros
     print(want, got)
+
+
+def test_a_split_read_ahead_during_training_validates_as_one_read_at_the_first_validation(val_split, tmp_path):
+    """FastValidator.read_ahead (after the first step): the loader's workers are running before any validation, and
+    the first validation's metrics are those of a validator that read the split only then."""
+    ema = SimpleNamespace(ema=a_model_that_finds_objects())
+    hyp = get_cfg(overrides={"imgsz": 64, "plots": False})
+    data = {"val": str(val_split / "images" / "val"), "names": dict(enumerate(CLASSES)), "nc": NC, "channels": 3}
+    kwargs = dict(device=torch.device("cpu"), data=data, amp=False, epoch=0, epochs=1,
+                  loss_items={k: torch.zeros(()) for k in ("box_loss", "cls_loss", "dfl_loss")})
+    ahead, late = (FastValidator(datasets.val_loader(hyp, data, 2, 32, 2, torch.device("cpu")), hyp, tmp_path / name,
+                                 batch=4, amp_dtype=None, cuda_graphs=False, log=print) for name in ("a", "b"))
+    ahead.read_ahead()
+    workers = ahead.loader.iterator._workers
+    assert len(workers) == 2 and all(w.is_alive() for w in workers) and late.loader.iterator is None
+    got, want = ahead.validate(ema, Comm(), **kwargs), late.validate(ema, Comm(), **kwargs)
+    assert got == want and len(ahead.split) == len(late.split) == 6
+
+
+def test_the_final_validations_plots_are_drawn_when_the_run_asks_and_from_what_that_validation_saw(val_split,
+                                                                                                     tmp_path):
+    """plots with `draw` (the training run's plotter): the metrics are those of plotting at once, no file is
+    written until the drawing runs, and it draws that validation's curves, matrices and batches even after the
+    validator has validated other weights (best.pt's, at the end of a run)."""
+    ema = SimpleNamespace(ema=a_model_that_finds_objects())
+    hyp = get_cfg(overrides={"imgsz": 64, "plots": False})
+    data = {"val": str(val_split / "images" / "val"), "names": dict(enumerate(CLASSES)), "nc": NC, "channels": 3}
+    kwargs = dict(device=torch.device("cpu"), data=data, amp=False, epoch=0, epochs=1, plots=True,
+                  loss_items={k: torch.zeros(()) for k in ("box_loss", "cls_loss", "dfl_loss")})
+    now, later = (FastValidator(datasets.val_loader(hyp, data, 4, 32, 0, torch.device("cpu")), hyp, tmp_path / name,
+                                batch=4, amp_dtype=None, cuda_graphs=False, log=print) for name in ("now", "later"))
+    queued = []
+    want = now.validate(ema, Comm(), **kwargs)
+    got = later.validate(ema, Comm(), **kwargs, draw=lambda what, fn: queued.append(fn))
+    assert got == want and len(queued) == 1 and not list((tmp_path / "later").glob("*.*"))
+    with torch.no_grad():  # other weights validated before the drawing runs: it must not draw those
+        for p in ema.ema.parameters():
+            p.mul_(0.5)
+    later.validate(ema, Comm(), **{**kwargs, "plots": False})
+    queued[0]()
+    drawn = sorted(p.name for p in (tmp_path / "later").iterdir())
+    assert drawn == sorted(p.name for p in (tmp_path / "now").iterdir())
+    assert {"BoxPR_curve.png", "confusion_matrix.png", "val_batch0_pred.jpg", "val_batch0_labels.jpg"} <= set(drawn)
+    matrix = "confusion_matrix.png"
+    assert (tmp_path / "later" / matrix).read_bytes() == (tmp_path / "now" / matrix).read_bytes()
 
 
 def test_the_validation_loss_is_the_mean_over_the_ranks_that_had_images():

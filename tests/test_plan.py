@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.util
+import py_compile
+import sys
+
 import pytest
 
 from launcher.plan import lr
@@ -326,3 +330,56 @@ def test_auto_batch_on_the_cpu_is_the_default_with_a_note():
 def test_an_auto_batch_that_cannot_be_measured_is_refused_with_what_can(overrides, message):
     _, problems = plan_for(["gpus=2", "train.batch_per_device=auto", *overrides])
     assert any(message in p.message for p in problems), [p.message for p in problems]
+
+
+# --- the ranks' interpreters -----------------------------------------------------------------------------------
+def test_where_torchs_install_keeps_no_bytecode_the_ranks_keep_theirs_in_the_cache():
+    from dataclasses import replace
+
+    bare = replace(GPU_BOX, bytecode_kept=False)
+    plan, problems = plan_for(["gpus=1", "paths.cache=/data/cache"], hw=bare)
+    assert not problems
+    assert plan.env["PYTHONPYCACHEPREFIX"] == "/data/cache/bytecode"
+    assert plan.env["PYTHONDONTWRITEBYTECODE"] == ""  # unset, to Python: the folder is written, not the install
+    assert any("/data/cache/bytecode" in n and "paths.bytecode=null" in n for n in plan.notes)
+    kept, _ = plan_for(["gpus=1", "paths.cache=/data/cache"])
+    assert "PYTHONPYCACHEPREFIX" not in kept.env and not any("bytecode" in n for n in kept.notes)
+    off, _ = plan_for(["gpus=1", "paths.bytecode=null"], hw=bare)
+    assert "PYTHONPYCACHEPREFIX" not in off.env
+    chosen, _ = plan_for(["gpus=1", "paths.bytecode=/fast/pyc"])
+    assert chosen.env["PYTHONPYCACHEPREFIX"] == "/fast/pyc"
+    _, problems = plan_for(["gpus=1", "paths.bytecode=pyc"])
+    assert "paths.bytecode='pyc': give auto, null or an absolute folder" in messages(problems)
+
+
+def test_an_install_without_bytecode_is_found_by_its_files_alone(tmp_path, monkeypatch):
+    from launcher.machine.hardware import bytecode_kept
+
+    package = tmp_path / "somepkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("raise RuntimeError('imported')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delenv("PYTHONDONTWRITEBYTECODE", raising=False)
+    monkeypatch.delenv("PYTHONPYCACHEPREFIX", raising=False)
+    monkeypatch.setattr("sys.pycache_prefix", None)
+    real = sys.flags
+
+    class Flags:  # as without -B (or PYTHONDONTWRITEBYTECODE, which sets it) in this interpreter
+        dont_write_bytecode = False
+
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+    monkeypatch.setattr("sys.flags", Flags())
+    read_only = lambda path, mode: False  # noqa: E731 (the install's folders, as in a read-only image)
+    assert bytecode_kept("somepkg", writable=read_only) is False
+    assert bytecode_kept("somepkg") is True  # writable: the first import writes it
+    monkeypatch.setenv("PYTHONDONTWRITEBYTECODE", "1")
+    assert bytecode_kept("somepkg") is False  # writable, but nothing will write it
+    monkeypatch.setenv("PYTHONPYCACHEPREFIX", str(tmp_path / "elsewhere"))
+    assert bytecode_kept("somepkg") is True  # the user keeps it elsewhere
+    monkeypatch.delenv("PYTHONPYCACHEPREFIX")
+    source = str(package / "__init__.py")
+    py_compile.compile(source, cfile=importlib.util.cache_from_source(source))
+    assert bytecode_kept("somepkg", writable=read_only) is True  # compiled in the image
+    assert bytecode_kept("not_installed_anywhere") is True

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import difflib
 import importlib.util
+from pathlib import Path
 
 from launcher.inputs import ultralytics_files
 from launcher.machine.hardware import Hardware
@@ -278,6 +279,14 @@ def val_problems(val: dict, train: dict) -> list[Problem]:
         problems += [Problem(f"train.extra.{k}=true: the fast validation engine does not write it; use "
                              "val.engine=ultralytics (or auto)") for k in FAST_VAL_UNSUPPORTED if extra.get(k)]
     return problems
+
+
+def paths_problems(paths: dict) -> list[Problem]:
+    """paths.bytecode: auto, null (off) or an absolute folder (the ranks start in the run folder)."""
+    setting = paths.get("bytecode", "auto")
+    if setting in (None, False, "off", "auto") or Path(str(setting)).expanduser().is_absolute():
+        return []
+    return [Problem(f"paths.bytecode={setting!r}: give auto, null or an absolute folder")]
 
 
 def integration_problems(log_cfg: dict) -> list[Problem]:

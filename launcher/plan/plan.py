@@ -17,7 +17,8 @@ from launcher.inputs.data import DatasetInfo
 from launcher.machine.hardware import Hardware
 from launcher.plan import checks, keys, lr
 from launcher.plan.checks import as_int
-from launcher.plan.environment import distributed_environment, offline_environment, thread_environment
+from launcher.plan.environment import (bytecode_environment, distributed_environment, offline_environment,
+                                      thread_environment)
 from launcher.problems import Problem
 
 MODES = ("auto", "ddp", "dp", "single")
@@ -162,8 +163,17 @@ def make_plan(
     max_restarts = as_int(dist.get("max_restarts", 0), "dist.max_restarts", problems, 0) or 0
 
     single_node = top.nnodes == 1 and not on_slurm
+    cache = Path(cfg["paths"]["cache"]).expanduser()
+    problems += checks.paths_problems(cfg["paths"])
+    setting = cfg["paths"].get("bytecode", "auto")
+    bytecode = bytecode_environment(setting, cache, hw.bytecode_kept)
+    if bytecode and setting == "auto":
+        notes.append("torch's install holds no compiled bytecode for this Python, and none is written beside it: the "
+                     f"ranks keep theirs in {bytecode['PYTHONPYCACHEPREFIX']}, so that runs after the first import "
+                     "without compiling (paths.bytecode=null: compile at every start)")
     env = {
-        **offline_environment(Path(cfg["paths"]["cache"]).expanduser()),
+        **offline_environment(cache),
+        **bytecode,
         **thread_environment(threads),
         **distributed_environment(dist, single_node),
         "PYTHONUNBUFFERED": "1",

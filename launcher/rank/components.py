@@ -143,7 +143,8 @@ class Rank:
         if validation:
             self.val_loader = datasets.val_loader(self.hyp, self.data, checks.val_batch(cfg.get("val"), plan.micro_batch),
                                                   self.stride, 2 * plan.workers_per_rank, self.device,
-                                                  bind=self._worker_init)
+                                                  bind=self._worker_init,
+                                                  pin_memory=self._val_engine() == "ultralytics")
             if "val" in self.caches:  # the node's decoded validation images: no decoding in the loader's workers
                 datasets.attach_cache(self.val_loader.dataset, self.caches["val"])
             build.align_max_det(self.net, self.hyp, self.train_dataset, self.val_loader.dataset)  # before the copies
@@ -347,12 +348,15 @@ class Rank:
             datasets.set_mosaic_buffer(dataset, False)
         return dataset, None
 
+    def _val_engine(self) -> str:
+        return checks.val_engine(self.cfg.get("val") or {}, self.cfg["train"])
+
     def _validator(self):
         """val.engine: the fast validator (the split preloaded on the device, rank/validate/) or Ultralytics' own
         DetectionValidator over the loader; both shard the split as the loader does."""
         val = self.cfg.get("val") or {}
         beat = lambda: self.heartbeat.working()  # noqa: E731 (a long validation is progress, not a hang)
-        if checks.val_engine(val, self.cfg["train"]) == "ultralytics":
+        if self._val_engine() == "ultralytics":
             return Validator(self.val_loader, self.hyp, self.folder.path, on_batch=beat)
         graphs = val.get("cuda_graphs", "auto") in ("auto", True) and self.device.type == "cuda"
         return FastValidator(self.val_loader, self.hyp, self.folder.path,

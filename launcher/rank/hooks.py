@@ -268,6 +268,21 @@ class InputBoundWarning(Hook):
                  f"loader.workers (now {self.workers}) or set train.cache=ram")
 
 
+class ReadAhead(Hook):
+    """Once, after this process's first step: `start()`, the validation loader's workers set reading the split while
+    the epoch trains (FastValidator.read_ahead), so that the first validation finds it read. After a step rather
+    than before the first: the training loader's workers and threads are up by then (Ultralytics, too, forks a
+    loader's workers only at its first iteration, not while another loader starts)."""
+
+    def __init__(self, start):
+        self.start = start
+
+    def after_step(self, loop: TrainLoop) -> None:
+        if self.start is not None:
+            start, self.start = self.start, None
+            start()
+
+
 class Evaluate(Hook):
     """Validation every `interval` epochs and after the last, decided the same way on every rank; at the end of a
     completed run, best.pt validated again when the last epoch was not the best (its metrics are the run's)."""
@@ -308,7 +323,8 @@ class Evaluate(Hook):
 
 class Plots(Hook):
     """Rank 0: labels.jpg at the start, results.png after every validated epoch (after ResultsCsv wrote its row), in
-    the plotter's thread; the run ends once they are written. The final validation's plots: runs._validate."""
+    the plotter's thread, with the final validation's plots (runs._validate); the run ends once they are written,
+    after the final weights (this hook comes after Checkpoint)."""
 
     def __init__(self, plotter, results_csv: Path, labels: list[dict], names: dict):
         self.plotter, self.results_csv, self.labels, self.names = plotter, results_csv, labels, names

@@ -7,16 +7,17 @@ A training run, per step (after_step):
   RecordSamples   (debug.record_samples) the images just trained on;
   FaultInjection  a test's fault fires after a step, like a real one;
   StopOnSignal    then every rank agrees on a signal (a collective at every step), rank 0 saves and all exit;
+  ReadAhead       once, after the first step: the validation loader's workers start reading the split;
   Progress        a line every log.interval_steps steps.
 and per epoch (after_epoch):
   Meter           pauses: validation and checkpoints are not training time;
   ModelEpochs     the loss's and the EMA's end-of-epoch updates, before the EMA is validated;
   Evaluate        validation (every rank, sharded) at the interval and after the last epoch;
   ResultsCsv      rank 0's row, with this epoch's metrics: written before the checkpoint, which embeds results.csv;
-  Plots           rank 0's results.png from that row, queued to the plotter's thread (train.plots);
   Tracking        rank 0's Ultralytics integration callbacks (log.integrations), with the epoch's losses and metrics;
   EarlyStop       rank 0 decides on the new fitness, before the checkpoint records its memory;
   Checkpoint      rank 0's last.pt / best.pt / epochN.pt, written in a thread while the next epoch trains;
+  Plots           rank 0's results.png from the new row, queued to the plotter's thread (train.plots);
   Progress        the epoch's line, with its mAP;
   InputBoundWarning  once per run, from the meter's window so far;
   AgreeToStop     last: the ranks take rank 0's stop decision, after all of rank 0's work of the epoch.
@@ -24,9 +25,10 @@ On rank 0 the timeline (metrics/timeline.py) stamps the run for summary.json: Ti
 epoch's start before closing mosaic, its training end before the validation, the last epoch's end before any
 after_train work), and Timed wraps Evaluate (each validation, the final one) and Checkpoint (the stripped weights).
 LRSchedule and ModelEpochs act before each epoch (lr, train mode) and LRSchedule before each step
-(warmup). after_train runs in list order: the final validation of best.pt (with Ultralytics' plots) before the
-plotter is waited for and before the checkpoints are stripped. InputGpuTime (loader.augment_on=gpu) only reads the
-input's GPU time at its window's start and at the end.
+(warmup). after_train runs in list order: the final validation of best.pt (its plots held for the plotter's
+thread), the integrations' end (after the plots they may upload are drawn), the checkpoints stripped (the final
+weights: here the run's time to a model ends), then the plots drawn and waited for. InputGpuTime
+(loader.augment_on=gpu) only reads the input's GPU time at its window's start and at the end.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from launcher.rank.metrics.gpu_monitor import GpuMonitor
 from launcher.rank.metrics.meter import StepMeter
 from launcher.rank.metrics.timeline import Timed, Timeline, TimelineEdges
 from launcher.rank.ultralytics import build, checkpoint
+from launcher.rank.ultralytics.fast_validation import FastValidator
 from launcher.rank.ultralytics.plots import Plotter
 from launcher.rank.ultralytics.tracking import Tracking
 from launcher.rank.ultralytics.validation import label_loss_items
@@ -81,7 +84,8 @@ def train(cfg: dict, plan: LaunchPlan, folder: RunFolder, stamps: dict | None = 
         epochs, on_rank0 = int(train_cfg["epochs"]), r.rank == 0
         integrations = cfg.get("log", {}).get("integrations") or []
         input_time = h.InputGpuTime(r.gpu_input, METER_SKIP_STEPS) if r.gpu_input else None
-        evaluate = h.Evaluate(lambda loop: _validate(r, loop), lambda loop, w: _validate(r, loop, w),
+        plotter = Plotter(folder.path, r.log) if on_rank0 and train_cfg.get("plots", True) else None
+        evaluate = h.Evaluate(lambda loop: _validate(r, loop, plotter), lambda loop, w: _validate(r, loop, plotter, w),
                               lambda: _best_weights(r, checkpointer), interval=int(train_cfg["val_interval"]),
                               comm=r.comm, device=r.device, log=r.log)
         save = h.Checkpoint(checkpointer, int(train_cfg["save_period"]), lambda: _strip(r)) if on_rank0 else None
@@ -99,15 +103,15 @@ def train(cfg: dict, plan: LaunchPlan, folder: RunFolder, stamps: dict | None = 
             h.FaultInjection(r.faults),
             h.StopOnSignal(r.comm, r.heartbeat, r.inputs, save=lambda loop: checkpointer.save(wait=True),
                            log=r.log),
+            h.ReadAhead(getattr(r.validator, "read_ahead", None)),
             evaluate,
             h.ResultsCsv(folder.path / "results.csv", r.validator.metric_keys, r.schedule.lrs, label_loss_items)
             if on_rank0 else None,
-            h.Plots(Plotter(folder.path, r.log), folder.path / "results.csv", r.train_dataset.labels, r.data["names"])
-            if on_rank0 and train_cfg.get("plots", True) else None,
             Tracking(list(integrations), run_dir=folder.path, hyp=r.hyp, data=r.data, net=r.net, lrs=r.schedule.lrs,
-                     log=r.log) if on_rank0 and integrations else None,
+                     log=r.log, plots_drawn=plotter.drain if plotter else None) if on_rank0 and integrations else None,
             early_stop,
             save,
+            h.Plots(plotter, folder.path / "results.csv", r.train_dataset.labels, r.data["names"]) if plotter else None,
             h.Progress(meter, r.optimizer, r.device, r.rank, int(cfg.get("log", {}).get("interval_steps", 20)),
                        r.log, monitor),
             h.InputBoundWarning(meter, plan.workers_per_rank, r.log, monitor),
@@ -178,12 +182,15 @@ def bench_cell(cfg: dict, plan: LaunchPlan, folder: RunFolder) -> dict | None:
 _EMA = object()
 
 
-def _validate(r: Rank, loop: TrainLoop, weights=_EMA):
+def _validate(r: Rank, loop: TrainLoop, plotter: Plotter | None, weights=_EMA):
     """Validate the EMA, or `weights` in its place (best.pt's: rank 0's, None on the other ranks). The final
-    validation (the last epoch's, then best.pt's when it is another epoch) writes Ultralytics' plots."""
+    validation (the last epoch's, then best.pt's when it is another epoch) writes Ultralytics' plots: the fast
+    validator's in rank 0's plotter thread (`plotter`: None on the other ranks)."""
     final = weights is not _EMA or loop.final_epoch
     kwargs = dict(device=r.device, data=r.data, amp=r.amp_dtype is not None, loss_items=r.step.loss_items or r.state.tloss,
                   epoch=r.state.epoch, epochs=loop.epochs, plots=final and bool(r.cfg["train"].get("plots", True)))
+    if kwargs["plots"] and plotter is not None and isinstance(r.validator, FastValidator):
+        kwargs["draw"] = plotter.later
     if weights is _EMA:
         return r.validator.validate(r.ema, r.comm, **kwargs)
     return r.validator.validate_weights(weights, r.ema, r.comm, **kwargs)

@@ -14,7 +14,8 @@ Reaches into internals, each in one place:
   host's target count); TaskAlignedAssigner.get_box_metrics / select_candidates_in_gts and BboxLoss.forward overridden.
 - datasets.py: BaseDataset.get_img_files on a stand-in (the files of a split); the image lists and mosaic buffer of
   BaseDataset and Mosaic.buffer_enabled (the node-shared cache, loader.mosaic_buffer); imread and load_image's
-  resize rule (the cache's pixels).
+  resize rule (the cache's pixels); InfiniteDataLoader.iterator set from torch's DataLoader._get_iterator (the
+  validation loader's workers started before its first iteration, start_workers).
 - build.py: BaseTrainer.build_optimizer's parameter groups, DetectionTrainer's class weights and model attributes,
   and the frozen-layer rule of BaseTrainer._setup_train, each re-stated; DetectionValidator._check_max_det called.
 - checkpoint.py: BaseTrainer.save_model's checkpoint keys.

@@ -61,14 +61,28 @@ def raw_train_dataset(hyp, data: dict, batch: int) -> YOLODataset:
         )
 
 
-def val_loader(hyp, data: dict, batch: int, stride: int, workers: int, device, bind=lambda init: init):
+def val_loader(hyp, data: dict, batch: int, stride: int, workers: int, device, bind=lambda init: init,
+               pin_memory: bool = True):
     """Ultralytics' validation loader: rectangular batches of `batch`, sharded over the ranks in contiguous blocks.
-    `bind(init)` wraps its workers' init (core binding)."""
+    `bind(init)` wraps its workers' init (core binding). `pin_memory=False` for a split read once (the fast
+    validator's): pinning allocates page-locked memory batch by batch, a driver call that stalls the training
+    steps beside it (their speed halved while the split was read ahead, on the H200)."""
     with torch_distributed_zero_first(LOCAL_RANK):
         dataset = build_yolo_dataset(hyp, data["val"], batch, data, mode="val", rect=True, stride=stride)
-    loader = build_dataloader(dataset, batch=batch, workers=workers, shuffle=False, rank=LOCAL_RANK, device=device)
+    loader = build_dataloader(dataset, batch=batch, workers=workers, shuffle=False, rank=LOCAL_RANK, device=device,
+                              pin_memory=pin_memory)
     loader.worker_init_fn = bind(_val_worker_init)  # workers start at the first iteration, with this
     return loader
+
+
+def start_workers(loader) -> bool:
+    """Fork an InfiniteDataLoader's workers now, which Ultralytics does at its first iteration: they read ahead
+    (prefetch_factor batches each) while the caller goes on, and its first iteration takes what they have read.
+    False, and nothing started, when it has no workers or has started them already."""
+    if loader.num_workers == 0 or loader.iterator is not None:
+        return False
+    loader.iterator = loader._get_iterator()  # what InfiniteDataLoader.__iter__ does first (torch's DataLoader)
+    return True
 
 
 def _val_worker_init(worker_id: int) -> None:

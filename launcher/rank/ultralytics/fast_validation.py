@@ -9,7 +9,8 @@ compute and draw the rest, through a DetectionValidator that never runs a batch 
   - the PR/F1/P/R curves from DetMetrics.process(plot=True), as Ultralytics draws them;
   - the confusion matrix from ConfusionMatrix.process_batch on the same detections, image by image (only when plots
     are drawn: the final validation), summed over the ranks;
-  - val_batch{0,1,2}_labels.jpg and _pred.jpg from rank 0's first three batches (up to 16 images each, as before).
+  - val_batch{0,1,2}_labels.jpg and _pred.jpg from rank 0's first three batches (up to 16 images each, as before);
+  in a training run all three are drawn in the plotter's thread, after the final weights are written (`draw`).
 The validation loss is the EMA's own Ultralytics loss on the same outputs, summed per batch and divided by the batch
 count, averaged over the ranks (Ultralytics' rule; larger batches move it a little). DetMetrics' per-image
 precision/recall dict (image_metrics) is not kept: nothing of a training run reads it.
@@ -20,14 +21,15 @@ Per-rank statistics go to rank 0 through the rank's own process group (Comm.gath
 from __future__ import annotations
 
 import time
-from contextlib import nullcontext
-from copy import copy
+from copy import copy, deepcopy
 
 import numpy as np
 import torch
 from ultralytics.models.yolo.detect import DetectionValidator
+from ultralytics.utils.metrics import DetMetrics
 
 from launcher.rank.dist import Comm
+from launcher.rank.ultralytics import datasets
 from launcher.rank.ultralytics.plots import PLOT_LOCK
 from launcher.rank.ultralytics.validation import label_loss_items
 from launcher.rank.validate.engine import NmsSettings, detections_of, run_pass
@@ -65,6 +67,13 @@ class FastValidator:
     def metric_keys(self) -> list[str]:
         return list(self.validator.metrics.keys)
 
+    def read_ahead(self) -> None:
+        """The loader's workers start reading this rank's shard now, while training goes on; the preload at the
+        first validation then takes the batches they have read (with enough workers, the whole split: prefetch_factor
+        batches each). Nothing to do with no workers, or once the split is preloaded."""
+        if self.split is None:
+            datasets.start_workers(self.loader)
+
     def preload(self, device: torch.device) -> None:
         """This rank's shard, once: its loader's batches kept (the loader's workers are not needed after)."""
         started = time.perf_counter()
@@ -77,7 +86,10 @@ class FastValidator:
                  f"{self.timing['preload_s']:.2f} s ({self.split.nbytes / 2**20:.0f} MiB)")
 
     def validate(self, ema, comm: Comm, *, device, data, amp: bool, loss_items: dict, epoch: int, epochs: int,
-                 plots: bool = False):
+                 plots: bool = False, draw=None):
+        """`plots` (the same on every rank): Ultralytics' plots of this validation, drawn by rank 0: now, or, given
+        `draw` (rank 0's Plotter.later), in the plotter's thread from a copy of what they need, so that the weights
+        need not wait for them."""
         if comm.distributed:  # BaseTrainer.validate: rank 0's EMA buffers (BatchNorm statistics) on every rank
             comm.broadcast_from_rank0(list(ema.ema.buffers()))
         if self.split is None:
@@ -126,18 +138,19 @@ class FastValidator:
         v.seen = sum(r["images"] for r in everyone)
         if plots and comm.world_size > 1:
             v.confusion_matrix.matrix = np.sum([r["matrix"] for r in everyone], axis=0)
-        with PLOT_LOCK if plots else nullcontext():
-            for ni, (vb, det) in enumerate(plotted):
-                targets = vb.ultralytics_targets()
-                batch = {"img": vb.img[: vb.n], **targets, "im_file": vb.files}
-                v.plot_val_samples(batch, ni)
-                v.plot_predictions(batch, [detections_of(det, i) for i in range(vb.n)], ni)
-            stats = v.get_stats()
-            v.speed = {"preprocess": 0.0, "inference": 1e3 * elapsed / max(result.images, 1), "loss": 0.0,
-                       "postprocess": 0.0}
-            v.finalize_metrics()
+        drawing = _Drawing(v, plotted) if plots else None  # before get_stats clears the statistics
+        v.args.plots = False  # the metrics without the plots: those are drawing's
+        stats = v.get_stats()
+        v.speed = {"preprocess": 0.0, "inference": 1e3 * elapsed / max(result.images, 1), "loss": 0.0,
+                   "postprocess": 0.0}
+        v.finalize_metrics()
         v.print_results()
-        v.args.plots = False
+        if drawing is not None:
+            if draw is None:
+                with PLOT_LOCK:  # matplotlib's pyplot is not thread-safe (plots.py)
+                    drawing()
+            else:
+                draw("the final validation's plots", drawing)
         loss = mean_loss([r["loss"] for r in everyone])
         metrics = {k: round(float(x), 5) for k, x in {**stats, **label_loss_items(loss, "val")}.items()}
         return metrics, metrics.pop("fitness", None)
@@ -153,6 +166,30 @@ class FastValidator:
             ema.ema.load_state_dict(weights)
         comm.broadcast_from_rank0(list(ema.ema.state_dict().values()))
         return self.validate(ema, comm, **kwargs)
+
+
+class _Drawing:
+    """The plots of one validation, drawn when called (in the plotter's thread, or at once), from copies of what
+    the validator held: its statistics, its confusion matrix and the first batches with their detections. Of the
+    validator itself only what a run never changes is read (the run folder, names, max_det)."""
+
+    def __init__(self, v: DetectionValidator, plotted: list):
+        self.v, self.plotted = v, list(plotted)
+        self.stats = {k: list(x) for k, x in v.metrics.stats.items()}
+        self.matrix = deepcopy(v.confusion_matrix)
+
+    def __call__(self) -> None:
+        """Under PLOT_LOCK (the caller's)."""
+        v = self.v
+        for ni, (vb, det) in enumerate(self.plotted):
+            batch = {"img": vb.img[: vb.n], **vb.ultralytics_targets(), "im_file": vb.files}
+            v.plot_val_samples(batch, ni)
+            v.plot_predictions(batch, [detections_of(det, i) for i in range(vb.n)], ni)
+        curves = DetMetrics(names=v.names)
+        curves.stats = self.stats
+        curves.process(save_dir=v.save_dir, plot=True, on_plot=v.on_plot)  # the PR, F1, P and R curves
+        for normalize in True, False:  # DetectionValidator.finalize_metrics's
+            self.matrix.plot(save_dir=v.save_dir, normalize=normalize, on_plot=v.on_plot)
 
 
 def mean_loss(losses: list[dict]) -> dict:

@@ -4,10 +4,10 @@
 * results.png: the losses, metrics and learning rates of results.csv by epoch (`plot_results`), after every
   validated epoch;
 * the final validation's curves (PR, F1, P, R) and confusion matrices, and its first batches with labels and
-  predictions: Ultralytics' validator writes them when its `plots` argument is on (validation.py turns it on for
-  the final validation, on rank 0).
+  predictions: Ultralytics' validator writes them when its `plots` argument is on (runs.py turns it on for the
+  final validation); the fast validator hands them to `later`, which draws them once the weights are written.
 
-The first two run in a thread of their own, off the training's path. matplotlib's pyplot is not thread-safe, so
+All of them run in a thread of their own, off the training's path. matplotlib's pyplot is not thread-safe, so
 every plot holds PLOT_LOCK. Ultralytics reads results.csv and the labels with polars for these two; where polars is
 missing (the GPU machines' image), they are skipped with one warning and the validator's plots are still written.
 """
@@ -25,28 +25,44 @@ PLOT_LOCK = threading.Lock()
 
 
 class Plotter:
-    """`labels(...)` and `results(csv)` queue a plot; `close()` waits for what is queued. Failures are warnings."""
+    """`labels(...)` and `results(csv)` queue a plot, `later(...)` holds one; `close()` draws what is held and waits
+    for everything. Failures are warnings."""
 
     def __init__(self, run_dir: Path, log):
         self.run_dir, self.log = Path(run_dir), log
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="plots")
         self.pending: list[Future] = []
+        self.held: list[tuple] = []  # later()'s, until drain()
         self.usable = importlib.util.find_spec("polars") is not None
         if not self.usable:
             log("WARNING plots: labels.jpg and results.png need polars (pip install polars); the final "
                 "validation's curves and confusion matrix are still written")
 
     def labels(self, labels: list[dict], names: dict) -> None:
-        self._submit("labels.jpg", _plot_labels, labels, names, self.run_dir)
+        if self.usable:
+            self.now("labels.jpg", _plot_labels, labels, names, self.run_dir)
 
     def results(self, csv: Path) -> None:
-        self._submit("results.png", _plot_results, csv, self.run_dir)
+        if self.usable:
+            self.now("results.png", _plot_results, csv, self.run_dir)
 
-    def _submit(self, what: str, fn, *args) -> None:
-        if not self.usable:
-            return
+    def now(self, what: str, fn, *args) -> None:
+        """`fn(*args)` in the plotter's thread under PLOT_LOCK, after what is queued; a failure is a warning."""
         self.pending = [f for f in self.pending if not f.done()]
         self.pending.append(self.pool.submit(self._run, what, fn, *args))
+
+    def later(self, what: str, fn, *args) -> None:
+        """`fn(*args)` held until drain() or close(): the final validation's plots, drawn once the weights are
+        written (in the thread beside the stripping, matplotlib's Python work would slow it down)."""
+        self.held.append((what, fn, args))
+
+    def drain(self) -> None:
+        """Everything queued and held drawn, and waited for; the plotter stays open."""
+        held, self.held = self.held, []
+        for what, fn, args in held:
+            self.now(what, fn, *args)
+        for f in list(self.pending):
+            f.result()
 
     def _run(self, what: str, fn, *args) -> None:
         try:
@@ -56,6 +72,7 @@ class Plotter:
             self.log(f"WARNING plots: {what} failed ({type(e).__name__}: {e})")
 
     def close(self) -> None:
+        self.drain()
         self.pool.shutdown(wait=True)
 
 

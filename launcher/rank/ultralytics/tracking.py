@@ -29,12 +29,13 @@ MODULES = {"tensorboard": "tensorboard", "wandb": "wb", "mlflow": "mlflow", "cle
 
 class Tracking(Hook):
     """Rank 0: Ultralytics' integration callbacks, at the start, after each epoch (after validation and results.csv)
-    and at the end."""
+    and at the end, once `plots_drawn()` has returned (the final validation's plots, drawn in a thread, are among
+    the files an integration uploads at the end)."""
 
-    def __init__(self, names: list[str], *, run_dir: Path, hyp, data: dict, net, lrs, log):
+    def __init__(self, names: list[str], *, run_dir: Path, hyp, data: dict, net, lrs, log, plots_drawn=None):
         from ultralytics.utils import SETTINGS
 
-        self.log, self.lrs = log, lrs
+        self.log, self.lrs, self.plots_drawn = log, lrs, plots_drawn
         self.callbacks: dict[str, list] = defaultdict(list)
         for name in names:
             dict.__setitem__(SETTINGS, name, True)  # this process only: JSONDict's own __setitem__ writes the file
@@ -70,5 +71,7 @@ class Tracking(Hook):
         self._fire("on_fit_epoch_end")
 
     def after_train(self, loop: TrainLoop) -> None:
+        if self.plots_drawn is not None:
+            self.plots_drawn()
         self._fire("on_train_end")
         self._fire("teardown")

@@ -16,8 +16,11 @@ fp16 scores tie often, and the order decides which of two tied boxes survives). 
 keep the first `max_det`. Not reproduced: Ultralytics' time limit (2 s + 0.05 s per image), after which it drops the
 remaining images of the batch; and, above `max_nms` candidates in an image, which of those tied at the cut are kept
 (Ultralytics' argsort there is unstable).
-Images with more than LARGE candidates go through torchvision's NMS one by one, as in Ultralytics (a matrix of
-LARGE^2 per image is the most this holds in memory).
+Candidates are suppressed CHUNK at a time (a matrix of CHUNK^2 per image is the most this holds in memory): a chunk's
+candidates first lose to the survivors of the chunks before it, then to each other; an image stops once it has
+max_det survivors, since no later candidate can change its first max_det. A weak model (the first epochs) gives
+every anchor a candidate, tens of thousands per image, but its first chunk already holds max_det survivors: before,
+such images went through torchvision's NMS one by one, as in Ultralytics, a sync per image.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from typing import NamedTuple
 
 import torch
 
-LARGE = 2048  # candidates per image above which the image takes torchvision's NMS on its own
+CHUNK = 2048  # candidates per image suppressed at once
 MATRIX_ELEMENTS = 2**25  # pairwise IoUs computed at once (a few temporaries of 128 MiB each)
 
 
@@ -95,22 +98,7 @@ def batched_nms(prediction, conf: float, iou: float, *, max_det: int, multi_labe
     cand_score = cand_score.float()
     offset = box + cand_cls[..., None] * (0 if agnostic else max_wh)
 
-    keep = torch.zeros((b, k), dtype=torch.bool, device=device)
-    large = (counts > LARGE).tolist()
-    small = [i for i in range(b) if not large[i]]
-    if small:
-        width = min(k, LARGE)
-        rows = max(1, MATRIX_ELEMENTS // (width * width))
-        for start in range(0, len(small), rows):
-            idx = torch.tensor(small[start : start + rows], device=device)
-            keep[idx, :width] = _greedy(offset[idx, :width], cand_valid[idx, :width], iou)
-    if any(large):
-        import torchvision  # Ultralytics' path, image by image
-
-        for i in (i for i in range(b) if large[i]):
-            n = int(cand_valid[i].sum())
-            kept = torchvision.ops.nms(offset[i, :n], cand_score[i, :n], iou)
-            keep[i, kept] = True
+    keep = _greedy_in_chunks(offset, cand_valid, iou, max_det)
     rank = keep.cumsum(1)
     keep &= rank <= max_det
     count_out = keep.sum(1)
@@ -122,14 +110,54 @@ def batched_nms(prediction, conf: float, iou: float, *, max_det: int, multi_labe
     return Detections(boxes_out, conf_out, cls_out, count_out)
 
 
-def pairwise_iou(boxes: torch.Tensor) -> torch.Tensor:
-    """(B, K, K) IoU of each image's boxes with each other, as torchvision's NMS computes it."""
-    x1, y1, x2, y2 = boxes.unbind(-1)
-    area = (x2 - x1) * (y2 - y1)
-    w = (torch.minimum(x2[:, :, None], x2[:, None, :]) - torch.maximum(x1[:, :, None], x1[:, None, :])).clamp(min=0)
-    h = (torch.minimum(y2[:, :, None], y2[:, None, :]) - torch.maximum(y1[:, :, None], y1[:, None, :])).clamp(min=0)
+def box_iou(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """(B, M, N) IoU of each image's boxes `a` (B, M, 4) with its boxes `b` (B, N, 4), as torchvision's NMS
+    computes it."""
+    ax1, ay1, ax2, ay2 = (t[:, :, None] for t in a.unbind(-1))
+    bx1, by1, bx2, by2 = (t[:, None, :] for t in b.unbind(-1))
+    w = (torch.minimum(ax2, bx2) - torch.maximum(ax1, bx1)).clamp(min=0)
+    h = (torch.minimum(ay2, by2) - torch.maximum(ay1, by1)).clamp(min=0)
     inter = w * h
-    return inter / (area[:, :, None] + area[:, None, :] - inter)
+    return inter / ((ax2 - ax1) * (ay2 - ay1) + (bx2 - bx1) * (by2 - by1) - inter)
+
+
+def pairwise_iou(boxes: torch.Tensor) -> torch.Tensor:
+    """(B, K, K) IoU of each image's boxes with each other."""
+    return box_iou(boxes, boxes)
+
+
+def _greedy_in_chunks(boxes: torch.Tensor, valid: torch.Tensor, iou: float, max_det: int) -> torch.Tensor:
+    """Greedy NMS of every image's candidates (sorted by descending score; `valid` a prefix of each row), CHUNK
+    candidates at a time, until an image has max_det survivors or no candidates left: which are kept."""
+    b, k = valid.shape
+    keep = torch.zeros_like(valid)
+    todo = torch.arange(b, device=valid.device)  # the images whose survivors are not all known yet
+    for start in range(0, k, CHUNK):
+        end = min(start + CHUNK, k)
+        if start:
+            todo = todo[(keep[todo].sum(1) < max_det) & valid[todo, start]]  # a host read per chunk after the first
+            if len(todo) == 0:
+                break
+        width = end - start
+        rows = max(1, MATRIX_ELEMENTS // (width * width))
+        for first in range(0, len(todo), rows):
+            idx = todo[first : first + rows]
+            chunk, alive = boxes[idx, start:end], valid[idx, start:end]
+            if start:  # fewer than max_det survivors so far: compact them, then their IoU with the chunk's candidates
+                kept, count = _first_kept(boxes[idx, :start], keep[idx, :start], max_det)
+                alive = alive & ~((box_iou(kept, chunk) > iou) & (torch.arange(max_det, device=idx.device)
+                                                                  < count[:, None])[:, :, None]).any(1)
+            keep[idx, start:end] = _greedy(chunk, alive, iou)
+    return keep
+
+
+def _first_kept(boxes: torch.Tensor, keep: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each image's first `n` kept boxes in order, (B, n, 4) with zeros after them, and how many there are (B,)."""
+    b = boxes.shape[0]
+    slot = torch.where(keep, keep.cumsum(1) - 1, n).clamp(max=n)
+    out = torch.zeros((b, n + 1, 4), dtype=boxes.dtype, device=boxes.device)
+    out.scatter_(1, slot[..., None].expand(*slot.shape, 4), boxes)
+    return out[:, :n], keep.sum(1).clamp(max=n)
 
 
 def _greedy(boxes: torch.Tensor, valid: torch.Tensor, iou: float) -> torch.Tensor:
