@@ -12,7 +12,7 @@ from pathlib import Path
 
 from launcher.inputs import ultralytics_files
 from launcher.machine.hardware import Hardware
-from launcher.plan.environment import NCCL_DEBUG_LEVELS, TORCH_DEBUG_LEVELS
+from launcher.plan.environment import BYTECODE_OFF, NCCL_DEBUG_LEVELS, TORCH_DEBUG_LEVELS
 from launcher.problems import Problem
 
 AMP_VALUES = (True, False, "bf16")
@@ -284,7 +284,7 @@ def val_problems(val: dict, train: dict) -> list[Problem]:
 def paths_problems(paths: dict) -> list[Problem]:
     """paths.bytecode: auto, null (off) or an absolute folder (the ranks start in the run folder)."""
     setting = paths.get("bytecode", "auto")
-    if setting in (None, False, "off", "auto") or Path(str(setting)).expanduser().is_absolute():
+    if setting in (*BYTECODE_OFF, "auto") or Path(str(setting)).expanduser().is_absolute():
         return []
     return [Problem(f"paths.bytecode={setting!r}: give auto, null or an absolute folder")]
 

@@ -34,13 +34,16 @@ def offline_environment(cache_dir: Path) -> dict[str, str]:
     }
 
 
+BYTECODE_OFF = (None, False, "off")  # paths.bytecode values that leave Python's own way
+
+
 def bytecode_environment(setting, cache_dir: Path, kept: bool) -> dict[str, str]:
     """`paths.bytecode`: where the ranks' interpreters (and torchrun's) keep their compiled bytecode. `auto`: under
     the cache where they would otherwise compile torch from source at every start (Hardware.bytecode_kept False),
     so that every run after the first imports without compiling; a path: there, always; null: Python's own way.
     Kept there even under PYTHONDONTWRITEBYTECODE, which is unset for them: it keeps bytecode out of the install's
     folders (an image's layers), and this writes none there."""
-    if setting in (None, False, "off") or (setting == "auto" and kept):
+    if setting in BYTECODE_OFF or (setting == "auto" and kept):
         return {}
     folder = Path(cache_dir) / "bytecode" if setting == "auto" else Path(str(setting)).expanduser()
     return {"PYTHONPYCACHEPREFIX": str(folder), "PYTHONDONTWRITEBYTECODE": ""}  # empty: unset, to Python

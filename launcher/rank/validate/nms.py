@@ -81,12 +81,9 @@ def batched_nms(prediction, conf: float, iou: float, *, max_det: int, multi_labe
     counts = above.reshape(b, -1).sum(1)
     top = int(counts.max()) if b else 0  # the one host read: how many candidates the busiest image has
     out_k = min(max_det, top)
-    boxes_out = torch.zeros((b, out_k, 4), device=device)
-    conf_out = torch.zeros((b, out_k), device=device)
-    cls_out = torch.zeros((b, out_k), device=device)
-    count_out = torch.zeros(b, dtype=torch.int64, device=device)
     if top == 0:
-        return Detections(boxes_out, conf_out, cls_out, count_out)
+        return Detections(torch.zeros((b, 0, 4), device=device), torch.zeros((b, 0), device=device),
+                          torch.zeros((b, 0), device=device), torch.zeros(b, dtype=torch.int64, device=device))
     k = min(top, max_nms)
     masked = torch.where(above.reshape(b, -1), flat, torch.full_like(flat, -1))
     # descending score, equal scores in candidate order: torchvision's NMS sorts stably over Ultralytics' candidates
@@ -99,15 +96,8 @@ def batched_nms(prediction, conf: float, iou: float, *, max_det: int, multi_labe
     offset = box + cand_cls[..., None] * (0 if agnostic else max_wh)
 
     keep = _greedy_in_chunks(offset, cand_valid, iou, max_det)
-    rank = keep.cumsum(1)
-    keep &= rank <= max_det
-    count_out = keep.sum(1)
-    slot = torch.where(keep, rank - 1, out_k)  # each survivor's row in the output; the rest to a spare row
-    for dst, src in ((boxes_out, box), (conf_out, cand_score), (cls_out, cand_cls)):
-        spare = torch.zeros((b, out_k + 1, *dst.shape[2:]), dtype=dst.dtype, device=device)
-        spare.scatter_(1, slot.view(b, k, *([1] * (dst.dim() - 2))).expand_as(src), src)
-        dst.copy_(spare[:, :out_k])
-    return Detections(boxes_out, conf_out, cls_out, count_out)
+    keep &= keep.cumsum(1) <= max_det
+    return Detections(*(_first_kept(t, keep, out_k) for t in (box, cand_score, cand_cls)), keep.sum(1))
 
 
 def box_iou(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -144,20 +134,22 @@ def _greedy_in_chunks(boxes: torch.Tensor, valid: torch.Tensor, iou: float, max_
             idx = todo[first : first + rows]
             chunk, alive = boxes[idx, start:end], valid[idx, start:end]
             if start:  # fewer than max_det survivors so far: compact them, then their IoU with the chunk's candidates
-                kept, count = _first_kept(boxes[idx, :start], keep[idx, :start], max_det)
+                kept = _first_kept(boxes[idx, :start], keep[idx, :start], max_det)
+                count = keep[idx, :start].sum(1)
                 alive = alive & ~((box_iou(kept, chunk) > iou) & (torch.arange(max_det, device=idx.device)
                                                                   < count[:, None])[:, :, None]).any(1)
             keep[idx, start:end] = _greedy(chunk, alive, iou)
     return keep
 
 
-def _first_kept(boxes: torch.Tensor, keep: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each image's first `n` kept boxes in order, (B, n, 4) with zeros after them, and how many there are (B,)."""
-    b = boxes.shape[0]
+def _first_kept(rows: torch.Tensor, keep: torch.Tensor, n: int) -> torch.Tensor:
+    """Each image's first `n` rows where `keep` (B, K) is True, in order: (B, n, ...) from `rows` (B, K, ...), zeros
+    after them (a row past the n-th goes to a spare slot, dropped)."""
+    b, k = keep.shape
     slot = torch.where(keep, keep.cumsum(1) - 1, n).clamp(max=n)
-    out = torch.zeros((b, n + 1, 4), dtype=boxes.dtype, device=boxes.device)
-    out.scatter_(1, slot[..., None].expand(*slot.shape, 4), boxes)
-    return out[:, :n], keep.sum(1).clamp(max=n)
+    out = torch.zeros((b, n + 1, *rows.shape[2:]), dtype=rows.dtype, device=rows.device)
+    out.scatter_(1, slot.view(b, k, *([1] * (rows.dim() - 2))).expand_as(rows), rows)
+    return out[:, :n]
 
 
 def _greedy(boxes: torch.Tensor, valid: torch.Tensor, iou: float) -> torch.Tensor:
