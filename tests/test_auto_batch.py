@@ -18,18 +18,19 @@ class FakeGpu:
     """A step whose peak is fixed + per_image x batch (+ curve x batch^2: the fit underestimates), out of memory
     above `capacity` bytes; the memory interface `measure` reads."""
 
-    def __init__(self, fixed=4 * GiB, per_image=300 * MiB, curve=0.0, capacity=TOTAL):
+    def __init__(self, fixed=4 * GiB, per_image=300 * MiB, curve=0.0, capacity=TOTAL, validation=0):
         self.fixed, self.per_image, self.curve, self.capacity = fixed, per_image, curve, capacity
+        self.validation = validation  # bytes a validation batch adds beside the step
         self.steps, self.released, self._peak = [], 0, 0
 
-    def need(self, batch: int) -> int:
-        return int(self.fixed + self.per_image * batch + self.curve * batch**2)
+    def need(self, batch: int, validate: bool = False) -> int:
+        return int(self.fixed + self.per_image * batch + self.curve * batch**2 + self.validation * validate)
 
-    def run_at(self, batch: int) -> None:
+    def run_at(self, batch: int, validate: bool = False) -> None:
         self.steps.append(batch)
-        if self.need(batch) > self.capacity:
+        if self.need(batch, validate) > self.capacity:
             raise torch.cuda.OutOfMemoryError(f"CUDA out of memory at {batch}")
-        self._peak = self.need(batch)
+        self._peak = self.need(batch, validate)
 
     def release(self) -> None:
         self.released += 1
@@ -40,6 +41,11 @@ class FakeGpu:
 
     def choose(self, rule=RULE, **kw):
         return auto_batch.choose(lambda b: auto_batch.measure(self.run_at, b, self), total=TOTAL, rule=rule, **kw)
+
+    def settle(self, rule=RULE):
+        """choose, then settle with a validation batch beside the steps, as the rank does."""
+        whole = lambda b: auto_batch.measure(lambda x: self.run_at(x, validate=True), b, self)  # noqa: E731
+        return auto_batch.settle(self.choose(rule), whole, rule=rule)
 
 
 def largest_within(gpu: FakeGpu, limit: float, ok=lambda b: True) -> int:
@@ -57,6 +63,9 @@ def test_a_linear_step_gets_the_largest_multiple_of_8_within_the_fraction_and_th
     assert record["limit_gib"] == pytest.approx(60) and record["total_gib"] == pytest.approx(100)
     assert [c["batch"] for c in record["candidates"]] == [8, 16, 32, 64, 184] and all(c["fits"] for c in record["candidates"])
     assert gpu.released == 2 * len(gpu.steps)  # everything the probe allocated freed before and after each size
+    # the run is then held to the fraction plus the headroom for what the probe's step leaves out, at most the GPU
+    assert record["held_fraction"] == pytest.approx(0.7) and record["held_gib"] == pytest.approx(70)
+    assert FakeGpu().choose(rule={**RULE, "fraction": 0.95}).record(0.95, "cuda:0")["held_fraction"] == 1.0
 
 
 def test_a_step_that_runs_out_of_memory_above_the_fit_backs_off_by_8():
@@ -96,6 +105,33 @@ def test_when_only_the_smallest_size_fits_it_is_taken_and_when_none_fits_the_err
         FakeGpu(fixed=62 * GiB, per_image=1 * GiB).choose()
 
 
+def test_the_batch_is_settled_with_a_validation_batch_beside_the_steps_within_what_the_run_is_held_to():
+    """The run is held to 70 % (60 % + the headroom): a validation that fits beside the chosen step keeps the batch
+    (one more measurement); one that does not backs off by what its excess over the memory per image says, to the
+    largest size whose whole loop fits."""
+    light = FakeGpu(validation=5 * GiB)
+    settled = light.settle()
+    assert settled.batch == 184 and list(settled.whole) == [184] and settled.held == int(0.7 * TOTAL)
+    heavy = FakeGpu(validation=20 * GiB)
+    settled = heavy.settle()
+    assert settled.batch == largest_within(heavy, 0.7 * TOTAL - 20 * GiB) == 152  # 184: 77.9 GiB; 152: 68.5 GiB
+    assert list(settled.whole) == [184, 152] and settled.limited_by == "memory"
+    record = settled.record(0.6, "cuda:0")
+    assert [(c["batch"], c["fits"]) for c in record["with_validation"]] == [(184, False), (152, True)]
+    assert auto_batch.explain(record).endswith("(with a validation batch beside the steps 184: 77.9 GiB, 152: 68.5 GiB)")
+    # out of memory with the validation: the excess is at least what lies above the held bytes; then read again
+    gpu = FakeGpu(validation=50 * GiB)
+    oom = gpu.settle()
+    assert list(oom.whole) == [184, 80, 48] and oom.whole[184] is None
+    assert oom.batch == largest_within(gpu, 0.7 * TOTAL - 50 * GiB) == 48
+
+
+def test_a_validation_that_fits_beside_no_batch_is_refused_with_what_to_do():
+    with pytest.raises(auto_batch.NoBatchFits, match=r"with a validation batch beside its steps no batch from 184 down "
+                                                     r"fits the 70.0 GiB .* a smaller val.batch"):
+        FakeGpu(validation=69 * GiB).settle()
+
+
 def test_every_rank_takes_the_smallest_batch_of_the_job_with_its_why():
     records = [FakeGpu().choose().record(0.6, "cuda:0"), FakeGpu(fixed=20 * GiB).choose().record(0.6, "cuda:1")]
     job = auto_batch.agree(records)
@@ -104,6 +140,7 @@ def test_every_rank_takes_the_smallest_batch_of_the_job_with_its_why():
     line = auto_batch.explain(job)
     assert line.startswith(f"auto batch: {job['batch_per_device']} per device, the largest whose step fits 60 % of "
                            "100.0 GiB = 60.0 GiB on cuda:1 (300 MiB per image + 20.0 GiB fixed")
+    assert line.endswith("; the smallest over ranks [184, 136]; the run's allocator held to 70 % = 70.0 GiB")
     assert auto_batch.agree(records[:1])["ranks"] is None
 
 
@@ -139,3 +176,23 @@ def test_the_training_arguments_follow_the_measured_batch(tmp_path):
     build.set_batch(hyp, plan)
     assert (hyp.batch, hyp.nbs, hyp.lr0, hyp.warmup_epochs) == (128, 128, plan.lr0, plan.warmup_epochs)
     assert plan.lr0 == pytest.approx(0.02)
+
+
+def test_the_probes_validation_batch_runs_the_real_network_and_its_nms_and_leaves_it_training():
+    """components.Rank._probe_validation (on CUDA beside the probe's graphs) with a real yolov8n on the CPU: the
+    training arguments leave conf None (BaseValidator fills it in later), so the probe's NMS must not read it."""
+    from types import SimpleNamespace
+
+    from ultralytics.cfg import get_cfg
+
+    from launcher.rank.components import Rank
+    from launcher.rank.ultralytics import build
+
+    hyp = get_cfg(overrides={"imgsz": 64, "plots": False, "model": "yolov8n.yaml"})
+    assert hyp.conf is None
+    data = {"nc": 3, "names": {0: "a", 1: "b", 2: "c"}, "channels": 3}
+    net, frozen = build.network(hyp, data, None)
+    rank = SimpleNamespace(cfg={"val": {}}, hyp=hyp, device=torch.device("cpu"), amp_dtype=None, data=data,
+                           _val_engine=lambda: "fast", _val_graphs=lambda: False)
+    Rank._probe_validation(rank, net, frozen, 8)
+    assert net.training

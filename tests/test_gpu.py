@@ -320,14 +320,14 @@ def test_auto_batch_measure_survives_a_real_out_of_memory_and_frees_what_it_allo
     assert torch.cuda.memory_reserved() == before
 
 
-@pytest.mark.xfail(strict=True, reason="issue 17, open: on the H200 (2026-12-01) the probe's 60 % held, but the run's "
-                   "reserved memory grew to 93-99 % (allocated 50 %); docs/benchmarks/h200-auto-batch/README.md")
 def test_auto_batch_fits_and_an_epoch_at_it_uses_50_to_70_percent_of_the_gpu(tmp_path, cache_dir):
     """yolov8s at 640 px with train.batch_per_device=auto (the default fraction, 0.6) on real CUDA graphs, AMP and
     the sync-free loss: the chosen batch is a multiple of 8, its verified step within the limit, and a training
-    epoch at it (validation included) peaks between 50 and 70 % of the GPU's memory. Measured as the caching
-    allocator's peak reserved bytes: what the probe limits and what an out-of-memory error sees (allocated is lower
-    by the allocator's cache; NVML adds the CUDA context)."""
+    epoch at it (validation of the untrained model's thousands of candidates included) runs to its end within the
+    70 % its allocator is held to, peaking above 50 % of the GPU's memory. Measured as the caching allocator's peak
+    reserved bytes: what the probe limits and what an out-of-memory error sees (allocated is lower by the
+    allocator's cache; NVML adds the CUDA context). Unheld, the same epoch reserved 93-99 %
+    (docs/benchmarks/h200-auto-batch/README.md)."""
     data = ["data.synthetic.train_images=1024", "data.synthetic.val_images=32", "data.synthetic.width=320",
             "data.synthetic.height=256"]
     r = ddp_launch([*data, "gpus=1", "model=yolov8s", "train.imgsz=640", "train.batch_per_device=auto",
@@ -338,13 +338,16 @@ def test_auto_batch_fits_and_an_epoch_at_it_uses_50_to_70_percent_of_the_gpu(tmp
     auto, batch = summary["auto_batch"], summary["batch_per_device"]
     print(f"batch {batch}; {auto}; peak reserved {summary['memory_peak_reserved_gib']:.1f} GiB, allocated "
           f"{summary['memory_peak_allocated_gib']:.1f} GiB, NVML {summary['memory_peak_gib']} GiB of "
-          f"{summary['memory_total_gib']:.1f} GiB")
+          f"{summary['memory_total_gib']:.1f} GiB; allocator retries {summary['memory_alloc_retries']}")
     assert batch % 8 == 0 and batch == auto["batch_per_device"] and auto["limited_by"] == "memory"
     assert auto["peak_gib"] <= auto["limit_gib"] == pytest.approx(0.6 * auto["total_gib"], rel=1e-3)
+    settled = auto["with_validation"][-1]  # the steps with a validation batch beside them, within the held 70 %
+    assert settled["batch"] == batch and settled["fits"] and settled["peak_gib"] <= auto["held_gib"]
     assert summary["global_batch"] == batch and summary["lr0"] == pytest.approx(0.01 * batch / 64)
     assert 0.5 <= summary["memory_peak_reserved_gib"] / summary["memory_total_gib"] <= 0.7
     log = (run_dir_of(r) / "logs" / "rank0.log").read_text()
     assert f"auto batch: {batch} per device" in log and f"lr0             {summary['lr0']:.6g}" in log
+    assert "the run's allocator held to 70 %" in log and auto["held_fraction"] == pytest.approx(0.7)
     assert f"CUDA graphs: forward and backward captured for batches of {batch}" in log
     assert json.loads((run_dir_of(r) / "plan.json").read_text())["batch_per_device"] == batch  # for a restart
 

@@ -41,6 +41,27 @@ def test_starting_mid_run_gives_exactly_the_batches_an_uninterrupted_run_gets():
     assert take(resumed, 3) == full[9:12]
 
 
+def test_a_filled_epoch_has_full_batches_ending_with_its_first_images_and_resumes_exactly():
+    """train.cuda_graphs: the short last batch (10 images in 4s: 2) completed from the epoch's own order, so that every
+    step replays the graph; every image still trained once before any repeats, each epoch its own order."""
+    s = EpochBatchSampler(10, 4, num_replicas=1, rank=0, seed=0, fill_last=True)
+    assert s.batches_per_epoch == 3 and s.filled == 2
+    batches = take(s, 8)
+    assert [len(b) for b in batches] == [4] * 8
+    for epoch in 0, 1:
+        order = [i for b in batches[3 * epoch: 3 * epoch + 3] for e, i in b if e == epoch]
+        assert sorted(order[:10]) == list(range(10)) and order[10:] == order[:2]
+    assert batches[0] != batches[3]
+    resumed = EpochBatchSampler(10, 4, num_replicas=1, rank=0, seed=0, fill_last=True)
+    resumed.start_at(epoch=1, batch=2)
+    assert take(resumed, 3) == batches[5:8]
+    # a shard smaller than a batch cycles; a shard the batch divides is left as it is
+    tiny = take(EpochBatchSampler(3, 8, num_replicas=2, rank=1, seed=1, fill_last=True), 1)[0]
+    assert len(tiny) == 8 and len({i for _, i in tiny}) == 2
+    assert EpochBatchSampler(16, 4, num_replicas=2, fill_last=True).filled == 0
+    assert EpochBatchSampler(10, 4).filled == 0
+
+
 class _Draw:
     def __len__(self):
         return 5

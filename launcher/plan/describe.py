@@ -5,7 +5,7 @@ from __future__ import annotations
 from launcher.inputs import labels
 from launcher.inputs.data import DatasetInfo
 from launcher.inputs.models import ModelSpec
-from launcher.plan.plan import LaunchPlan
+from launcher.plan.plan import LaunchPlan, held_fraction
 
 
 def _rendezvous_text(plan: LaunchPlan) -> str:
@@ -85,7 +85,7 @@ def auto_batch_rule(rule: dict) -> str:
         text += f", at most {rule['most']} (a rank's share of the training set)"
     if rule.get("eager"):
         text += ", measured on the eager network (train.compile compiles per batch size; its step needs less)"
-    return text
+    return text + f"; the run's memory then held to {100 * held_fraction(rule['fraction']):g} %"
 
 
 def _count_text(data: DatasetInfo) -> str:

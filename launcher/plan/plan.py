@@ -28,6 +28,9 @@ MAX_AUTO_WORKERS = 16
 AUTO_BATCH_MULTIPLE = 8  # train.batch_per_device=auto chooses a multiple of 8 (Tensor Core tiles, even shards)
 AUTO_BATCH_ON_CPU = 16  # conf/config.yaml's train.batch_per_device: what auto means without GPU memory to measure
 DEFAULT_MEMORY_FRACTION = 0.6  # conf/config.yaml's train.memory_fraction (Ultralytics' batch=-1 fills 60 %)
+# of the GPU above train.memory_fraction that a run with the auto batch may reserve (rank/step/auto_batch.py holds
+# its allocator there): the validation, the input pipeline and the allocator's fragmentation, which the probe leaves out
+AUTO_BATCH_HEADROOM = 0.1
 # With the input on the GPU a worker only reads files (and decodes the few that nvJPEG cannot): four keep a rank fed.
 MAX_AUTO_WORKERS_GPU_INPUT = 4
 
@@ -277,6 +280,11 @@ def _auto_batch_rule(train: dict, top: _Topology, data: DatasetInfo | None) -> d
     return {"fraction": float(fraction) if checks.is_fraction(fraction) else DEFAULT_MEMORY_FRACTION,
             "multiple": AUTO_BATCH_MULTIPLE, "divides": divides, "most": most,
             "eager": train.get("compile", False) not in (False, None)}  # compiled per shape: measured eagerly
+
+
+def held_fraction(fraction: float) -> float:
+    """The share of the GPU's memory a run with train.batch_per_device=auto is held to once its batch is chosen."""
+    return min(1.0, fraction + AUTO_BATCH_HEADROOM)
 
 
 def _whole(value) -> bool:

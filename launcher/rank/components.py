@@ -48,8 +48,10 @@ from launcher.rank.step.train_step import TrainStep
 from launcher.rank.step.wrap import wrap
 from launcher.rank.ultralytics import build, datasets
 from launcher.rank.ultralytics.loss import training_criterion
-from launcher.rank.ultralytics.fast_validation import FastValidator
+from launcher.rank.ultralytics.fast_validation import VAL_CONF, FastValidator, nms_settings
 from launcher.rank.ultralytics.validation import Validator
+from launcher.rank.validate.forward import InferenceForward
+from launcher.rank.validate.nms import batched_nms
 from launcher.run_folder import RunFolder
 
 
@@ -94,7 +96,7 @@ class Rank:
 
         # 1. the node's image cache, before the process group; the batch this GPU takes (train.batch_per_device=auto)
         self.caches = self._image_caches() if train["cache"] == "shared" else {}
-        measured = self._measure_batch() if plan.batch_pending else None
+        measured = self._measure_batch(validation) if plan.batch_pending else None
         self._stamp("image_cache_and_batch")
         # 2. the process group and the heartbeat; the job's batch
         self.comm = Comm(self.rank, 1)
@@ -105,6 +107,8 @@ class Rank:
                 self.heartbeat = Heartbeat(self.comm.store, self.rank, world, plan.timeout_s, folder)
         if measured is not None:
             plan = self._take_batch(measured)
+        if self.device.type == "cuda" and plan.auto_batch.get("held_fraction"):  # a restart reads it from plan.json
+            auto_batch.CudaMemory(self.device).hold(plan.auto_batch["held_fraction"])
         if self.rank == 0:
             build.save_args(self.hyp, folder.path)
             folder.env_file.write_text(environment_report())  # what a bug report needs (ddp-env prints the same)
@@ -131,6 +135,7 @@ class Rank:
         self.sampler = EpochBatchSampler(
             len(self.train_dataset), plan.batch_per_rank, num_replicas=self.comm.world_size if plan.mode == "ddp" else 1,
             rank=self.rank if plan.mode == "ddp" else 0, seed=int(cfg["seed"]),
+            fill_last=bool(plan.cuda_graphs) and self.device.type == "cuda",  # every step the graph's shape
         )
         self.inputs = TrainInputs(
             self._train_loader(), self.sampler, self.device, self._prepare,
@@ -230,11 +235,11 @@ class Rank:
         return fused_optimizer(build.optimizer(net, str(optim["name"]), lr, optim["momentum"], optim["weight_decay"]),
                                optim.get("fused", "auto"), self.device)
 
-    def _measure_batch(self) -> dict:
+    def _measure_batch(self, validation: bool) -> dict:
         """train.batch_per_device=auto: the largest batch whose step fits this GPU (step/auto_batch.py), measured on
         the step as the run takes it, built here from the same parts as the run's own (a network of its own, its
-        loss, optimizer, EMA, scaler and CUDA graphs), all freed before the run's are built; the RNG is left as the
-        seed set it."""
+        loss, optimizer, EMA, scaler and CUDA graphs), all freed before the run's are built; then settled with a
+        validation batch beside the steps (`validation`: the run validates). The RNG is left as the seed set it."""
         plan, cfg = self.plan, self.cfg
         memory = auto_batch.CudaMemory(self.device)
         dtype, channels_last = self.step_input
@@ -249,21 +254,46 @@ class Rank:
             build.train_mode(net, frozen)
             graphs = [plan.cuda_graphs]
 
-            def run_at(batch: int) -> None:
+            def run_at(batch: int, validate: bool = False) -> None:
                 images = auto_batch.synthetic_batch(batch, int(self.hyp.imgsz), self.device, dtype=dtype,
                                                     channels_last=channels_last, nc=int(self.data["nc"]))
                 try:
                     step.model = self._probe_graphs(net, batch, graphs)
                     for _ in range(auto_batch.STEPS):
                         step(images)
+                    if validate:
+                        self._probe_validation(net, frozen, batch)
                 finally:
                     step.model = net  # the graphs (and their memory pool) go with this size
 
             choice = auto_batch.choose(lambda b: auto_batch.measure(run_at, b, memory), total=memory.total(),
                                        rule=plan.auto_batch)
+            if validation:
+                choice = auto_batch.settle(choice, lambda b: auto_batch.measure(lambda x: run_at(x, True), b, memory),
+                                           rule=plan.auto_batch)
             del step, net, run_at
             memory.release()
         return choice.record(plan.auto_batch["fraction"], f"{self.device} {torch.cuda.get_device_name(self.device)}")
+
+    def _probe_validation(self, net: nn.Module, frozen, batch: int) -> None:
+        """One validation batch as the run's first validation takes it, beside the probe's training graphs: the
+        forward at val.batch on square imgsz images (no rectangular batch is larger), CUDA-graphed as the fast
+        engine's, and NMS of what an untrained network finds (thousands of candidates per image)."""
+        val, imgsz = self.cfg.get("val") or {}, int(self.hyp.imgsz)
+        rows = checks.val_batch(val, batch)
+        forward = InferenceForward(net, self.device, batch=rows, amp_dtype=self.amp_dtype, log=lambda _: None,
+                                   graphs=self._val_engine() == "fast" and self._val_graphs())
+        settings = nms_settings(self.hyp, end2end=bool(getattr(net, "end2end", False)), conf=VAL_CONF)
+        net.eval()
+        try:
+            with torch.inference_mode():
+                img = torch.randint(0, 256, (rows, 3, imgsz, imgsz), dtype=torch.uint8, device=self.device)
+                preds = forward(img)
+                batched_nms(preds[0] if isinstance(preds, (list, tuple)) else preds, settings.conf, settings.iou,
+                            max_det=settings.max_det, multi_label=settings.multi_label, agnostic=settings.agnostic,
+                            nc=int(self.data["nc"]), end2end=settings.end2end)
+        finally:
+            build.train_mode(net, frozen)
 
     def _probe_graphs(self, net: nn.Module, batch: int, graphs: list[bool]) -> nn.Module:
         """The probe's network for `batch`: CUDA-graphed as the run's will be; eager after a capture that fails for
@@ -325,7 +355,7 @@ class Rank:
     def _train_dataset(self):
         """Ultralytics' augmenting training set (loader.augment_on=cpu), or the files' bytes and labels, with the
         GpuInput that decodes and augments them on the device (gpu)."""
-        train, loader_cfg = self.cfg["train"], self.cfg["loader"]
+        loader_cfg = self.cfg["loader"]
         if self.plan.augment_on == "gpu":
             if self.device.type != "cuda":
                 self.log("loader.augment_on=gpu on the CPU: the same tensor maths, computed by the training process")
@@ -358,10 +388,13 @@ class Rank:
         beat = lambda: self.heartbeat.working()  # noqa: E731 (a long validation is progress, not a hang)
         if self._val_engine() == "ultralytics":
             return Validator(self.val_loader, self.hyp, self.folder.path, on_batch=beat)
-        graphs = val.get("cuda_graphs", "auto") in ("auto", True) and self.device.type == "cuda"
         return FastValidator(self.val_loader, self.hyp, self.folder.path,
                              batch=checks.val_batch(val, self.plan.micro_batch), amp_dtype=self.amp_dtype,
-                             cuda_graphs=graphs, on_batch=beat, log=self.log)
+                             cuda_graphs=self._val_graphs(), on_batch=beat, log=self.log)
+
+    def _val_graphs(self) -> bool:
+        """val.cuda_graphs: the fast engine's forward replayed as CUDA graphs."""
+        return (self.cfg.get("val") or {}).get("cuda_graphs", "auto") in ("auto", True) and self.device.type == "cuda"
 
     @property
     def input_dtype(self) -> torch.dtype:
@@ -422,7 +455,10 @@ class Rank:
         # The capture's eager warm-up left blocks cached for its side stream, which no later step or validation on
         # the training stream can reuse: given back (train.batch_per_device=auto measured the capture's peak).
         torch.cuda.empty_cache()
-        self.log(f"CUDA graphs: forward and backward captured for batches of {self.plan.micro_batch}")
+        filled = self.sampler.filled
+        self.log(f"CUDA graphs: forward and backward captured for batches of {self.plan.micro_batch}"
+                 + (f"; each epoch's last batch filled with {filled} of the epoch's first images, so that it replays "
+                    "them too" if filled else ""))
         return graphed
 
     def close(self) -> None:

@@ -1,16 +1,18 @@
 #!/usr/bin/env bash
-# Issue 17 on the H200 machine: train.batch_per_device=auto against batch 64, one epoch each of yolov8s at 640 px on
-# the benchmark data (shapes_bench), then the GPU tests of the auto batch. Prints per run the chosen batch, the peak
-# GPU memory (torch's reserved and allocated, NVML's) and the steady-state images/s, from summary.json.
+# Issue 17 on the H200 machine: train.batch_per_device=auto against batch 64, 3 epochs each of yolov8s at 640 px on
+# the benchmark data (shapes_bench), each with and without PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, then the
+# GPU tests of the auto batch. Prints per run the chosen batch, the peak GPU memory (torch's reserved and allocated,
+# NVML's), the allocator's retries and the steady-state images/s, from summary.json.
 # Usage: bash docs/benchmarks/h200-auto-batch/run.sh OUT_DIR
 set -uo pipefail
 out=$1
 mkdir -p "$out"
 export DDP_LAUNCH_CACHE=/tmp/ddp-launch-cache PYTHONUNBUFFERED=1
-run() {  # name, then the batch setting
-  local name=$1 batch=$2 start=$(date +%s)
+run() {  # name, the batch setting, then PYTORCH_CUDA_ALLOC_CONF (empty: unset)
+  local name=$1 batch=$2 alloc=${3:-} start=$(date +%s)
   echo "===== $name =====" >> "$out/train.log"
-  ddp-launch gpus=1 model=yolov8s train.imgsz=640 train.batch_per_device=$batch train.epochs=1 data=shapes_bench \
+  env ${alloc:+PYTORCH_CUDA_ALLOC_CONF=$alloc} \
+  ddp-launch gpus=1 model=yolov8s train.imgsz=640 train.batch_per_device=$batch train.epochs=3 data=shapes_bench \
     hydra.run.dir=/tmp/auto-batch-$name >> "$out/train.log" 2>&1
   echo "$name: exit $? in $(( $(date +%s) - start )) s"
   cp /tmp/auto-batch-$name/summary.json "$out/$name.json" 2>/dev/null
@@ -31,9 +33,11 @@ print(f"  allocator retries {s.get('memory_alloc_retries')}; reserved after each
       + ", ".join(f"{p['part']} {p.get('reserved_gib')}" for p in (s.get("timeline") or {}).get("setup", [])))
 if a:
     print(f"  why: {a['memory_per_image_mib']} MiB per image + {a['fixed_mib']} MiB fixed, limit {a['limit_gib']} GiB "
-          f"of {a['total_gib']} GiB; measured " + ", ".join(f"{c['batch']}: {c['peak_gib']}" for c in a["candidates"]))
+          f"of {a['total_gib']} GiB, held to {a.get('held_gib')} GiB; measured " + ", ".join(f"{c['batch']}: {c['peak_gib']}" for c in a["candidates"]))
 PY
 }
 run auto auto
-run batch64 64
 python3 -m pytest tests/test_gpu.py -k auto -q -s 2>&1 | tee "$out/gpu-tests.log" | tail -15
+run auto-expandable auto expandable_segments:True
+run batch64 64
+run batch64-expandable 64 expandable_segments:True

@@ -11,6 +11,7 @@ batches whatever the worker count, and a resumed run continues exactly where it 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import math
 import random
 from collections.abc import Iterator
@@ -28,17 +29,34 @@ def epoch_indices(n: int, epoch: int, *, num_replicas: int, rank: int, seed: int
 
 
 class EpochBatchSampler(Sampler):
-    """Yields batches of (epoch, index) pairs forever, starting at (start_epoch, start_batch)."""
+    """Yields batches of (epoch, index) pairs forever, starting at (start_epoch, start_batch).
 
-    def __init__(self, n: int, batch_size: int, *, num_replicas: int = 1, rank: int = 0, seed: int = 0, shuffle: bool = True):
+    `fill_last`: an epoch's short last batch is completed with the first images of the same epoch's order (as
+    DistributedSampler pads its shards to equal length), so that every batch has `batch_size` images. A CUDA-graphed
+    step needs it: a batch of another size runs the network eagerly, and its activations are allocated outside the
+    graph's memory pool, beside it (at a large batch, tens of GiB more than the step itself: h200-auto-batch)."""
+
+    def __init__(self, n: int, batch_size: int, *, num_replicas: int = 1, rank: int = 0, seed: int = 0,
+                 shuffle: bool = True, fill_last: bool = False):
         self.n, self.batch_size = n, batch_size
         self.num_replicas, self.rank, self.seed, self.shuffle = num_replicas, rank, seed, shuffle
+        self.fill_last = fill_last
         self.start_epoch = 0
         self.start_batch = 0
 
     @property
     def batches_per_epoch(self) -> int:
-        return math.ceil(math.ceil(self.n / self.num_replicas) / self.batch_size)
+        return math.ceil(self.shard / self.batch_size)
+
+    @property
+    def shard(self) -> int:
+        """Images per rank per epoch (DistributedSampler's padded share)."""
+        return math.ceil(self.n / self.num_replicas)
+
+    @property
+    def filled(self) -> int:
+        """Images added to each epoch's last batch (0 without fill_last, or when the shard divides evenly)."""
+        return -self.shard % self.batch_size if self.fill_last else 0
 
     def __len__(self) -> int:  # one epoch; iteration itself never ends
         return self.batches_per_epoch
@@ -53,6 +71,8 @@ class EpochBatchSampler(Sampler):
             indices = epoch_indices(
                 self.n, epoch, num_replicas=self.num_replicas, rank=self.rank, seed=self.seed, shuffle=self.shuffle
             )
+            if self.filled:  # cycled: a shard smaller than one batch repeats as often as it takes
+                indices = indices + list(itertools.islice(itertools.cycle(indices), self.filled))
             for b in range(skip, self.batches_per_epoch):
                 yield [(epoch, i) for i in indices[b * self.batch_size : (b + 1) * self.batch_size]]
             epoch, skip = epoch + 1, 0

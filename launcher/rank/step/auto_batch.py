@@ -9,6 +9,15 @@ an out-of-memory error sees). The fit's answer is rounded down to the allowed si
 multiples of 8, dividing train.global_batch's share, at most a rank's share of the data) and then VERIFIED with real
 steps; a size that runs out of memory or over the limit backs off to the next allowed size down.
 
+The run itself is then HELD to the fraction plus plan.py's AUTO_BATCH_HEADROOM
+(`torch.cuda.set_per_process_memory_fraction`): the caching allocator never frees what it has cached until an
+allocation fails at the device's end, so without a bound the validation, the input pipeline and the allocator's
+fragmentation grow what the run reserves to the whole GPU while its tensors hold half of it. Held, it frees its
+cache at the bound instead (summary.json's memory_alloc_retries counts those), and the rest of the GPU stays free
+as train.memory_fraction asked. So the chosen batch is SETTLED against that bound on the whole loop (`settle`): its
+steps with a validation batch beside them (the validation's forward graph has a memory pool of its own, and an
+untrained model's NMS its thousands of candidates), backing off while the peak is over the held bytes.
+
 `choose` is the search, over any `measure(batch) -> peak bytes | None` (None: out of memory), so that it is tested
 on the CPU with a fake memory model; `measure` and `CudaMemory` are the CUDA side. Each rank measures its own GPU
 before the process group exists (the loss's normaliser would all-reduce, and ranks measure different sizes); `agree`
@@ -24,6 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from launcher.plan.plan import held_fraction
 from launcher.rank.data.pipeline import MAX_TARGETS, TARGETS_PER_IMAGE
 
 PROFILE = (8, 16, 32, 64)  # the sizes fitted (those the rule allows), smallest first; stops at the first that fails
@@ -46,17 +56,22 @@ class Choice:
     per_image: float | None  # the fit's b (bytes per image)
     measured: dict[int, int | None] = field(default_factory=dict)  # batch -> peak bytes, None: out of memory
     limited_by: str = "memory"  # memory | the training set | train.global_batch (the rule's `most`)
+    whole: dict[int, int | None] = field(default_factory=dict)  # settle's: batch -> the whole loop's peak bytes
+    held: int | None = None  # bytes the run is held to (settle's bound)
 
     def record(self, fraction: float, device: str) -> dict:
         """summary.json's auto_batch: the batch and why."""
         return {
             "batch_per_device": self.batch, "device": device, "fraction": fraction,
             "total_gib": round(self.total / GiB, 3), "limit_gib": round(self.limit / GiB, 3),
+            "held_fraction": held_fraction(fraction), "held_gib": round(held_fraction(fraction) * self.total / GiB, 3),
             "memory_per_image_mib": None if self.per_image is None else round(self.per_image / MiB, 2),
             "fixed_mib": None if self.fixed is None else round(self.fixed / MiB, 1),
             "peak_gib": _gib(self.measured.get(self.batch)), "limited_by": self.limited_by,
             "candidates": [{"batch": b, "peak_gib": _gib(p), "fits": p is not None and p <= self.limit}
                            for b, p in self.measured.items()],
+            "with_validation": [{"batch": b, "peak_gib": _gib(p), "fits": p is not None and p <= self.held}
+                                for b, p in self.whole.items()],
         }
 
 
@@ -126,6 +141,33 @@ def choose(measure: Callable[[int], int | None], *, total: int, rule: dict,
     return choice
 
 
+def settle(choice: Choice, measure_whole: Callable[[int], int | None], *, rule: dict) -> Choice:
+    """`choice`'s batch, or the largest allowed one below it whose whole loop (`measure_whole(batch)`: steps and a
+    validation batch) peaks within the bytes the run is held to; each step down skips as many sizes as the excess
+    over the fit's memory per image says. At most MAX_VERIFY sizes; none fits: NoBatchFits."""
+    held = int(held_fraction(rule["fraction"]) * choice.total)
+    ok, multiple = allowed(rule), rule["multiple"]
+    choice.held, b = held, choice.batch
+    for _ in range(MAX_VERIFY):
+        peak = choice.whole[b] = measure_whole(b)
+        if peak is not None and peak <= held:
+            if b < choice.batch:  # the validation's memory, not the rule's bound, decided
+                choice.batch, choice.limited_by = b, "memory"
+            return choice
+        over = peak - held if peak is not None else choice.total - held  # out of memory: at least all above held
+        fewer = max(multiple, math.ceil(over / choice.per_image / multiple) * multiple) if choice.per_image else multiple
+        b = next((x for x in range(b - fewer, 0, -multiple) if ok(x)), 0)
+        if not b:
+            break
+    raise NoBatchFits(f"train.batch_per_device=auto: with a validation batch beside its steps no batch from "
+                      f"{choice.batch} down fits the {held / GiB:.1f} GiB the run is held to "
+                      f"({100 * held_fraction(rule['fraction']):g} % of {choice.total / GiB:.1f} GiB; measured "
+                      + ", ".join(f"{x}: " + ("out of memory" if p is None else f"{p / GiB:.1f} GiB")
+                                  for x, p in choice.whole.items())
+                      + "); set train.batch_per_device to a number, a smaller val.batch, or a larger "
+                      "train.memory_fraction")
+
+
 def agree(records: list[dict]) -> dict:
     """Every rank's record (rank order) -> the job's: the smallest batch any GPU takes, with that rank's why."""
     smallest = min(records, key=lambda r: r["batch_per_device"])
@@ -141,9 +183,13 @@ def explain(record: dict) -> str:
                       for c in record["candidates"])
     bound = "" if record["limited_by"] == "memory" else f" (as large as {record['limited_by']} allows)"
     ranks = f"; the smallest over ranks {record['ranks']}" if record.get("ranks") else ""
+    whole = ", ".join(f"{c['batch']}: " + ("out of memory" if c["peak_gib"] is None else f"{c['peak_gib']:.1f} GiB")
+                      for c in record.get("with_validation") or [])
     return (f"auto batch: {record['batch_per_device']} per device{bound}, the largest whose step fits "
             f"{100 * record['fraction']:g} % of {record['total_gib']:.1f} GiB = {record['limit_gib']:.1f} GiB on "
-            f"{record['device']} ({why}; peak reserved per size {tried}){ranks}")
+            f"{record['device']} ({why}; peak reserved per size {tried}){ranks}; the run's allocator held to "
+            f"{100 * record['held_fraction']:g} % = {record['held_gib']:.1f} GiB"
+            + (f" (with a validation batch beside the steps {whole})" if whole else ""))
 
 
 # --- the CUDA side -------------------------------------------------------------------------------------------------
@@ -166,6 +212,11 @@ class CudaMemory:
     def peak(self) -> int:
         torch.cuda.synchronize(self.device)
         return torch.cuda.max_memory_reserved(self.device)
+
+    def hold(self, fraction: float) -> None:
+        """The caching allocator frees its cache and retries at `fraction` of the GPU instead of growing past it
+        (an allocation that still does not fit is an out-of-memory error)."""
+        torch.cuda.set_per_process_memory_fraction(fraction, self.device)
 
 
 def measure(run_at: Callable[[int], None], batch: int, memory) -> int | None:

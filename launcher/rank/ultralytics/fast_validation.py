@@ -39,9 +39,14 @@ from launcher.rank.validate.store import PreloadedSplit
 PLOTTED_BATCHES = 3  # BaseValidator plots its first three batches
 
 
-def nms_settings(args, end2end: bool) -> NmsSettings:
-    """DetectionValidator.postprocess's arguments (task detect: multi_label, agnostic with single_cls)."""
-    return NmsSettings(conf=float(args.conf), iou=float(args.iou), max_det=int(args.max_det),
+VAL_CONF = 0.001  # BaseValidator's conf where the arguments leave it None (task detect), as training's do
+
+
+def nms_settings(args, end2end: bool, conf: float | None = None) -> NmsSettings:
+    """DetectionValidator.postprocess's arguments (task detect: multi_label, agnostic with single_cls); `conf` where
+    args.conf is None (the training arguments, before a validator fills it in)."""
+    return NmsSettings(conf=float(args.conf if args.conf is not None else conf), iou=float(args.iou),
+                       max_det=int(args.max_det),
                        agnostic=bool(args.single_cls or args.agnostic_nms), end2end=end2end, multi_label=True)
 
 

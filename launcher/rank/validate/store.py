@@ -15,6 +15,16 @@ import torch
 DEVICE_SHARE = 0.5  # of the device's free memory the images may take; beyond it they stay in host memory
 
 
+def device_free(device: torch.device) -> int:
+    """Bytes this process may still take on the device: the driver's free memory, or less where the process is
+    held to a share of it (train.batch_per_device=auto: rank/step/auto_batch.py) and has reserved most of that."""
+    free, total = torch.cuda.mem_get_info(device)
+    held = getattr(torch.cuda, "get_per_process_memory_fraction", None)  # torch >= 2.8
+    if held is not None:
+        free = min(free, max(0, int(held(device) * total) - torch.cuda.memory_reserved(device)))
+    return free
+
+
 @dataclass
 class ValBatch:
     """`n` images of one shape (`img` may hold more rows: a fixed-size batch), their labels and their records."""
@@ -88,7 +98,7 @@ class PreloadedSplit:
                 group.ratio_pad.append(batch["ratio_pad"][i])
             on_batch()
         nbytes = sum(len(g.images) * g.images[0].numel() for g in groups.values())
-        on_device = device.type != "cuda" or nbytes <= DEVICE_SHARE * torch.cuda.mem_get_info(device)[0]
+        on_device = device.type != "cuda" or nbytes <= DEVICE_SHARE * device_free(device)
         for group in groups.values():
             group.finish(device, on_device)
         return cls(groups, device, on_device)
