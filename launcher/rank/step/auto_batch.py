@@ -79,6 +79,11 @@ def _gib(value: int | None) -> float | None:
     return None if value is None else round(value / GiB, 3)
 
 
+def _per_size(peaks) -> str:
+    """(batch, peak GiB or None) pairs in words: '8: 2.0 GiB, 432: out of memory'."""
+    return ", ".join(f"{b}: " + ("out of memory" if p is None else f"{p:.1f} GiB") for b, p in peaks)
+
+
 def allowed(rule: dict) -> Callable[[int], bool]:
     """The batches the plan's rule allows: multiples of `multiple`, dividing `divides`, at most `most`."""
     multiple, divides, most = rule["multiple"], rule.get("divides"), rule.get("most")
@@ -162,9 +167,7 @@ def settle(choice: Choice, measure_whole: Callable[[int], int | None], *, rule: 
     raise NoBatchFits(f"train.batch_per_device=auto: with a validation batch beside its steps no batch from "
                       f"{choice.batch} down fits the {held / GiB:.1f} GiB the run is held to "
                       f"({100 * held_fraction(rule['fraction']):g} % of {choice.total / GiB:.1f} GiB; measured "
-                      + ", ".join(f"{x}: " + ("out of memory" if p is None else f"{p / GiB:.1f} GiB")
-                                  for x, p in choice.whole.items())
-                      + "); set train.batch_per_device to a number, a smaller val.batch, or a larger "
+                      + _per_size((x, _gib(p)) for x, p in choice.whole.items()) + "); set train.batch_per_device to a number, a smaller val.batch, or a larger "
                       "train.memory_fraction")
 
 
@@ -179,12 +182,10 @@ def explain(record: dict) -> str:
     """Rank 0's line before the first step: the batch and why."""
     why = (f"{record['memory_per_image_mib']:.0f} MiB per image + {record['fixed_mib'] / 1024:.1f} GiB fixed"
            if record.get("memory_per_image_mib") is not None else "only the smallest size was measured")
-    tried = ", ".join(f"{c['batch']}: " + ("out of memory" if c["peak_gib"] is None else f"{c['peak_gib']:.1f} GiB")
-                      for c in record["candidates"])
+    tried = _per_size((c["batch"], c["peak_gib"]) for c in record["candidates"])
     bound = "" if record["limited_by"] == "memory" else f" (as large as {record['limited_by']} allows)"
     ranks = f"; the smallest over ranks {record['ranks']}" if record.get("ranks") else ""
-    whole = ", ".join(f"{c['batch']}: " + ("out of memory" if c["peak_gib"] is None else f"{c['peak_gib']:.1f} GiB")
-                      for c in record.get("with_validation") or [])
+    whole = _per_size((c["batch"], c["peak_gib"]) for c in record.get("with_validation") or [])
     return (f"auto batch: {record['batch_per_device']} per device{bound}, the largest whose step fits "
             f"{100 * record['fraction']:g} % of {record['total_gib']:.1f} GiB = {record['limit_gib']:.1f} GiB on "
             f"{record['device']} ({why}; peak reserved per size {tried}){ranks}; the run's allocator held to "
