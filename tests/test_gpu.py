@@ -396,3 +396,18 @@ def test_the_fast_validator_on_cuda_gives_ultralytics_map(tmp_path, cache_dir):
     assert list(got) == list(want)
     for key in ("metrics/mAP50(B)", "metrics/mAP50-95(B)", "metrics/precision(B)", "metrics/recall(B)"):
         assert abs(got[key] - want[key]) <= 0.05 * want[key] + 1e-4, (key, got[key], want[key])  # both in fp16
+
+
+
+def test_the_step_profile_reads_the_loops_steps_on_the_gpus_timeline(tmp_path):
+    """bench.profile on CUDA: the profiled steps' timeline, one stream busy, the trace itself not kept."""
+    from tests.test_step_profile import profile_a_loop
+
+    x = torch.randn(2048, 2048, device="cuda")
+    profile_a_loop(tmp_path, torch.device("cuda"), lambda: x.copy_(x @ x / 2048))
+    summary = json.loads((tmp_path / "profile-steps.json").read_text())
+    assert summary["steps"] == 3 and summary["window_ms"] > 0
+    assert summary["step_stream_busy_ms"] > 0.9 * (summary["window_ms"] - summary["idle_ms"])  # one stream only
+    assert summary["host_threads_top"][0]  # the training thread's operators
+    assert "no stream busy" in (tmp_path / "profile-steps.txt").read_text()
+    assert not list(tmp_path.glob("*.trace.json"))

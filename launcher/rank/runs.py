@@ -44,7 +44,7 @@ from launcher.rank import checkpoint_io
 from launcher.rank import hooks as h
 from launcher.rank.components import Rank
 from launcher.rank.loop import Hook, TrainLoop
-from launcher.rank.metrics import report, results
+from launcher.rank.metrics import report, results, step_profile
 from launcher.rank.metrics.gpu_monitor import GpuMonitor
 from launcher.rank.metrics.meter import StepMeter
 from launcher.rank.metrics.timeline import Timed, Timeline, TimelineEdges
@@ -56,6 +56,7 @@ from launcher.rank.ultralytics.validation import label_loss_items
 from launcher.run_folder import RunFolder, previous_of
 
 METER_SKIP_STEPS = 10  # a training run's warm-up, left out of its steady-state figures
+PROFILED_STEPS = 10  # bench.profile: the loop's steps after the warm-up profiled, and as many data-free ones
 
 
 def _meter(r: Rank, skip_steps: int) -> tuple[StepMeter, GpuMonitor | None]:
@@ -153,15 +154,20 @@ def bench_cell(cfg: dict, plan: LaunchPlan, folder: RunFolder) -> dict | None:
     try:
         bench = cfg["bench"]
         warmup, steps = int(bench["warmup_steps"]), int(bench["steps"])
-        meter, monitor = _meter(r, warmup)
-        cpu = _HostCpu(warmup, psutil.cpu_times)
-        input_time = h.InputGpuTime(r.gpu_input, warmup) if r.gpu_input else None
+        # bench.profile on a GPU: the loop's steps right after the warm-up are profiled, and not measured
+        profiled = PROFILED_STEPS if bench.get("profile") and r.device.type == "cuda" else 0
+        skip = warmup + profiled
+        meter, monitor = _meter(r, skip)
+        cpu = _HostCpu(skip, psutil.cpu_times)
+        input_time = h.InputGpuTime(r.gpu_input, skip) if r.gpu_input else None
         hooks = [h.Meter(meter, r.inputs, monitor), h.Heartbeat(r.heartbeat), cpu, input_time,
                  h.StopOnSignal(r.comm, r.heartbeat, r.inputs, log=r.log),
-                 _BenchProgress(warmup + steps, r.log) if r.rank == 0 else None]
+                 _BenchProgress(skip + steps, r.log) if r.rank == 0 else None,
+                 step_profile.ProfileSteps(warmup, profiled, folder.path, r.device, r.log, then=meter.pause)
+                 if profiled and r.rank == 0 else None]
         build.train_mode(r.net, r.frozen)
         loop = TrainLoop(r.step, r.inputs, r.state, [x for x in hooks if x is not None], epochs=1,
-                         steps_per_epoch=warmup + steps)
+                         steps_per_epoch=skip + steps)
         loop.run()
         ceiling = _ceiling(r, int(bench["ceiling_batches"]), max(steps // 2, 10), profile=bool(bench.get("profile")))
         rank_figures = {**report.rank_report(rank=r.rank, device=r.device, meter=meter, monitor=monitor, net=r.net,
@@ -279,7 +285,7 @@ def _ceiling(r: Rank, n_batches: int, steps: int, profile: bool) -> float:
     return ips
 
 
-def _profile(r: Rank, batches: list[dict], sync, steps: int = 10) -> None:
+def _profile(r: Rank, batches: list[dict], sync, steps: int = PROFILED_STEPS) -> None:
     """torch.profiler over a few data-free steps: where the step's time goes (bench.profile=true)."""
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if r.device.type == "cuda" else [])
@@ -287,9 +293,5 @@ def _profile(r: Rank, batches: list[dict], sync, steps: int = 10) -> None:
         for j in range(steps):
             r.step(batches[j % len(batches)])
         sync()
-    table = prof.key_averages().table
-    text = [f"{steps} data-free steps, batch {r.plan.batch_per_rank}, {r.device}"]
-    if r.device.type == "cuda":
-        text.append(table(sort_by="self_device_time_total", row_limit=40))  # where the GPU time goes
-    text.append(table(sort_by="self_cpu_time_total", row_limit=25))  # where the host time goes
-    (r.folder.path / "profile.txt").write_text("\n\n".join(text))
+    step_profile.write(prof, r.folder.path, "profile", f"{steps} data-free steps, batch {r.plan.batch_per_rank}, "
+                       f"{r.device}", steps, r.log)
