@@ -45,3 +45,12 @@ def cell(**kw):
 )
 def test_verdicts_name_the_bottleneck_and_the_knob(figures, expected):
     assert report.verdict(cell(**figures)).startswith(expected)
+
+
+@pytest.mark.parametrize("profile", [False, True])
+def test_the_reports_footnote_says_which_steps_the_window_left_out(profile):
+    env = {"gpus": [], "torch": "2", "cpu_count": 2, "python": "3.11"}
+    md = report.markdown({"command": "ddp-bench", "cells": [], "environment": env,
+                          "settings": {"warmup_steps": 15, "steps": 60, "steps_in_flight": 1, "profile": profile}})
+    left_out = " (on GPUs also the profiled steps after them: bench.profile)" if profile else ""
+    assert f"15 warm-up steps dropped{left_out}, 60 steps measured" in md

@@ -108,7 +108,8 @@ def run_bench(cfg: dict, run_dir: Path, base_dir: Path, command: str) -> int:
     out = {
         "command": command,
         "settings": {
-            **{k: b.get(k) for k in ("sizes", "modes", "warmup_steps", "steps", "ceiling_batches", "baseline", "variants")},
+            **{k: b.get(k) for k in ("sizes", "modes", "warmup_steps", "steps", "ceiling_batches", "baseline", "variants",
+                                    "profile")},
             "steps_in_flight": cfg["train"].get("steps_in_flight", 1),
         },
         "model": model.cfg or model.weights,

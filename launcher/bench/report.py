@@ -110,6 +110,11 @@ def _fmt(v, spec: str, scale: float = 1.0, suffix: str = "") -> str:
     return "-" if v is None else f"{v * scale:{spec}}{suffix}"
 
 
+def _profiled(settings: dict) -> str:
+    """The footnote's words for the steps bench.profile leaves out of the window (rank/runs.py, bench_cell)."""
+    return " (on GPUs also the profiled steps after them: bench.profile)" if settings.get("profile") else ""
+
+
 def _stamps(in_flight: int) -> str:
     """How the meter stamped step ends (meter.py), as the report's footnote says it."""
     if not in_flight:
@@ -162,7 +167,8 @@ def markdown(report: dict) -> str:
     lines += [
         "",
         "Speedup is against size 1 of the same mode; efficiency = speedup / size. Steady state: "
-        f"{report['settings']['warmup_steps']} warm-up steps dropped, {report['settings']['steps']} steps measured "
+        f"{report['settings']['warmup_steps']} warm-up steps dropped{_profiled(report['settings'])}, "
+        f"{report['settings']['steps']} steps measured "
         f"{_stamps(report['settings'].get('steps_in_flight', 0))}; GPU busy is NVML utilisation over the measured window; input GPU ms/img (loader.augment_on=gpu) is the time elapsed on the stream that prepares a batch, from its decode to its augmented images, per image: it includes waits behind the step's kernels and for the preparing thread, so it bounds the input's GPU cost from above (- for the CPU input); the data-free ceiling is the "
         "same trainer step on real batches held on the device.",
         "",
