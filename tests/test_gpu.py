@@ -398,7 +398,6 @@ def test_the_fast_validator_on_cuda_gives_ultralytics_map(tmp_path, cache_dir):
         assert abs(got[key] - want[key]) <= 0.05 * want[key] + 1e-4, (key, got[key], want[key])  # both in fp16
 
 
-
 def test_the_step_profile_reads_the_loops_steps_on_the_gpus_timeline(tmp_path):
     """bench.profile on CUDA: the profiled steps' timeline, one stream busy, the trace itself not kept."""
     from tests.test_step_profile import profile_a_loop

@@ -30,7 +30,7 @@ def test_idle_shared_and_host_threads_per_step():
     assert t["shared_ms"] == pytest.approx(100 / 2e3)
     # no stream busy: 450-500, 900-950, 960-990
     assert t["idle_ms"] == pytest.approx(130 / 2e3)
-    assert t["host_threads_ms"] == [0.3, 0.05]  # the nested op counts once; the training thread first
+    assert t["host_threads_ms"] == [0.3, 0.05]  # the nested op counts once; the busiest thread first
     assert t["host_threads_top"] == [{"Optimizer.step": 0.25, "aten::copy_": 0.05}, {"aten::copy_": 0.05}]
     assert "no stream busy 0.1 ms (13 %)" in describe(t)
 

@@ -37,7 +37,7 @@ import time
 
 import psutil
 import torch
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import profile
 
 from launcher.plan.plan import LaunchPlan
 from launcher.rank import checkpoint_io
@@ -288,8 +288,7 @@ def _ceiling(r: Rank, n_batches: int, steps: int, profile: bool) -> float:
 def _profile(r: Rank, batches: list[dict], sync, steps: int = PROFILED_STEPS) -> None:
     """torch.profiler over a few data-free steps: where the step's time goes (bench.profile=true)."""
 
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if r.device.type == "cuda" else [])
-    with profile(activities=activities) as prof:
+    with profile(activities=step_profile.activities(r.device)) as prof:
         for j in range(steps):
             r.step(batches[j % len(batches)])
         sync()

@@ -24,6 +24,11 @@ HOST_CATEGORIES = ("cpu_op", "cuda_runtime", "cuda_driver")  # a host thread's o
 TOP_OPERATIONS = 8  # per host thread in the summary
 
 
+def activities(device: torch.device) -> list[ProfilerActivity]:
+    """What torch.profiler records on `device`: the host's operators, and on CUDA the GPU's work."""
+    return [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+
+
 def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
     merged: list[list[float]] = []
     for start, end in sorted(intervals):
@@ -113,7 +118,7 @@ def describe(t: dict) -> str:
             f"beside the step's kernels), no stream busy {t['idle_ms']:.1f} ms ({pct(t['idle_ms'])}); host threads "
             f"busy in profiled operations (ms per step): {', '.join(f'{v:.1f}' for v in t['host_threads_ms'][:6])}"
             + "".join(f"\n  thread {k + 1}: " + ", ".join(f"{name} {v:.2f}" for name, v in top.items())
-                      for k, top in enumerate(t.get("host_threads_top", []))))
+                      for k, top in enumerate(t["host_threads_top"])))
 
 
 class ProfileSteps(Hook):
@@ -124,12 +129,12 @@ class ProfileSteps(Hook):
 
     def __init__(self, first: int, steps: int, folder: Path, device: torch.device, log=print, then=lambda: None):
         self.first, self.steps, self.folder, self.log, self.then = first, steps, Path(folder), log, then
-        self.cuda = device.type == "cuda"
+        self.device, self.cuda = device, device.type == "cuda"
         self.prof = None
 
     def before_step(self, loop: TrainLoop) -> None:
         if loop.ni == self.first:
-            self.prof = profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else []))
+            self.prof = profile(activities=activities(self.device))
             self.prof.start()
 
     def after_step(self, loop: TrainLoop) -> None:
