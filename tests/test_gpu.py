@@ -146,7 +146,8 @@ def test_one_gpu_trains_with_every_lever_on(tmp_path, cache_dir, augment_on):
     summary = json.loads((run_dir_of(r) / "summary.json").read_text())
     assert summary["backend"] == "nccl" and summary["epochs_completed"] == 3
     assert summary["ranks"][0]["gpus"], "NVML figures missing"
-    assert "CUDA graphs: forward and backward captured" in (run_dir_of(r) / "logs" / "rank0.log").read_text()
+    # one GPU: the whole step is captured (rank/step/captured_step.py)
+    assert "CUDA graphs: the whole step's forward, loss and backward captured" in (run_dir_of(r) / "logs" / "rank0.log").read_text()
     gpu_ms = summary["ranks"][0]["input_gpu_ms_per_image"]
     assert (gpu_ms is not None and gpu_ms > 0) == (augment_on == "gpu"), gpu_ms
 
@@ -196,12 +197,15 @@ def test_nvjpeg_decodes_what_the_cpu_decodes_and_names_what_it_cannot(tmp_path):
 
 @pytest.mark.parametrize("model", ["yolo11n", "yolo26n"])
 def test_cuda_graphs_capture_the_other_shipped_model_families(tmp_path, cache_dir, model):
-    """train.cuda_graphs=auto is the default on GPUs: the other families' networks (yolo26's end-to-end head returns
-    nested dicts) are captured too, not left to the eager fallback."""
+    """train.cuda_graphs=auto is the default on GPUs: the other families are captured too, not left to the eager
+    fallback: yolo11's whole step, yolo26's network (its end-to-end head returns nested dicts; its loss reweights
+    its branches every epoch, which a captured loss would freeze)."""
     r = ddp_launch([*TINY, f"model={model}", "train.epochs=1", "gpus=1"], cwd=tmp_path)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     log = (run_dir_of(r) / "logs" / "rank0.log").read_text()
-    assert "CUDA graphs: forward and backward captured" in log, log[-3000:]
+    expected = "the whole step's forward, loss and backward captured" if model == "yolo11n" else (
+        "CUDA graphs: forward and backward captured")
+    assert expected in log, log[-3000:]
 
 
 def test_fp16_amp_with_the_fused_optimizer_survives_an_overflowing_first_step():
@@ -348,7 +352,7 @@ def test_auto_batch_fits_and_an_epoch_at_it_uses_50_to_70_percent_of_the_gpu(tmp
     log = (run_dir_of(r) / "logs" / "rank0.log").read_text()
     assert f"auto batch: {batch} per device" in log and f"lr0             {summary['lr0']:.6g}" in log
     assert "the run's allocator held to 70 %" in log and auto["held_fraction"] == pytest.approx(0.7)
-    assert f"CUDA graphs: forward and backward captured for batches of {batch}" in log
+    assert f"CUDA graphs: the whole step's forward, loss and backward captured for batches of {batch}" in log
     assert json.loads((run_dir_of(r) / "plan.json").read_text())["batch_per_device"] == batch  # for a restart
 
 
@@ -410,3 +414,51 @@ def test_the_step_profile_reads_the_loops_steps_on_the_gpus_timeline(tmp_path):
     assert summary["host_threads_top"][0]  # the training thread's operators
     assert "no stream busy" in (tmp_path / "profile-steps.txt").read_text()
     assert not list(tmp_path.glob("*.trace.json"))
+
+
+def test_the_captured_whole_step_takes_the_eager_steps_and_never_waits_for_the_gpu():
+    """train.graph_scope=auto on one GPU (rank/step/captured_step.py): forward, loss and backward replay as a CUDA
+    graph per target bucket (8 captured first, 16 when a batch first needs it) and the weights move as the eager
+    step moves them, as far as cuDNN's own choices move two eager runs apart; the replayed steps never make the host
+    wait (CUDA's sync debug mode)."""
+    from ultralytics.utils.torch_utils import ModelEMA
+
+    from launcher.plan import lr
+    from launcher.rank.data.pipeline import MAX_TARGETS
+    from launcher.rank.step.captured_step import CapturedStep
+    from launcher.rank.step.optimizer import fused_optimizer
+    from launcher.rank.step.train_step import TrainStep
+
+    updates = []
+    for captured in (False, False, True):
+        model, batch = make_model_and_batch()
+        model, batch = model.cuda(), _on_cuda(batch)
+        with_training_loss(model).train()
+        before = _flat(model)
+        opt = fused_optimizer(torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, nesterov=True), "auto",
+                              batch["img"].device)
+        common = dict(optimizer=opt, scaler=torch.amp.GradScaler("cuda"), ema=ModelEMA(model),
+                      loss_scale=lr.loss_scale(64, 4), grad_clip=10.0, amp_dtype=torch.float16)
+        step = (CapturedStep(model, **common, batch=len(batch["img"]), imgsz=batch["img"].shape[-1]) if captured
+                else TrainStep(model, model, **common))
+        batches = [{**batch, MAX_TARGETS: 3}, {**batch, MAX_TARGETS: 3}, {**batch, MAX_TARGETS: 11}]
+        if captured:
+            step.capture(batches[0])
+        for b in batches:
+            step(b)
+        if captured:
+            assert sorted(step.graphs) == [8, 16] and all(step.graphs.values())
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                step(batches[0])
+                step(batches[2])
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+            assert torch.isfinite(step.loss) and all(torch.isfinite(v) for v in step.loss_items.values())
+        else:
+            step(batches[0])
+            step(batches[2])
+        updates.append(_flat(model) - before)
+    _assert_graph_update_is_eager(updates)
+

@@ -98,3 +98,25 @@ def test_the_host_reads_the_largest_per_image_count_off_the_cpu_batch():
     assert max_targets_per_image(torch.zeros(0), 6) == 0
     if torch.cuda.is_available():
         assert max_targets_per_image(batch_idx.cuda(), 6) is None  # on the device it would be a sync
+
+
+@pytest.mark.parametrize("counts", [[3, 0, 7, 1, 2, 5], [0] * BATCH], ids=["mixed", "no-targets"])
+def test_targets_padded_to_a_larger_bucket_give_the_same_loss_and_gradients(counts):
+    """The captured step pads every image's targets to a fixed bucket (rank/step/captured_step.py): the zero rows
+    are masked out of the assignment, so the loss is the one Ultralytics computes on its own padding."""
+    from launcher.rank.ultralytics.loss import PADDED_TARGETS
+
+    model = _model()
+    batch = _batch(counts, seed=3)
+    theirs = model.init_criterion()
+    ours, _ = training_criterion(model)
+    ref_loss, ref_items, ref_grads = _loss_and_grads(model, theirs, batch)
+    for n in (max(counts), 16, 64):
+        padded = ours.padded_targets(batch, n)
+        assert padded.shape == (BATCH, n, 5)
+        loss, items, grads = _loss_and_grads(model, ours, {"img": batch["img"], PADDED_TARGETS: padded, MAX_TARGETS: n})
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+        for k in ref_items:
+            torch.testing.assert_close(items[k], ref_items[k], rtol=1e-5, atol=1e-6, msg=k)
+        for a, b in zip(grads, ref_grads):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)

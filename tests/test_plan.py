@@ -186,6 +186,7 @@ def test_dry_run_turns_machine_problems_into_warnings_but_not_config_errors():
         (["train.cuda_graphs=true", "mode=dp"], "train.cuda_graphs=true is not supported with mode=dp"),
         (["optim.fused=maybe"], "optim.fused='maybe': expected auto, true or false"),
         (["train.cuda_graphs=always"], "train.cuda_graphs='always': expected auto, true or false"),
+        (["train.graph_scope=step"], "train.graph_scope='step': expected auto or network"),
         (["train.steps_in_flight=-1"], "train.steps_in_flight=-1: expected a whole number >= 0"),
         (["train.steps_in_flight=two"], "train.steps_in_flight='two': expected a whole number >= 0"),
         (["val.engine=turbo"], "val.engine='turbo': expected auto, fast or ultralytics"),

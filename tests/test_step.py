@@ -169,3 +169,60 @@ def test_a_batch_splits_into_micro_batches_by_its_per_image_target_counts():
     assert (first[MAX_TARGETS], second[MAX_TARGETS]) == (3, 2)  # the sync-free loss pads each to its own
     with pytest.raises(ValueError, match="does not split into 3"):
         micro_batches(batch, 3)
+
+
+def _captured_or_plain_steps(captured: bool, batches: list[dict], amp_scaler: bool = False) -> tuple[dict, list]:
+    """Ultralytics' SGD, GradScaler, clip and EMA over `batches` with the step the run takes: CapturedStep (eager on
+    the CPU: the body its CUDA graph replays) or TrainStep."""
+    from ultralytics.utils.torch_utils import ModelEMA
+
+    from launcher.rank.step.captured_step import CapturedStep
+    from launcher.rank.step.train_step import TrainStep
+    from tests.test_ddp_equivalence import with_training_loss
+
+    model, _ = make_model_and_batch()
+    with_training_loss(model).train()
+    opt = _ultralytics_sgd(model)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, enabled=amp_scaler)
+    ema = ModelEMA(model)
+    common = dict(optimizer=opt, scaler=scaler, ema=ema, loss_scale=16.0, grad_clip=10.0, amp_dtype=None)
+    step = (CapturedStep(model, **common, batch=len(batches[0]["img"]), imgsz=batches[0]["img"].shape[-1]) if captured
+            else TrainStep(model, model, **common))
+    losses = []
+    for b in batches:
+        step(b)
+        losses.append((step.loss.clone(), {k: v.clone() for k, v in step.loss_items.items()}))
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    state.update({f"ema.{k}": v.detach().clone() for k, v in ema.ema.state_dict().items()})
+    return state, losses
+
+
+@pytest.mark.parametrize("amp_scaler", [False, True], ids=["fp32", "grad-scaler"])
+def test_the_captured_steps_body_takes_the_steps_the_eager_step_takes(amp_scaler):
+    """CapturedStep pads the targets to a bucket and writes the gradients into tensors of its own, which no step
+    zeroes: three steps (the buckets 8 and 16 among them) end on the weights, BatchNorm statistics, EMA and losses
+    of TrainStep's. (Its CUDA graphs replay this body: tests/test_gpu.py.)"""
+    from launcher.rank.data.pipeline import MAX_TARGETS
+    from launcher.rank.step.captured_step import bucket
+
+    _, base = make_model_and_batch()
+    crowded = {**base, MAX_TARGETS: 11}  # the same boxes, read as if one image held 11: bucket 16
+    batches = [{**base, MAX_TARGETS: 3}, crowded, {**base, MAX_TARGETS: 3}]
+    assert [bucket(b[MAX_TARGETS]) for b in batches] == [8, 16, 8]
+    plain, plain_losses = _captured_or_plain_steps(False, batches, amp_scaler)
+    captured, captured_losses = _captured_or_plain_steps(True, batches, amp_scaler)
+    start, _ = make_model_and_batch()
+    assert any(not torch.equal(plain[k], v) for k, v in start.state_dict().items()), "nothing was trained"
+    for k, v in plain.items():
+        torch.testing.assert_close(captured[k], v, rtol=1e-4, atol=1e-6, msg=k)
+    for (a, items_a), (b, items_b) in zip(captured_losses, plain_losses):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        assert items_a.keys() == items_b.keys()
+        for k in items_b:
+            torch.testing.assert_close(items_a[k], items_b[k], rtol=1e-5, atol=1e-6, msg=k)
+
+
+def test_bucket_is_the_next_power_of_two_from_eight():
+    from launcher.rank.step.captured_step import bucket
+
+    assert [bucket(n) for n in (0, 1, 8, 9, 16, 17, 100)] == [8, 8, 8, 16, 16, 32, 128]

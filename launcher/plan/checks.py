@@ -323,6 +323,7 @@ def step_problems(train: dict, optim: dict, *, device: str, mode: str, hw: Hardw
         problems.append(Problem(f"train.steps_in_flight={in_flight!r}: expected a whole number >= 0 (0: the host waits "
                                 "for the GPU at every step's end; 1: it queues the next step while the GPU runs this one)"))
     one_of(train.get("cuda_graphs", "auto"), GRAPHS_VALUES, "train.cuda_graphs", problems, "auto, true or false")
+    one_of(train.get("graph_scope", "auto"), ("auto", "network"), "train.graph_scope", problems, "auto or network")
     graphs = train.get("cuda_graphs", "auto") is True  # asked for explicitly; `auto` gives way (uses_cuda_graphs)
     if graphs and mode == "dp":
         problems.append(Problem("train.cuda_graphs=true is not supported with mode=dp; use mode=ddp"))

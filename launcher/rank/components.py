@@ -42,6 +42,7 @@ from launcher.rank.faults import FaultInjector
 from launcher.rank.heartbeat import Heartbeat, NoHeartbeat
 from launcher.rank.state import Checkpointer, TrainState, upgrade
 from launcher.rank.step import auto_batch
+from launcher.rank.step.captured_step import CapturedStep, uses_captured_step
 from launcher.rank.step.graphed import GraphedDetector
 from launcher.rank.step.optimizer import Schedule, fused_optimizer
 from launcher.rank.step.train_step import TrainStep
@@ -76,6 +77,7 @@ class Rank:
     def __init__(self, cfg: dict, plan: LaunchPlan, folder: RunFolder, *, validation: bool = True):
         self.cfg, self.plan, self.folder = cfg, plan, folder
         self.rank, self.local_rank, world = rank_info()
+        self.world = world
         self.device = torch.device("cuda", self.local_rank) if plan.device == "cuda" else torch.device("cpu")
         self.setup_stamps: list[tuple[str, float]] = []  # where the start-up went (summary.json's timeline)
         self.setup_memory: dict[str, float] = {}
@@ -170,14 +172,18 @@ class Rank:
                      "loss), and not sync-free")
 
         self._stamp("optimizer_ema_loss")
-        # 6. what the step calls
-        graphed = self._graphed() if plan.cuda_graphs and self.device.type == "cuda" else None
-        self.model = wrap(self.net, mode=plan.mode, device=self.device, devices_per_rank=plan.devices_per_rank,
-                          dist_cfg=cfg["dist"], compile_setting=train.get("compile", False), graphed=graphed)
-        self.step = TrainStep(self.model, self.net, optimizer=self.optimizer, scaler=self.scaler, ema=self.ema,
-                              loss_scale=lrmod.loss_scale(plan.base_batch, plan.batch_per_rank),
-                              grad_clip=float(optim.get("grad_clip", 10.0)), amp_dtype=self.amp_dtype,
-                              accumulate=plan.accumulate)
+        # 6. what the step calls: the whole step captured (one GPU), or the network graphed inside DDP
+        self.step = self._captured() if self._captures_step(self.net) else None
+        if self.step is None:
+            graphed = self._graphed() if plan.cuda_graphs and self.device.type == "cuda" else None
+            self.model = wrap(self.net, mode=plan.mode, device=self.device, devices_per_rank=plan.devices_per_rank,
+                              dist_cfg=cfg["dist"], compile_setting=train.get("compile", False), graphed=graphed)
+            self.step = TrainStep(self.model, self.net, optimizer=self.optimizer, scaler=self.scaler, ema=self.ema,
+                                  loss_scale=lrmod.loss_scale(plan.base_batch, plan.batch_per_rank),
+                                  grad_clip=float(optim.get("grad_clip", 10.0)), amp_dtype=self.amp_dtype,
+                                  accumulate=plan.accumulate)
+        else:
+            self.model = self.net
 
         self._stamp("graphs_and_step")
         # 7. the checkpoint's components (runs.py adds its hooks' and restores them: restore())
@@ -253,18 +259,27 @@ class Rank:
             net.criterion, _ = training_criterion(net, sync_free=bool(cfg["train"].get("sync_free_loss", True)))
             build.train_mode(net, frozen)
             graphs = [plan.cuda_graphs]
+            whole = self._captures_step(net)
 
             def run_at(batch: int, validate: bool = False) -> None:
                 images = auto_batch.synthetic_batch(batch, int(self.hyp.imgsz), self.device, dtype=dtype,
                                                     channels_last=channels_last, nc=int(self.data["nc"]))
                 try:
-                    step.model = self._probe_graphs(net, batch, graphs)
+                    if whole:  # the step the run takes: captured whole, its own gradients and graph pool
+                        taken = CapturedStep(net, optimizer=step.optimizer, scaler=step.scaler, ema=step.ema,
+                                             loss_scale=1.0, grad_clip=step.grad_clip, amp_dtype=self.amp_dtype,
+                                             batch=batch, imgsz=int(self.hyp.imgsz), log=self.log)
+                        taken.capture(images)
+                    else:
+                        step.model, taken = self._probe_graphs(net, batch, graphs), step
                     for _ in range(auto_batch.STEPS):
-                        step(images)
+                        taken(images)
                     if validate:
                         self._probe_validation(net, frozen, batch)
                 finally:
-                    step.model = net  # the graphs (and their memory pool) go with this size
+                    step.model = taken = net  # the graphs (and their memory pool) go with this size
+                    for p in net.parameters():
+                        p.grad = None
 
             choice = auto_batch.choose(lambda b: auto_batch.measure(run_at, b, memory), total=memory.total(),
                                        rule=plan.auto_batch)
@@ -439,6 +454,41 @@ class Rank:
         dtype, channels_last = self.step_input
         return GraphedDetector(net, batch, self.hyp.imgsz, self.amp_dtype, input_dtype=dtype,
                                channels_last=channels_last)
+
+    def _captures_step(self, net: nn.Module) -> bool:
+        """train.graph_scope: the whole step captured where it can be (auto; captured_step.py), else the network."""
+        if not self.plan.cuda_graphs or self.cfg["train"].get("graph_scope", "auto") == "network":
+            return False
+        why_not = uses_captured_step(net, device=self.device, world_size=self.world, accumulate=self.plan.accumulate)
+        if why_not is not None and net is self.net:
+            self.log(f"CUDA graphs: the network's forward and backward only ({why_not})")
+        return why_not is None
+
+    def _captured(self) -> CapturedStep | None:
+        """The whole step captured (captured_step.py), its first bucket at set-up on a synthetic batch; None when the
+        capture fails and train.cuda_graphs=auto (the network alone is then graphed)."""
+        self.net.train()
+        dtype, channels_last = self.step_input
+        optim, plan = self.cfg["optim"], self.plan
+        step = CapturedStep(self.net, optimizer=self.optimizer, scaler=self.scaler, ema=self.ema,
+                            loss_scale=lrmod.loss_scale(plan.base_batch, plan.batch_per_rank),
+                            grad_clip=float(optim.get("grad_clip", 10.0)), amp_dtype=self.amp_dtype,
+                            batch=plan.micro_batch, imgsz=int(self.hyp.imgsz), log=self.log)
+        try:
+            step.capture(auto_batch.synthetic_batch(plan.micro_batch, int(self.hyp.imgsz), self.device, dtype=dtype,
+                                                    channels_last=channels_last, nc=int(self.data["nc"])))
+        except Exception as e:  # noqa: BLE001 - a loss or network that syncs with the host inside the capture
+            for p in self.net.parameters():
+                p.grad = None
+            failure = f"CUDA graph capture of the whole step failed ({type(e).__name__}: {e})"
+            if self.cfg["train"].get("cuda_graphs", "auto") is True:
+                raise RuntimeError(f"{failure}; capture the network only: train.graph_scope=network") from e
+            self.log(f"WARNING: {failure}; capturing the network only")
+            return None
+        torch.cuda.empty_cache()  # the warm-up's side-stream blocks (as _graphed)
+        self.log(f"CUDA graphs: the whole step's forward, loss and backward captured for batches of {plan.micro_batch}"
+                 " (a graph per padded target count, each captured when first needed)")
+        return step
 
     def _graphed(self) -> nn.Module | None:
         """The network with its training forward and backward captured as CUDA graphs (graphed.py), in train mode;

@@ -50,6 +50,7 @@ from ultralytics.utils.tal import TaskAlignedAssigner, bbox2dist, make_anchors
 from launcher.rank.data.pipeline import MAX_TARGETS
 
 DENSE_LIMIT = 2**26  # (image, target, anchor) triples scored densely: 64 images x 120 targets x 8,400 anchors
+PADDED_TARGETS = "padded_targets"  # batch key: the targets already padded (DetectionLoss.padded_targets)
 
 
 def global_normaliser(raw_local: torch.Tensor) -> torch.Tensor:
@@ -84,6 +85,7 @@ class DetectionLoss(v8DetectionLoss):
         self.sync_free = sync_free
         self._max_targets: int | None = None
         self._grids: dict = {}
+        self._scales: dict = {}
         self._deferred: list[torch.Tensor] | None = None  # accumulating: each micro-batch's raw target weight
         if sync_free:
             a = self.assigner
@@ -116,6 +118,23 @@ class DetectionLoss(v8DetectionLoss):
             out[..., 1:5] = xywh2xyxy(out[..., 1:5].mul_(scale_tensor))
         return out
 
+    def padded_targets(self, batch: dict, n: int) -> torch.Tensor:
+        """The batch's targets as the loss reads them, padded to `n` per image (at least the batch's largest count):
+        (images, n, 5) rows of class and xyxy box in pixels, zero rows after each image's own. Zero rows are masked
+        out of the assignment, so any `n` gives the same loss; a fixed `n` gives the step fixed shapes (its CUDA
+        graph, rank/step/captured_step.py). In the batch under PADDED_TARGETS the loss takes them as they are."""
+        img = batch["img"]
+        key = (tuple(img.shape[2:]), img.device)
+        if key not in self._scales:  # (w, h, w, h), made once per image size: no copy to the device per step
+            h, w = img.shape[2:]
+            self._scales[key] = torch.tensor([w, h, w, h], dtype=torch.float32, device=self.device)
+        targets = torch.cat((batch["batch_idx"].view(-1, 1), batch["cls"].view(-1, 1), batch["bboxes"]), 1)
+        held, self._max_targets = self._max_targets, n
+        try:
+            return self.preprocess(targets.to(self.device), len(img), scale_tensor=self._scales[key])
+        finally:
+            self._max_targets = held
+
     def _grid(self, feats: list[torch.Tensor], dtype: torch.dtype):
         """(anchor points, stride per anchor, image size (h, w)); sync-free: once per feature-map shape (Ultralytics
         rebuilds them every step from CPU ranges and strides read back by the host). Nothing writes into them."""
@@ -138,9 +157,12 @@ class DetectionLoss(v8DetectionLoss):
         batch_size = pred_scores.shape[0]
         anchor_points, stride_tensor, imgsz = self._grid(preds["feats"], dtype)
 
-        targets = torch.cat((batch["batch_idx"].view(-1, 1), batch["cls"].view(-1, 1), batch["bboxes"]), 1)
-        scale = imgsz.flip(0).repeat(2)  # (w, h, w, h): imgsz[[1, 0, 1, 0]] without copying an index to the GPU
-        targets = self.preprocess(targets.to(self.device), batch_size, scale_tensor=scale)
+        if PADDED_TARGETS in batch:
+            targets = batch[PADDED_TARGETS]
+        else:
+            targets = torch.cat((batch["batch_idx"].view(-1, 1), batch["cls"].view(-1, 1), batch["bboxes"]), 1)
+            scale = imgsz.flip(0).repeat(2)  # (w, h, w, h): imgsz[[1, 0, 1, 0]] without copying an index to the GPU
+            targets = self.preprocess(targets.to(self.device), batch_size, scale_tensor=scale)
         gt_labels, gt_bboxes = targets.split((1, 4), 2)  # cls, xyxy
         mask_gt = gt_bboxes.sum(2, keepdim=True).gt_(0.0)
 

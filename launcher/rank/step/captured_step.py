@@ -1,0 +1,154 @@
+"""The step's forward, loss and backward captured as one CUDA graph (`train.graph_scope=auto`, on one GPU).
+
+With only the network graphed (graphed.py) the step stays host-bound: the host spends most of a yolov8s step
+launching the eager loss, its backward and an AccumulateGrad per parameter, and the GPU idles between those launches
+(docs/benchmarks/README.md, section 6). Here the network's forward, the sync-free loss and the backward pass replay
+as one graph. Its shapes must not change, so the targets are padded to a bucket: the next power of two at or above
+the batch's largest per-image count (at least MIN_BUCKET). Zero rows change no value of the loss
+(DetectionLoss.padded_targets). One graph per bucket, captured on the first batch that needs it, after two eager
+warm-up passes on a side stream; all of them share one memory pool.
+
+The graph writes the gradients into tensors of its own, which are the parameters' `.grad` for the whole run: the
+optimizer, the gradient clip and the GradScaler read them there, and no step zeroes them (each replay overwrites
+them). Unscaling, clipping, the fused optimizer, the scaler's update and the EMA stay eager: a few multi-tensor
+launches, and the learning rate and momentum they read change every step of the warmup.
+
+A batch of another shape (multi-scale, a short batch) or whose bucket would leave the dense assigner (DENSE_LIMIT)
+runs the same code eagerly. On the CPU everything runs eagerly: the same step, testable in CI.
+
+Where it applies (`uses_captured_step`): one process on one GPU (with DDP the loss's global normaliser and the
+gradients' all-reduce would be collectives inside the graph), train.accumulate=1, and the sync-free YOLO detection
+loss (YOLO26's end-to-end loss reweights its two branches every epoch with host numbers a graph would freeze).
+Elsewhere the network alone is graphed (graphed.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from launcher.rank.data.pipeline import MAX_TARGETS
+from launcher.rank.ultralytics.loss import DENSE_LIMIT, PADDED_TARGETS, DetectionLoss
+
+MIN_BUCKET = 8  # the fewest target rows per image a graph is captured for
+WARMUP_PASSES = 2  # eager passes on a side stream before a capture (cuDNN and cuBLAS choose their kernels there)
+
+
+def bucket(max_targets: int) -> int:
+    """The padded per-image target count for a batch whose fullest image has `max_targets`."""
+    return max(MIN_BUCKET, 1 << max(int(max_targets) - 1, 0).bit_length())
+
+
+def uses_captured_step(net: nn.Module, *, device: torch.device, world_size: int, accumulate: int) -> str | None:
+    """None where the whole step can be captured, else why not (the network alone is graphed then)."""
+    if device.type != "cuda":
+        return "not on a GPU"
+    if world_size > 1:
+        return "DDP across processes"
+    if accumulate != 1:
+        return "train.accumulate > 1"
+    criterion = getattr(net, "criterion", None)
+    if type(criterion) is not DetectionLoss or not criterion.sync_free:
+        return f"the loss {type(criterion).__name__} (only the sync-free YOLO detection loss is captured)"
+    return None
+
+
+class CapturedStep:
+    """The loop's step (rank/step/train_step.py's TrainStep does the same eagerly): forward, loss and backward,
+    replayed as a CUDA graph per target bucket for full batches of `batch` square `imgsz` images; then unscale,
+    clip, the optimizer, the scaler's update and the EMA. `loss` and `loss_items` hold the last step's, on the
+    device, as TrainStep's do."""
+
+    def __init__(self, net: nn.Module, *, optimizer, scaler, ema, loss_scale: float, grad_clip: float, amp_dtype,
+                 batch: int, imgsz: int, log: Callable[[str], None] = print):
+        self.net, self.optimizer, self.scaler, self.ema = net, optimizer, scaler, ema
+        self.loss_scale, self.grad_clip, self.amp_dtype, self.log = loss_scale, grad_clip, amp_dtype, log
+        self.model = net  # what a caller reads as the step's module (the probe of train.batch_per_device=auto)
+        self.device = next(net.parameters()).device
+        self.shape = (batch, 3, imgsz, imgsz)
+        anchors = sum((imgsz // int(s)) ** 2 for s in net.stride)
+        self.largest_bucket = DENSE_LIMIT // (batch * anchors)  # beyond it the assigner gathers (host syncs)
+        self.params = [p for p in net.parameters() if p.requires_grad]
+        self.grads = [torch.zeros_like(p) for p in self.params]
+        for p, g in zip(self.params, self.grads):
+            p.grad = g
+        self.graphs: dict[int, _Graph | None] = {}  # bucket -> its graph; None: its capture failed, eager
+        self.pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
+        self.keys: list[str] | None = None  # the loss items' names
+        self.loss = self.loss_items = None
+
+    def __call__(self, batch: dict) -> None:
+        n = bucket(batch[MAX_TARGETS])
+        img, targets = batch["img"], self.net.criterion.padded_targets(batch, n)
+        graph = self._graph(n, img, targets) if self._capturable(img, n) else None
+        out = graph.replay(img, targets) if graph is not None else self._body(img, targets, n)
+        self.loss, self.loss_items = out[0], dict(zip(self.keys, out[1:]))
+        self.scaler.unscale_(self.optimizer)
+        if self.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.params, max_norm=self.grad_clip)
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.ema.update(self.net)
+
+    def capture(self, batch: dict) -> None:
+        """Capture `batch`'s bucket now (before the first step: a capture that fails is then known at set-up)."""
+        n = bucket(batch[MAX_TARGETS])
+        img, targets = batch["img"], self.net.criterion.padded_targets(batch, n)
+        if not self._capturable(img, n):
+            raise ValueError(f"a batch of shape {tuple(img.shape)} with {n} target rows is not captured")
+        self.graphs[n] = _Graph(self, img, targets, n)
+
+    def _capturable(self, img: torch.Tensor, n: int) -> bool:
+        return self.pool is not None and tuple(img.shape) == self.shape and n <= self.largest_bucket
+
+    def _graph(self, n: int, img: torch.Tensor, targets: torch.Tensor):
+        if n not in self.graphs:
+            try:
+                self.graphs[n] = _Graph(self, img, targets, n)
+            except Exception as e:  # noqa: BLE001 - the first bucket was captured at set-up; this one trains eagerly
+                self.log(f"WARNING: CUDA graph capture for {n} target rows per image failed ({type(e).__name__}: {e});"
+                         " those batches train eagerly")
+                self.graphs[n] = None
+        return self.graphs[n]
+
+    def _body(self, img: torch.Tensor, targets: torch.Tensor, n: int) -> torch.Tensor:
+        """Forward, loss and backward into self.grads; (loss, *loss items) as one tensor. What the graph holds."""
+        with torch.autocast(self.device.type, dtype=self.amp_dtype or torch.float32, enabled=self.amp_dtype is not None,
+                            cache_enabled=False):  # a cast cache would hold tensors across replays
+            preds = self.net(img)
+            loss, items = self.net.loss({"img": img, PADDED_TARGETS: targets, MAX_TARGETS: n}, preds)
+            loss = loss.sum() * self.loss_scale
+        grads = torch.autograd.grad(self.scaler.scale(loss), self.params, allow_unused=True, materialize_grads=True)
+        torch._foreach_copy_(self.grads, grads)
+        self.keys = list(items)
+        return torch.stack([loss.detach(), *items.values()])
+
+
+class _Graph:
+    """One bucket's captured body: its input tensors (each step's batch is copied in) and its output."""
+
+    def __init__(self, step: CapturedStep, img: torch.Tensor, targets: torch.Tensor, n: int):
+        self.img, self.targets = img.clone(), targets.clone()
+        saved = {k: v.detach().clone() for k, v in step.net.named_buffers()}  # warm-up passes move BN statistics
+        try:
+            side = torch.cuda.Stream(step.device)
+            side.wait_stream(torch.cuda.current_stream(step.device))
+            with torch.cuda.stream(side):
+                for _ in range(WARMUP_PASSES):
+                    step._body(self.img, self.targets, n)
+            torch.cuda.current_stream(step.device).wait_stream(side)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph, pool=step.pool):
+                self.out = step._body(self.img, self.targets, n)
+        finally:  # also after a failed capture: the step then runs eagerly, on the statistics it had
+            with torch.no_grad():
+                for k, v in step.net.named_buffers():
+                    v.copy_(saved[k])
+
+    def replay(self, img: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        self.img.copy_(img)
+        self.targets.copy_(targets)
+        self.graph.replay()
+        return self.out.clone()  # the next replay overwrites out; the loop keeps this step's loss
