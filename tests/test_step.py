@@ -226,3 +226,12 @@ def test_bucket_is_the_next_power_of_two_from_eight():
     from launcher.rank.step.captured_step import bucket
 
     assert [bucket(n) for n in (0, 1, 8, 9, 16, 17, 100)] == [8, 8, 8, 16, 16, 32, 128]
+
+
+def test_a_batch_without_the_hosts_target_count_is_counted():
+    from launcher.rank.data.pipeline import MAX_TARGETS
+    from launcher.rank.step.captured_step import _max_targets
+
+    _, batch = make_model_and_batch()  # 3, 1, 2 and 1 boxes
+    assert _max_targets({**batch, MAX_TARGETS: None}) == 3 == _max_targets({**batch, MAX_TARGETS: 3})
+    assert _max_targets({"batch_idx": torch.zeros(0)}) == 0

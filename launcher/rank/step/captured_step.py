@@ -80,7 +80,7 @@ class CapturedStep:
         self.loss = self.loss_items = None
 
     def __call__(self, batch: dict) -> None:
-        n = bucket(batch[MAX_TARGETS])
+        n = bucket(_max_targets(batch))
         img, targets = batch["img"], self.net.criterion.padded_targets(batch, n)
         graph = self._graph(n, img, targets) if self._capturable(img, n) else None
         out = graph.replay(img, targets) if graph is not None else self._body(img, targets, n)
@@ -94,7 +94,7 @@ class CapturedStep:
 
     def capture(self, batch: dict) -> None:
         """Capture `batch`'s bucket now (before the first step: a capture that fails is then known at set-up)."""
-        n = bucket(batch[MAX_TARGETS])
+        n = bucket(_max_targets(batch))
         img, targets = batch["img"], self.net.criterion.padded_targets(batch, n)
         if not self._capturable(img, n):
             raise ValueError(f"a batch of shape {tuple(img.shape)} with {n} target rows is not captured")
@@ -124,6 +124,14 @@ class CapturedStep:
         torch._foreach_copy_(self.grads, grads)
         self.keys = list(items)
         return torch.stack([loss.detach(), *items.values()])
+
+
+def _max_targets(batch: dict) -> int:
+    """The batch's largest per-image target count, as the host read it off the batch (pipeline.py); counted on
+    the device (one sync) for a batch that came without it."""
+    if batch.get(MAX_TARGETS) is not None:
+        return batch[MAX_TARGETS]
+    return int(torch.bincount(batch["batch_idx"].long(), minlength=1).max()) if len(batch["batch_idx"]) else 0
 
 
 class _Graph:
