@@ -12,7 +12,8 @@
    the optimizer on the bare network;
 5. class weights, then the EMA copy (it carries them), then the training loss (the EMA keeps Ultralytics' own, which
    validation uses, collective-free);
-6. what the step calls: CUDA graphs captured on the bare network, then DDP or DataParallel around it;
+6. what the step calls: on one GPU the whole step's forward, loss and backward captured (step/captured_step.py);
+   elsewhere CUDA graphs captured on the bare network, then DDP or DataParallel around it;
 7. the checkpoint's components, whose saved states (optimizer, scaler, EMA, position) restore() loads.
 """
 
