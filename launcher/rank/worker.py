@@ -8,9 +8,11 @@ and device come from torchrun's environment, which is set before Ultralytics is 
 from __future__ import annotations
 
 import io
+import logging
 import os
 import sys
 import time
+import traceback
 from pathlib import Path
 
 STARTED = time.time()  # this process's start, for rank 0's timeline (rank/metrics/timeline.py)
@@ -93,5 +95,34 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def leave(code: int):
+    """End this process with `code` once its output is flushed, without the interpreter's teardown.
+
+    Gloo's worker threads release a finished collective's tensors lazily; one that does so while the interpreter
+    finalizes needs the GIL, cannot have it, and aborts the process (SIGABRT: "terminate called without an active
+    exception") after the rank's work is done and written, so torchrun reports a failed run. The rank's files are
+    closed and its loader workers joined before this point (Rank.close), so nothing is lost by skipping the teardown.
+    """
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
+
+
+def exit_code(stop: SystemExit) -> int:
+    """The status a SystemExit asks for (sys.exit's rules: None is 0, a message is 1)."""
+    return stop.code if isinstance(stop.code, int) else 0 if stop.code is None else 1
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        status = main()
+    except SystemExit as stop:
+        status = exit_code(stop)
+    except BaseException:
+        traceback.print_exc()  # the failure is already in the run folder (main) and torchrun's error file (@record)
+        status = 1
+    leave(status)
