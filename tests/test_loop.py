@@ -50,7 +50,8 @@ class Record(Hook):
         self.events, self.name = events, name
 
     def __getattribute__(self, attr):
-        if attr in ("before_train", "before_epoch", "before_step", "after_step", "after_epoch", "after_train"):
+        if attr in ("before_train", "before_epoch", "before_step", "before_launch", "after_launch", "after_step",
+                    "after_epoch", "after_train"):
             return lambda loop: self.events.append((self.name, attr, loop.state.epoch, loop.state.step))
         return super().__getattribute__(attr)
 
@@ -68,12 +69,17 @@ def test_hooks_run_around_every_step_and_epoch_and_the_next_batch_is_fetched_dur
     assert events == [
         ("hook", "before_train", 0, 0),
         ("hook", "before_epoch", 0, 0), ("begin_epoch", 0, 0),
-        ("hook", "before_step", 0, 0), ("prefetch", 1), ("hook", "after_step", 0, 1),
-        ("hook", "before_step", 0, 1), ("hook", "after_step", 0, 2),  # nothing fetched past the epoch's end
+        # the step's end is stamped (after_launch) before the next batch is fetched: a wait for it is not the step's
+        ("hook", "before_step", 0, 0), ("hook", "before_launch", 0, 0), ("hook", "after_launch", 0, 0),
+        ("prefetch", 1), ("hook", "after_step", 0, 1),
+        ("hook", "before_step", 0, 1), ("hook", "before_launch", 0, 1), ("hook", "after_launch", 0, 1),
+        ("hook", "after_step", 0, 2),  # nothing fetched past the epoch's end
         ("hook", "after_epoch", 0, 2),
         ("hook", "before_epoch", 1, 0), ("begin_epoch", 1, 0),
-        ("hook", "before_step", 1, 0), ("prefetch", 3), ("hook", "after_step", 1, 1),
-        ("hook", "before_step", 1, 1), ("hook", "after_step", 1, 2),
+        ("hook", "before_step", 1, 0), ("hook", "before_launch", 1, 0), ("hook", "after_launch", 1, 0),
+        ("prefetch", 3), ("hook", "after_step", 1, 1),
+        ("hook", "before_step", 1, 1), ("hook", "before_launch", 1, 1), ("hook", "after_launch", 1, 1),
+        ("hook", "after_step", 1, 2),
         ("hook", "after_epoch", 1, 2),
         ("hook", "after_train", 1, 2),
     ]  # fmt: skip

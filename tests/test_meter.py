@@ -99,3 +99,56 @@ def test_with_steps_in_flight_the_window_is_the_gpus_time_between_step_ends():
     assert s.images_per_s == pytest.approx(32.0)
     assert s.data_wait == pytest.approx((10 * 0.01 + 0.1) / 5.0)
     assert [kind for kind, _ in log].count("wait") == 12  # every step's end accounted once
+
+
+class QueuedGpu:
+    """A GPU's queue on a simulated timeline: work runs in launch order and never before the host launched it; an
+    event completes when the queue reaches it (at once on an idle GPU), as torch.cuda.Event's do."""
+
+    def __init__(self, host: FakeClock):
+        self.host, self.free_at = host, 0.0
+
+    def launch(self, seconds: float) -> None:
+        self.free_at = max(self.free_at, self.host.t) + seconds
+
+    def event(self):
+        gpu = self
+
+        class Event:
+            t = None
+
+            def record(self):
+                self.t = max(gpu.free_at, gpu.host.t)
+
+            def synchronize(self):
+                gpu.host.t = max(gpu.host.t, self.t)
+
+            def elapsed_time(self, end):
+                return (end.t - self.t) * 1000.0
+
+        return Event()
+
+
+def queued_steps(wait: float, gpu_s: float, steps: int = 12) -> tuple[float, float]:
+    host = FakeClock()
+    gpu = QueuedGpu(host)
+    meter = StepMeter(torch.device("cpu"), skip_steps=2, clock=host, in_flight=2, event_factory=gpu.event)
+    for _ in range(steps):
+        meter.begin_step()
+        host.t += wait  # the host waits for the batch...
+        meter.batch_ready(wait)
+        gpu.launch(gpu_s)  # ...then queues the step
+        meter.end_step(16)
+    s = meter.summary()
+    return s.data_wait, s.host_wait
+
+
+def test_a_wait_for_data_while_the_gpu_still_runs_queued_steps_is_not_data_wait():
+    """The whole step captured lets the host queue steps ahead: it then waited for data 25 % of the time with the GPU
+    95 % busy, and the meter called that input-bound. Only the wait that leaves the GPU idle counts."""
+    data_wait, host_wait = queued_steps(wait=0.3, gpu_s=0.5)  # the host is ahead: the GPU never idles
+    assert data_wait == pytest.approx(0.0)
+    assert host_wait == pytest.approx(0.3 / 0.5)
+    data_wait, host_wait = queued_steps(wait=0.8, gpu_s=0.5)  # the loader is the bound: 0.3 s idle per 0.8 s step
+    assert data_wait == pytest.approx(0.3 / 0.8)
+    assert host_wait == pytest.approx(1.0)

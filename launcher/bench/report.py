@@ -26,6 +26,7 @@ def aggregate(mode: str, size: int, ranks: list[dict]) -> dict:
         "size": size,
         "images_per_s": ips,
         "data_wait": max(r["data_wait"] for r in ranks),
+        "host_wait": max((r["host_wait"] for r in ranks if r.get("host_wait") is not None), default=None),
         "input_gpu_ms_per_image": _mean([r.get("input_gpu_ms_per_image") for r in ranks]),
         "gpu_util": sum(g["util_mean"] for g in gpus) / len(gpus) if gpus else None,
         "gpu_util_per_gpu": [round(g["util_mean"], 1) for g in gpus],
@@ -169,7 +170,7 @@ def markdown(report: dict) -> str:
         "Speedup is against size 1 of the same mode; efficiency = speedup / size. Steady state: "
         f"{report['settings']['warmup_steps']} warm-up steps dropped{_profiled(report['settings'])}, "
         f"{report['settings']['steps']} steps measured "
-        f"{_stamps(report['settings'].get('steps_in_flight', 0))}; GPU busy is NVML utilisation over the measured window; input GPU ms/img (loader.augment_on=gpu) is the time elapsed on the stream that prepares a batch, from its decode to its augmented images, per image: it includes waits behind the step's kernels and for the preparing thread, so it bounds the input's GPU cost from above (- for the CPU input); the data-free ceiling is the "
+        f"{_stamps(report['settings'].get('steps_in_flight', 0))}; GPU busy is NVML utilisation over the measured window; data wait is the host's wait for its batches counted only while the GPU had no step left to run (its wait in all is bench.json's host_wait: a host queueing steps ahead waits for data while the GPU works); input GPU ms/img (loader.augment_on=gpu) is the time elapsed on the stream that prepares a batch, from its decode to its augmented images, per image: it includes waits behind the step's kernels and for the preparing thread, so it bounds the input's GPU cost from above (- for the CPU input); the data-free ceiling is the "
         "same trainer step on real batches held on the device.",
         "",
         f"Environment: {', '.join(env['gpus']) or 'no GPU'}; driver {env.get('driver')}; torch {env['torch']} "

@@ -80,8 +80,11 @@ class Meter(Hook):
     def before_step(self, loop: TrainLoop) -> None:
         self.meter.begin_step()
 
-    def after_step(self, loop: TrainLoop) -> None:
-        self.meter.end_step(len(loop.batch["im_file"]), self.inputs.last_wait)
+    def before_launch(self, loop: TrainLoop) -> None:
+        self.meter.batch_ready(self.inputs.last_wait)
+
+    def after_launch(self, loop: TrainLoop) -> None:
+        self.meter.end_step(len(loop.batch["im_file"]))
 
     def after_epoch(self, loop: TrainLoop) -> None:
         self.meter.pause()

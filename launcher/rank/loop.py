@@ -25,6 +25,13 @@ class Hook:
 
     def before_step(self, loop: TrainLoop) -> None: ...
 
+    def before_launch(self, loop: TrainLoop) -> None:
+        """The step's batch is in hand (`loop.batch`); its step is not launched yet."""
+
+    def after_launch(self, loop: TrainLoop) -> None:
+        """The step is launched (queued on the device); the next batch is not fetched ahead yet. The meter stamps
+        the step's end here, so that a wait for the next batch is not counted as this step's work."""
+
     def after_step(self, loop: TrainLoop) -> None: ...
 
     def after_epoch(self, loop: TrainLoop) -> None: ...
@@ -95,11 +102,12 @@ class TrainLoop:
             self._after_train()
 
     def _run_step(self) -> None:
-        batch = self.inputs.next(self.ni)
-        self.step(batch)
+        self.batch = self.inputs.next(self.ni)
+        self._call("before_launch")
+        self.step(self.batch)
+        self._call("after_launch")
         if self.state.step + 1 < self.steps_per_epoch:
             self.inputs.prefetch(self.ni + 1)  # its copy (and augmentation) overlaps the step just launched
-        self.batch = batch
         self.state.add_loss(self.step.loss_items)
 
     def _call(self, event: str) -> None:

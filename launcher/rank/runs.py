@@ -1,8 +1,9 @@
 """The two things a rank runs, as loop configurations over the same components (components.py): a training run, and
 a ddp-bench cell. Each builds its hook list here, in one place; the order of a list is the order hooks run in.
 
-A training run, per step (after_step):
-  Meter           first: the step's end is stamped before any other host work of the boundary;
+A training run, per step: Meter stamps the batch in hand (before_launch) and the step's end as soon as it is launched
+(after_launch), before the next batch is fetched ahead and before any other host work of the boundary; then
+(after_step):
   Heartbeat       the watchdog sees the step done;
   RecordSamples   (debug.record_samples) the images just trained on;
   FaultInjection  a test's fault fires after a step, like a real one;

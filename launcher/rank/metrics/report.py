@@ -51,7 +51,8 @@ def rank_report(*, rank: int, device, meter, monitor, net, loss_items: dict | No
         "rank": rank,
         "device": str(device),
         "images_per_s": m.images_per_s,
-        "data_wait": m.data_wait,
+        "data_wait": m.data_wait,  # the GPU idle while the host waited for batches (metrics/meter.py)
+        "host_wait": m.host_wait,  # the host's wait for batches in all, the GPU busy or not
         # loader.augment_on=gpu: elapsed on the preparing stream per image, decode to augmented batch (an upper bound
         # of its GPU cost: it includes waits behind the step); None for the CPU input
         "input_gpu_ms_per_image": input_gpu_ms,
@@ -99,6 +100,7 @@ def summary(*, plan, state, epochs: int, reports: list[dict], weights, last, run
         "steps_measured": min(r["steps_measured"] for r in reports),
         "images": plan.images,  # per split: usable and dropped images, and why (the plan's check, inputs/labels.py)
         "data_wait": max(r["data_wait"] for r in reports),  # the worst-fed rank sets the pace
+        "host_wait": max(r["host_wait"] for r in reports),
         "gpu_util": min(utils) if utils else None,  # the least busy GPU
         **{key: max((r[key] for r in reports if r.get(key) is not None), default=None)  # the fullest GPU
            for key in ("memory_peak_reserved_gib", "memory_peak_allocated_gib", "memory_peak_gib",

@@ -99,6 +99,12 @@ class Timed(Hook):
     def before_step(self, loop: TrainLoop) -> None:
         self.hook.before_step(loop)
 
+    def before_launch(self, loop: TrainLoop) -> None:
+        self.hook.before_launch(loop)
+
+    def after_launch(self, loop: TrainLoop) -> None:
+        self.hook.after_launch(loop)
+
     def after_step(self, loop: TrainLoop) -> None:
         self.hook.after_step(loop)
 

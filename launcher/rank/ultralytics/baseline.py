@@ -46,17 +46,17 @@ def run(cell_dir: Path) -> dict:
     monitor = GpuMonitor([0]) if on_gpu else None
     # stamped as ddp-launch's cells are (train.steps_in_flight), so the meter costs both sides the same
     meter = StepMeter(device, skip_steps=warmup, monitor=monitor, in_flight=train.get("steps_in_flight", 1))
-    state = {"n": 0, "cpu": None, "cpu_end": None, "asked": 0.0, "wait": 0.0}
+    state = {"n": 0, "cpu": None, "cpu_end": None, "asked": 0.0}
 
     def ask(trainer):  # the loop asks its loader for the next batch
         meter.begin_step()
         state["asked"] = time.perf_counter()
 
     def batch_start(trainer):  # the batch is on the host; Ultralytics copies it to the GPU inside its step
-        state["wait"] = time.perf_counter() - state["asked"]
+        meter.batch_ready(time.perf_counter() - state["asked"])
 
     def batch_end(trainer):
-        meter.end_step(int(trainer.batch_size), state["wait"])
+        meter.end_step(int(trainer.batch_size))
         state["n"] += 1
         if state["n"] == warmup:
             state["cpu"] = psutil.cpu_times()
@@ -103,6 +103,7 @@ def run(cell_dir: Path) -> dict:
         "rank": 0,
         "images_per_s": m.images_per_s,
         "data_wait": m.data_wait,
+        "host_wait": m.host_wait,
         "steps_measured": m.steps_measured,
         "step_ms": m.step_ms,
         "gpus": gpus,

@@ -50,7 +50,7 @@ class Stamps:
         self.stamps: dict[str, float] = {"module_start": MODULE_START}
         self.epochs: list[dict] = []
         self.stripped = False
-        self._asked = self._wait = 0.0
+        self._asked = 0.0
 
     def stamp(self, name: str) -> None:
         self.stamps[name] = self.clock()
@@ -79,11 +79,11 @@ class Stamps:
         self._asked = time.perf_counter()
 
     def batch_start(self, trainer) -> None:  # the batch is on the host; Ultralytics copies it inside its step
-        self._wait = time.perf_counter() - self._asked
+        self.meter.batch_ready(time.perf_counter() - self._asked)
         self.stamps.setdefault("first_step", self.clock())
 
     def batch_end(self, trainer) -> None:
-        self.meter.end_step(int(trainer.batch_size), self._wait)
+        self.meter.end_step(int(trainer.batch_size))
         self._ask()
 
     def epoch_end(self, trainer) -> None:
@@ -169,6 +169,7 @@ def run(side_dir: Path) -> dict:
         "map50": float(metrics.box.map50),
         "map50_95": float(metrics.box.map),
         "data_wait": m.data_wait if m.steps_measured else None,
+        "host_wait": m.host_wait if m.steps_measured else None,
         "images_per_s": m.images_per_s if m.steps_measured else None,
         "steps_measured": m.steps_measured,
         "gpu_util": sum(g["util_mean"] for g in gpus) / len(gpus) if gpus else None,
