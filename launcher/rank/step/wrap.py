@@ -43,6 +43,9 @@ def compiled(model: nn.Module, value) -> nn.Module:
     mode = compile_mode(value)
     if mode is None:
         return model
+    import torch._inductor.config as inductor_config  # what use_deterministic_algorithms tells it (build.seed)
+
+    inductor_config.deterministic = torch.are_deterministic_algorithms_enabled()
     return torch.compile(model, mode=mode, dynamic=False)
 
 

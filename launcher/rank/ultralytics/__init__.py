@@ -2,7 +2,7 @@
 datasets, augmentation, loss and validator; ddp-launch owns the process group, the loop, the loader and the update.
 
 Public seams used as documented: get_cfg, check_det_dataset, DetectionModel (and .load, .loss, .init_criterion),
-load_checkpoint, YOLODataset / build_yolo_dataset / build_dataloader, ModelEMA, init_seeds, strip_optimizer,
+load_checkpoint, YOLODataset / build_yolo_dataset / build_dataloader, ModelEMA, strip_optimizer,
 E2ELoss(model, loss_fn), DetectionValidator, callbacks.get_default_callbacks, YOLO (the baseline).
 
 Reaches into internals, each in one place:
@@ -17,7 +17,8 @@ Reaches into internals, each in one place:
   resize rule (the cache's pixels); InfiniteDataLoader.iterator set from torch's DataLoader._get_iterator (the
   validation loader's workers started before its first iteration, start_workers).
 - build.py: BaseTrainer.build_optimizer's parameter groups, DetectionTrainer's class weights and model attributes,
-  and the frozen-layer rule of BaseTrainer._setup_train, each re-stated; DetectionValidator._check_max_det called.
+  the frozen-layer rule of BaseTrainer._setup_train and init_seeds' switches, each re-stated;
+  DetectionValidator._check_max_det called.
 - checkpoint.py: BaseTrainer.save_model's checkpoint keys.
 - baseline.py: BaseTrainer.read_results_csv and check_amp replaced for the benchmark's baseline cell.
 - time_to_model.py: the same two for the time-to-model benchmark's Ultralytics side, and engine.trainer's

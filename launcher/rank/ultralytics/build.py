@@ -3,6 +3,8 @@ optimizer's parameter groups, built through Ultralytics' own classes and rules."
 
 from __future__ import annotations
 
+import os
+import random
 from pathlib import Path
 
 import numpy as np
@@ -14,7 +16,7 @@ from ultralytics.models.yolo.detect import DetectionValidator
 from ultralytics.nn.tasks import DetectionModel, load_checkpoint
 from ultralytics.utils import YAML
 from ultralytics.utils.checks import check_imgsz
-from ultralytics.utils.torch_utils import ModelEMA, init_seeds
+from ultralytics.utils.torch_utils import ModelEMA
 
 from launcher.plan.plan import LaunchPlan
 
@@ -74,8 +76,23 @@ def set_batch(hyp, plan: LaunchPlan) -> None:
 
 
 def seed(hyp, rank: int, world_size: int) -> None:
-    """Ultralytics' seeds and deterministic switches (seed + 1 + RANK, RANK -1 in a single process)."""
-    init_seeds(hyp.seed + 1 + (rank if world_size > 1 else -1), deterministic=hyp.deterministic)
+    """Ultralytics' seeds and deterministic switches, as its trainer sets them (init_seeds(seed + 1 + RANK), RANK -1
+    in a single process), re-stated: init_seeds switches through torch.use_deterministic_algorithms, which imports
+    torch._inductor's config to pass the switch on to torch.compile, 1-2 s of the rank's start-up for a module only
+    train.compile uses (step/wrap.py passes it on there)."""
+    value = hyp.seed + 1 + (rank if world_size > 1 else -1)
+    random.seed(value)
+    np.random.seed(value)
+    torch.manual_seed(value)  # every device's generator too
+    on = bool(hyp.deterministic)
+    torch._C._set_deterministic_algorithms(on, warn_only=on)  # use_deterministic_algorithms(on, warn_only=on)
+    torch.backends.cudnn.deterministic = on
+    torch.utils.deterministic.fill_uninitialized_memory = not on  # Ultralytics skips the fill of every new tensor
+    for key, setting in (("CUBLAS_WORKSPACE_CONFIG", ":4096:8"), ("PYTHONHASHSEED", str(value))):
+        if on:
+            os.environ[key] = setting
+        else:
+            os.environ.pop(key, None)
 
 
 def save_args(hyp, run_dir: Path) -> None:
