@@ -462,3 +462,27 @@ def test_the_captured_whole_step_takes_the_eager_steps_and_never_waits_for_the_g
         updates.append(_flat(model) - before)
     _assert_graph_update_is_eager(updates)
 
+
+
+def test_a_checkpoint_of_device_state_reaches_the_host_equal_in_a_copy_per_dtype(tmp_path):
+    """Checkpointer.snapshot moves the model's, the optimizer's and the EMA module's tensors in one copy per dtype
+    (state.host_copies): every value equal to its own copy to the host, every tensor on the host."""
+    import copy
+
+    from launcher.rank.checkpoint_io import RESUME_KEY
+    from launcher.rank.state import Checkpointer
+
+    net = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8)).cuda()
+    net = net.to(memory_format=torch.channels_last)
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    net(torch.randn(2, 3, 8, 8, device="cuda")).sum().backward()
+    optimizer.step()
+    ema = copy.deepcopy(net).half()
+    snapshot = Checkpointer(tmp_path, {"model": net, "optimizer": optimizer}, lambda: {"ema": ema}).snapshot()
+    resume = snapshot[RESUME_KEY]
+    for name, value in net.state_dict().items():
+        assert resume["model"][name].device.type == "cpu" and torch.equal(resume["model"][name], value.cpu())
+    for i, state in optimizer.state_dict()["state"].items():
+        assert torch.equal(resume["optimizer"]["state"][i]["momentum_buffer"], state["momentum_buffer"].cpu())
+    assert all(t.device.type == "cpu" and t.dtype == torch.half for t in snapshot["ema"].state_dict().values()
+               if t.is_floating_point())
