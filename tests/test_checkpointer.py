@@ -85,21 +85,3 @@ def test_a_write_that_fails_in_the_background_is_raised_by_the_next_wait_and_kee
     assert saved(tmp_path / "weights" / "last.pt")["epoch"] == 0
     ckpt.save(wait=True)
     assert saved(tmp_path / "weights" / "last.pt")["epoch"] == 3
-
-
-def test_the_host_copies_of_many_tensors_are_equal_and_each_its_own():
-    """The device's tensors cross to the host in one copy per dtype and are split there (state.host_copies); each
-    copy must equal its tensor, whatever its layout, and own its storage: a view of the shared buffer would save the
-    whole buffer (the optimizer's state too) into the stripped weights."""
-    from launcher.rank.state import host_copies
-
-    tensors = [torch.randn(4, 3, 2, 2).to(memory_format=torch.channels_last), torch.randn(5, 7).t(),
-               torch.randn(6).half(), torch.arange(9), torch.rand(3) > 0.5, torch.randn(3, 0), torch.tensor(2.5)]
-    copies = host_copies(tensors)
-    assert len(copies) == len(tensors)
-    for t in tensors:
-        c = copies[id(t)]
-        assert c.dtype == t.dtype and c.shape == t.shape and torch.equal(c, t)
-        assert c.untyped_storage().nbytes() == t.numel() * t.element_size()
-    tensors[0].add_(1)  # the steps that follow change the originals, never the copies
-    assert not torch.equal(copies[id(tensors[0])], tensors[0])

@@ -463,10 +463,9 @@ def test_the_captured_whole_step_takes_the_eager_steps_and_never_waits_for_the_g
     _assert_graph_update_is_eager(updates)
 
 
-
-def test_a_checkpoint_of_device_state_reaches_the_host_equal_in_a_copy_per_dtype(tmp_path):
-    """Checkpointer.snapshot moves the model's, the optimizer's and the EMA module's tensors in one copy per dtype
-    (state.host_copies): every value equal to its own copy to the host, every tensor on the host."""
+def test_a_checkpoint_of_device_state_reaches_the_host_equal(tmp_path):
+    """Checkpointer.snapshot copies the model's, the optimizer's and the EMA module's tensors to the host: every value
+    equal to its tensor's, every tensor on the host, the EMA in half precision."""
     import copy
 
     from launcher.rank.checkpoint_io import RESUME_KEY

@@ -162,57 +162,17 @@ class Checkpointer:
 
 
 def _on_host(obj):
-    """`obj` with every tensor (and module) copied to the host: the checkpoint's own, whatever the steps do next.
-
-    The device's tensors cross in one copy per dtype (`host_copies`): a checkpoint holds about 1,500 of them (the
-    model, the EMA twice, the optimizer's state), and a synchronous copy each was the epoch boundary's largest part.
-    """
-    return _replaced(obj, host_copies(_device_tensors(obj, [])))
-
-
-def host_copies(tensors: list[torch.Tensor]) -> dict[int, torch.Tensor]:
-    """A host copy of each device tensor, by id, each with a storage of its own: per device and dtype, the tensors
-    flattened into one buffer on the device, copied over at once, and split on the host."""
-    groups: dict[tuple, dict[int, torch.Tensor]] = {}
-    for t in tensors:
-        groups.setdefault((t.device, t.dtype), {})[id(t)] = t.detach()
-    copies = {}
-    for group in groups.values():
-        flat = torch.cat([t.reshape(-1) for t in group.values()]).cpu()
-        for (key, t), part in zip(group.items(), flat.split([t.numel() for t in group.values()])):
-            copies[key] = part.view(t.shape).clone()  # its own storage: a view would save the whole buffer with it
-    return copies
-
-
-def _device_tensors(obj, found: list) -> list:
+    """`obj` with every tensor (and module) copied to the host: the checkpoint's own, whatever the steps do next."""
     if isinstance(obj, torch.Tensor):
-        if obj.device.type != "cpu":
-            found.append(obj)
-    elif isinstance(obj, torch.nn.Module):
-        found.extend(t for t in (*obj.parameters(), *obj.buffers()) if t.device.type != "cpu")
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            _device_tensors(v, found)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            _device_tensors(v, found)
-    return found
-
-
-def _replaced(obj, copies: dict[int, torch.Tensor]):
-    def host(t: torch.Tensor) -> torch.Tensor:
-        return copies[id(t)] if id(t) in copies else t.detach().to("cpu", copy=True)
-
-    if isinstance(obj, torch.Tensor):
-        return host(obj)
+        return obj.detach().to("cpu", copy=True)
     if isinstance(obj, torch.nn.Module):
-        return obj._apply(host)  # layout()'s snapshot of the EMA: a fresh copy already, moved as Module.to moves it
+        return obj.to("cpu")  # layout()'s snapshot of the EMA: a fresh copy already
     if isinstance(obj, dict):
-        return {k: _replaced(v, copies) for k, v in obj.items()}
+        return {k: _on_host(v) for k, v in obj.items()}
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a named tuple
-        return type(obj)(*(_replaced(v, copies) for v in obj))
+        return type(obj)(*(_on_host(v) for v in obj))
     if isinstance(obj, (list, tuple)):
-        return type(obj)(_replaced(v, copies) for v in obj)
+        return type(obj)(_on_host(v) for v in obj)
     return obj
 
 
