@@ -105,8 +105,8 @@ def same_weights(run_dir: Path, reference: dict) -> bool:
 
 def test_a_finished_rank_ends_with_its_own_status_and_output_whatever_the_teardown_would_do():
     """Gloo's worker threads release a finished collective's tensors lazily, and one that does so while the
-    interpreter finalizes aborts the process: 1 run in 6 of a 2-rank bench cell ended in SIGABRT after its figures
-    were written, and torchrun failed the run. The rank leaves without the teardown (an atexit abort stands for it)."""
+    interpreter finalizes aborts the process: 2 runs in 8 of a 2-rank bench cell ended in SIGABRT after its
+    figures were written, and torchrun failed the run. The rank leaves without the teardown (an atexit abort stands for it)."""
     script = ("import atexit, os, signal\n"
               "from launcher.rank import worker\n"
               "atexit.register(lambda: os.kill(os.getpid(), signal.SIGABRT))\n"

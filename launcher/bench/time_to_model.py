@@ -273,7 +273,8 @@ def run_side(side: str, seed: int, side_dir: Path, cfg: dict, model, data_yaml: 
     stamps = timeline["stamps"]
     record.update(
         map50=measured["map50"], map50_95=measured["map50_95"], data_wait=measured.get("data_wait"),
-        host_wait=measured.get("host_wait"), gpu_util=measured.get("gpu_util"), images_per_s=measured.get("images_per_s"),
+        host_wait=measured.get("host_wait"), gpu_util=measured.get("gpu_util"),
+        images_per_s=measured.get("images_per_s"),
         run_dir=str(side_dir / ("ultralytics" if side == "ultralytics" else "run")),
         **breakdown(started, timeline),
         process_s=exited - started,
