@@ -118,11 +118,12 @@ class DetectionLoss(v8DetectionLoss):
             out[..., 1:5] = xywh2xyxy(out[..., 1:5].mul_(scale_tensor))
         return out
 
-    def padded_targets(self, batch: dict, n: int) -> torch.Tensor:
-        """The batch's targets as the loss reads them, padded to `n` per image (at least the batch's largest count):
-        (images, n, 5) rows of class and xyxy box in pixels, zero rows after each image's own. Zero rows are masked
-        out of the assignment, so any `n` gives the same loss; a fixed `n` gives the step fixed shapes (its CUDA
-        graph, rank/step/captured_step.py). In the batch under PADDED_TARGETS the loss takes them as they are."""
+    def padded_targets(self, batch: dict, n: int | None) -> torch.Tensor:
+        """The batch's targets as the loss reads them, padded to `n` per image (at least the batch's largest count;
+        None: Ultralytics' own count, a sync): (images, n, 5) rows of class and xyxy box in pixels, zero rows after
+        each image's own. Zero rows are masked out of the assignment, so any `n` gives the same loss; a fixed `n`
+        gives the step fixed shapes (its CUDA graph, rank/step/captured_step.py). In the batch under PADDED_TARGETS
+        the loss takes them as they are."""
         img = batch["img"]
         key = (tuple(img.shape[2:]), img.device)
         if key not in self._scales:  # (w, h, w, h), made once per image size: no copy to the device per step
@@ -147,22 +148,15 @@ class DetectionLoss(v8DetectionLoss):
 
     def get_assigned_targets_and_loss(self, preds: dict, batch: dict, **assign_kwargs) -> tuple:
         """Ultralytics 8.4.190's method with the global normaliser, the host's target count and the cached grid."""
-        self._max_targets = batch.get(MAX_TARGETS)
         loss = torch.zeros(3, device=self.device)  # box, cls, dfl
         pred_distri, pred_scores = (
             preds["boxes"].permute(0, 2, 1).contiguous(),
             preds["scores"].permute(0, 2, 1).contiguous(),
         )
         dtype = pred_scores.dtype
-        batch_size = pred_scores.shape[0]
         anchor_points, stride_tensor, imgsz = self._grid(preds["feats"], dtype)
 
-        if PADDED_TARGETS in batch:
-            targets = batch[PADDED_TARGETS]
-        else:
-            targets = torch.cat((batch["batch_idx"].view(-1, 1), batch["cls"].view(-1, 1), batch["bboxes"]), 1)
-            scale = imgsz.flip(0).repeat(2)  # (w, h, w, h): imgsz[[1, 0, 1, 0]] without copying an index to the GPU
-            targets = self.preprocess(targets.to(self.device), batch_size, scale_tensor=scale)
+        targets = batch[PADDED_TARGETS] if PADDED_TARGETS in batch else self.padded_targets(batch, batch.get(MAX_TARGETS))
         gt_labels, gt_bboxes = targets.split((1, 4), 2)  # cls, xyxy
         mask_gt = gt_bboxes.sum(2, keepdim=True).gt_(0.0)
 
