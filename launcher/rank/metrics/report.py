@@ -100,7 +100,7 @@ def summary(*, plan, state, epochs: int, reports: list[dict], weights, last, run
         "steps_measured": min(r["steps_measured"] for r in reports),
         "images": plan.images,  # per split: usable and dropped images, and why (the plan's check, inputs/labels.py)
         "data_wait": max(r["data_wait"] for r in reports),  # the worst-fed rank sets the pace
-        "host_wait": max(r["host_wait"] for r in reports),
+        "host_wait": max((r["host_wait"] for r in reports if r.get("host_wait") is not None), default=None),
         "gpu_util": min(utils) if utils else None,  # the least busy GPU
         **{key: max((r[key] for r in reports if r.get(key) is not None), default=None)  # the fullest GPU
            for key in ("memory_peak_reserved_gib", "memory_peak_allocated_gib", "memory_peak_gib",
