@@ -27,7 +27,8 @@ class Counter:
 def checkpointer(tmp_path, before_write=lambda path: None):
     net, counter = torch.nn.Linear(2, 2), Counter()
     ckpt = Checkpointer(tmp_path / "weights", {"model": net, "counter": counter},
-                        lambda: {"ema": torch.nn.Linear(2, 2), "epoch": int(counter.value[0])}, before_write)
+                        lambda: {"epoch": int(counter.value[0])}, before_write,
+                        complete=lambda checkpoint: {**checkpoint, "ema": torch.nn.Linear(2, 2)})
     return ckpt, net, counter
 
 
@@ -85,3 +86,61 @@ def test_a_write_that_fails_in_the_background_is_raised_by_the_next_wait_and_kee
     assert saved(tmp_path / "weights" / "last.pt")["epoch"] == 0
     ckpt.save(wait=True)
     assert saved(tmp_path / "weights" / "last.pt")["epoch"] == 3
+
+
+def test_a_module_in_the_layout_is_refused_rather_than_saved_live(tmp_path):
+    ckpt = Checkpointer(tmp_path, {}, lambda: {"ema": torch.nn.Linear(2, 2)})
+    with pytest.raises(TypeError, match="a module at ema cannot be copied"):
+        ckpt.save(wait=True)
+
+
+def ultralytics_checkpointer(tmp_path, before_write=lambda path: None):
+    """A Checkpointer with Ultralytics' layout over a small detector-like network, its EMA and SGD's momentum."""
+    from types import SimpleNamespace
+
+    from ultralytics.utils.torch_utils import ModelEMA
+
+    from launcher.rank.components import EmaState
+    from launcher.rank.ultralytics.checkpoint import Layout
+
+    net = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4))
+    net.anchors = torch.arange(6.0)  # a tensor outside the state, as Detect's anchors
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    net(torch.randn(2, 3, 8, 8)).sum().backward()
+    optimizer.step()
+    ema = ModelEMA(net)
+    ema.ema.criterion = torch.nn.MSELoss()  # Ultralytics' models keep their loss; a checkpoint does not
+    layout = Layout(ema, SimpleNamespace(imgsz=8))
+    keys = lambda: layout.keys(scaler=torch.amp.GradScaler("cuda", enabled=False), epoch=0, best_fitness=None,  # noqa: E731
+                               fitness=None, early_stop={}, metrics={}, results={})
+    components = {"model": net, "ema": EmaState(ema), "optimizer": optimizer}
+    return Checkpointer(tmp_path / "weights", components, keys, before_write, layout.complete), ema, optimizer
+
+
+def test_ultralytics_layout_saves_the_ema_in_fp16_as_it_was_at_each_save(tmp_path):
+    """The fp16 EMA model and optimizer are made in the writer thread from the save's copies: each file holds the
+    EMA and momentum of its own save (not the steps' changes after it, not the next save's), in Ultralytics' keys."""
+    release = threading.Event()
+    ckpt, ema, optimizer = ultralytics_checkpointer(tmp_path, before_write=lambda path: release.wait(10))
+    first = {k: v.clone() for k, v in ema.ema.state_dict().items()}
+    momentum = [optimizer.state[p]["momentum_buffer"].clone() for p in optimizer.param_groups[0]["params"]]
+    ckpt.save()
+    with torch.no_grad():  # the next steps change the EMA and the optimizer in place
+        for v in ema.ema.state_dict().values():
+            v.add_(1)
+        for p in optimizer.param_groups[0]["params"]:
+            optimizer.state[p]["momentum_buffer"].add_(1)
+    release.set()
+    ckpt.save(wait=True)
+    before, after = saved(tmp_path / "weights" / "last.prev.pt"), saved(tmp_path / "weights" / "last.pt")
+    for state, shift in ((before, 0), (after, 1)):
+        model = state["ema"]
+        assert getattr(model, "criterion", None) is None and torch.equal(model.anchors, torch.arange(6.0))
+        for name, v in model.state_dict().items():
+            assert v.dtype == (torch.half if v.is_floating_point() else first[name].dtype)
+            assert torch.equal(v, (first[name] + shift).to(v.dtype)), name
+        saved_momentum = [s["momentum_buffer"] for s in state["optimizer"]["state"].values()]
+        assert all(m.dtype == torch.half and torch.equal(m, (b + shift).half()) for m, b in zip(saved_momentum, momentum))
+        resume = state[RESUME_KEY]["optimizer"]["state"]  # the resume state keeps full precision
+        assert all(s["momentum_buffer"].dtype == torch.float32 for s in resume.values())
+    assert before["ema"] is not after["ema"] and after["updates"] == ema.updates

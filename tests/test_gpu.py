@@ -464,24 +464,43 @@ def test_the_captured_whole_step_takes_the_eager_steps_and_never_waits_for_the_g
 
 
 def test_a_checkpoint_of_device_state_reaches_the_host_equal(tmp_path):
-    """Checkpointer.snapshot copies the model's, the optimizer's and the EMA module's tensors to the host: every value
-    equal to its tensor's, every tensor on the host, the EMA in half precision."""
-    import copy
+    """Checkpointer.snapshot copies the model's, the optimizer's and the EMA's tensors to the host without waiting
+    for the GPU at the save (the copies queued on the stream, read in the writer thread): every value equal to its
+    tensor's at the save, every tensor on the host; Ultralytics' EMA model in half precision, contiguous."""
+    from types import SimpleNamespace
+
+    from ultralytics.utils.torch_utils import ModelEMA
 
     from launcher.rank.checkpoint_io import RESUME_KEY
+    from launcher.rank.components import EmaState
     from launcher.rank.state import Checkpointer
+    from launcher.rank.ultralytics.checkpoint import Layout
 
     net = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8)).cuda()
     net = net.to(memory_format=torch.channels_last)
     optimizer = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
     net(torch.randn(2, 3, 8, 8, device="cuda")).sum().backward()
     optimizer.step()
-    ema = copy.deepcopy(net).half()
-    snapshot = Checkpointer(tmp_path, {"model": net, "optimizer": optimizer}, lambda: {"ema": ema}).snapshot()
+    ema = ModelEMA(net)
+    layout = Layout(ema, SimpleNamespace())
+    keys = lambda: layout.keys(scaler=torch.amp.GradScaler("cuda"), epoch=0, best_fitness=None, fitness=None,  # noqa: E731
+                               early_stop={}, metrics={}, results={})
+    ckpt = Checkpointer(tmp_path, {"model": net, "ema": EmaState(ema), "optimizer": optimizer}, keys,
+                        complete=layout.complete)
+    expected = {k: v.clone() for k, v in net.state_dict().items()}
+    taken = ckpt._take()
+    torch.cuda._sleep(50_000_000)  # the GPU busy for a while after the save (the next steps' kernels)
+    with torch.no_grad():
+        for v in net.state_dict().values():
+            v.add_(1)  # queued after the copies: none of them sees it
+    ckpt._host.ready()
+    snapshot = layout.complete(taken)
     resume = snapshot[RESUME_KEY]
-    for name, value in net.state_dict().items():
+    for name, value in expected.items():
         assert resume["model"][name].device.type == "cpu" and torch.equal(resume["model"][name], value.cpu())
     for i, state in optimizer.state_dict()["state"].items():
         assert torch.equal(resume["optimizer"]["state"][i]["momentum_buffer"], state["momentum_buffer"].cpu())
-    assert all(t.device.type == "cpu" and t.dtype == torch.half for t in snapshot["ema"].state_dict().values()
-               if t.is_floating_point())
+    for name, v in snapshot["ema"].state_dict().items():
+        assert v.device.type == "cpu" and v.is_contiguous()
+        assert torch.equal(v, ema.ema.state_dict()[name].to("cpu", v.dtype)) and (v.dtype == torch.half) == v.is_floating_point()
+    assert snapshot["scaler"]["scale"] == 65536.0

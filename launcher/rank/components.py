@@ -202,10 +202,11 @@ class Rank:
     def log(self, msg: str) -> None:
         print(f"[rank {self.rank}] {msg}", flush=True)
 
-    def checkpointer(self, layout, extra: dict | None = None) -> Checkpointer:
-        """The checkpointer over every component (and `extra` ones: the early stop's memory)."""
+    def checkpointer(self, layout, complete, extra: dict | None = None) -> Checkpointer:
+        """The checkpointer over every component (and `extra` ones: the early stop's memory); `layout` and
+        `complete` give Ultralytics' keys (ultralytics/checkpoint.py's Layout)."""
         return Checkpointer(self.folder.weights, {**self.components, **(extra or {})}, layout,
-                            before_write=self.faults.at_checkpoint_write)
+                            before_write=self.faults.at_checkpoint_write, complete=complete)
 
     def restore(self, checkpointer: Checkpointer) -> None:
         """Continue where the checkpoint stopped: every component's state; a resume at another world size starts

@@ -80,7 +80,9 @@ def train(cfg: dict, plan: LaunchPlan, folder: RunFolder, stamps: dict | None = 
         train_cfg, state = cfg["train"], r.state
         meter, monitor = _meter(r, METER_SKIP_STEPS)
         early_stop = h.EarlyStop(int(train_cfg["patience"]), r.log)
-        checkpointer = r.checkpointer(lambda: _layout(r, early_stop), extra={"early_stop": early_stop})
+        layout = checkpoint.Layout(r.ema, r.hyp)
+        checkpointer = r.checkpointer(lambda: _layout(r, layout, early_stop), layout.complete,
+                                      extra={"early_stop": early_stop})
         r.restore(checkpointer)
         samples = h.RecordSamples() if cfg.get("debug", {}).get("record_samples") else None
         epochs, on_rank0 = int(train_cfg["epochs"]), r.rank == 0
@@ -209,13 +211,12 @@ def _best_weights(r: Rank, checkpointer):
     return checkpoint.ema_weights(checkpoint_io.load(best)) if best.exists() else None
 
 
-def _layout(r: Rank, early_stop: h.EarlyStop) -> dict:
+def _layout(r: Rank, layout: checkpoint.Layout, early_stop: h.EarlyStop) -> dict:
     s = r.state
     epoch, step = s.position
-    return checkpoint.layout(ema=r.ema, optimizer=r.optimizer, scaler=r.scaler, hyp=r.hyp,
-                             epoch=epoch - 1 if step == 0 else epoch, best_fitness=s.best_fitness, fitness=s.fitness,
-                             early_stop=early_stop.state_dict(), metrics=s.metrics,
-                             results=results.read_columns(r.folder.path / "results.csv"))
+    return layout.keys(scaler=r.scaler, epoch=epoch - 1 if step == 0 else epoch, best_fitness=s.best_fitness,
+                       fitness=s.fitness, early_stop=early_stop.state_dict(), metrics=s.metrics,
+                       results=results.read_columns(r.folder.path / "results.csv"))
 
 
 def _strip(r: Rank) -> None:
