@@ -52,7 +52,7 @@ def main() -> None:
                            groups={g: GROUPS[g] for g in ("model", "data", "launcher", "experiment")}, files=[(conf / "config.yaml", "")]):
         return
     if warm_torchrun.enabled() and warm_torchrun.wanted(sys.argv[1:]):  # torchrun's imports overlap the planning
-        warm_torchrun.warm.start(preexec_fn=torchrun.parent_death_signal())
+        warm_torchrun.warm.start(warm_torchrun.startup_environment(sys.argv[1:]), torchrun.parent_death_signal())
     try:
         _hydra_entry()
     finally:

@@ -7,15 +7,10 @@ Paste it into a bug report: library versions, GPUs and their links, cores, memor
 from __future__ import annotations
 
 import argparse
-import os
 from pathlib import Path
 
 from launcher.machine.report import report
-
-
-def default_cache() -> Path:
-    """paths.cache as conf/config.yaml defaults it: DDP_LAUNCH_CACHE, else ~/.cache/ddp-launch."""
-    return Path(os.environ.get("DDP_LAUNCH_CACHE") or Path(os.environ.get("HOME", "/tmp")) / ".cache" / "ddp-launch")
+from launcher.plan.environment import default_cache
 
 
 def clear_cache(cache: Path) -> list[str]:

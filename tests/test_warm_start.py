@@ -6,7 +6,9 @@ from __future__ import annotations
 import os
 import sys
 
-from launcher.launch.warm_torchrun import WarmTorchrun, enabled, wanted
+import pytest
+
+from launcher.launch.warm_torchrun import WarmTorchrun, enabled, startup_environment, wanted
 
 
 def test_the_warm_torchrun_runs_the_command_with_exactly_the_environment_given(tmp_path):
@@ -47,3 +49,33 @@ def test_an_unneeded_warm_torchrun_exits_and_info_commands_start_none(monkeypatc
     assert not enabled()  # opt-in (warm_torchrun.py says why)
     monkeypatch.setenv("DDP_LAUNCH_WARM_START", "1")
     assert enabled()
+
+
+def test_a_warm_torchrun_started_with_other_python_variables_than_the_plans_is_not_used(tmp_path):
+    """Python reads PYTHON* (the bytecode folder) as it starts: a warm torchrun started with other values than the
+    plan's would run the ranks' torchrun differently (compiling torch again), so a fresh one is started instead."""
+    warm = WarmTorchrun()
+    warm.start({"PYTHONPYCACHEPREFIX": str(tmp_path / "guessed")})
+    proc = warm.proc
+    env = {**os.environ, "PYTHONPYCACHEPREFIX": str(tmp_path / "planned")}
+    assert warm.take([sys.executable, "-m", "torch.distributed.run", "--standalone"], env) is None
+    assert proc.poll() is not None
+
+
+@pytest.mark.parametrize("overrides", [[], ["paths.cache=/data/cache"], ["paths.bytecode=/fast/pyc"],
+                                       ["paths.bytecode=null"]], ids=["defaults", "cache", "folder", "off"])
+def test_the_warm_torchruns_python_variables_are_the_plans_on_a_machine_whose_torch_keeps_no_bytecode(overrides):
+    """The guess made before Hydra composes equals what the plan sets (the H200 machine's case: torch's install
+    holds no bytecode, so the plan keeps it under the cache), so the warm torchrun is the one used."""
+    from dataclasses import replace
+    from unittest import mock
+
+    from launcher.plan.plan import make_plan
+    from tests.conftest import compose_config
+    from tests.test_plan import GPU_BOX
+
+    plan, _ = make_plan(compose_config(["gpus=1", *overrides]), replace(GPU_BOX, bytecode_kept=False), None)
+    with mock.patch("launcher.machine.hardware.bytecode_kept", return_value=False):
+        guessed = startup_environment(["gpus=1", *overrides])
+    planned = {k: v for k, v in plan.env.items() if k.startswith("PYTHON")}
+    assert {k: v for k, v in guessed.items() if v} == {k: v for k, v in planned.items() if v}

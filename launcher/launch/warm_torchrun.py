@@ -7,12 +7,17 @@ for the command line and environment that run_torchrun would have given a fresh 
 launch that needs no torchrun (a dry run, a refused plan, a SLURM submission) closes its stdin, and it exits without
 a word; a launcher that dies takes it along (the parent-death signal, as for any torchrun it starts).
 
-Two differences from a torchrun started afresh: the ranks' stdin is /dev/null, not the launcher's terminal (so a
-`breakpoint()` in a rank cannot be typed into), and what Python read from the environment while it started (before
-it was given the plan's) stays. Opt-in for now, with DDP_LAUNCH_WARM_START=1: the tests of the launcher's signal
-paths failed now and then in CI with it on (twice in three runs, each time another test). The SIGKILL test's
-failures are explained (the test read the logs before the ranks had written them); the SIGTERM one's is not yet,
-so until it is, torchrun starts once the plan is made, as before.
+One difference from a torchrun started afresh: the ranks' stdin is /dev/null, not the launcher's terminal (so a
+`breakpoint()` in a rank cannot be typed into). What Python reads from the environment as it starts (PYTHON*: the
+bytecode folder above all, without which torch's import compiles it again, seconds) cannot be handed over later, so
+the warm torchrun starts with the values the plan will likely set (`startup_environment`), and where the plan's
+differ a fresh torchrun is started instead.
+
+Opt-in for now, with DDP_LAUNCH_WARM_START=1: the tests of the launcher's signal paths failed now and then with it
+on (in CI twice in three runs, each time another test; on 2026-12-03 the SIGHUP and the SIGTERM tests once each in
+the first three runs of the four signal tests on a loaded 2-core machine, then none in the next 15 runs). The
+SIGKILL test's failures are explained (the test read the logs before the ranks had written them); the others are
+not yet, so until they are, torchrun starts once the plan is made, as before.
 """
 
 from __future__ import annotations
@@ -22,12 +27,31 @@ import os
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 TORCHRUN = ["-m", "torch.distributed.run"]
 SWITCH = "DDP_LAUNCH_WARM_START"
 
 
 INFO_FLAGS = ("--help", "-h", "--hydra-help", "--cfg", "-c", "--info", "-i", "--shell-completion", "-sc")
+
+
+def startup_environment(argv: list[str]) -> dict[str, str]:
+    """The PYTHON* variables the plan's environment will set (plan.py: the ranks' bytecode folder, unbuffered output),
+    guessed before Hydra composes, from conf/config.yaml's defaults and the command line's `paths.cache=` and
+    `paths.bytecode=` (an experiment that sets them makes the guess wrong, and take() start a fresh torchrun)."""
+    from launcher.machine.hardware import bytecode_kept  # the launcher's modules: not in the warm torchrun's own start
+    from launcher.plan.environment import bytecode_environment, default_cache
+
+    given = dict(a.split("=", 1) for a in argv if a.startswith(("paths.cache=", "paths.bytecode=")))
+    cache = Path(given.get("paths.cache") or default_cache()).expanduser()
+    setting = given.get("paths.bytecode", "auto")
+    setting = {"null": None, "false": False}.get(setting.lower(), setting)  # as Hydra reads them
+    return {"PYTHONUNBUFFERED": "1", **bytecode_environment(setting, cache, bytecode_kept())}
+
+
+def _python_startup(env: dict[str, str]) -> dict[str, str]:
+    return {k: v for k, v in env.items() if k.startswith("PYTHON") and v}  # empty: unset, to Python
 
 
 def enabled() -> bool:
@@ -45,20 +69,25 @@ class WarmTorchrun:
 
     def __init__(self) -> None:
         self.proc: subprocess.Popen | None = None
+        self._startup: dict[str, str] = {}  # the PYTHON* variables it started with
 
-    def start(self, preexec_fn=None) -> None:
+    def start(self, startup: dict[str, str] | None = None, preexec_fn=None) -> None:
+        """`startup`: the variables Python reads as it starts, over the launcher's (startup_environment)."""
         if self.proc is not None:
             return
+        env = {**os.environ, **(startup or {})}
+        self._startup = _python_startup(env)
         self.proc = subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     start_new_session=True, preexec_fn=preexec_fn)
+                                     start_new_session=True, preexec_fn=preexec_fn, env=env)
 
     def take(self, cmd: list[str], env: dict[str, str]) -> subprocess.Popen | None:
         """The started torchrun, running `cmd` (`python -m torch.distributed.run ...`) with exactly `env` as its
-        environment; None when there is none, or `cmd` is not a torchrun of this Python."""
+        environment; None when there is none, `cmd` is not a torchrun of this Python, or `env`'s PYTHON* variables
+        are not those it started with."""
         proc, self.proc = self.proc, None
         if proc is None:
             return None
-        if cmd[:3] != [sys.executable, *TORCHRUN] or proc.poll() is not None:
+        if cmd[:3] != [sys.executable, *TORCHRUN] or proc.poll() is not None or _python_startup(env) != self._startup:
             _discard(proc)
             return None
         try:

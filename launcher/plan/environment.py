@@ -6,6 +6,7 @@ it on). The files the offline settings point at are written by launch/ultralytic
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 # NCCL_DEBUG levels users set; VERSION only prints the version line.
@@ -35,6 +36,11 @@ def offline_environment(cache_dir: Path) -> dict[str, str]:
 
 
 BYTECODE_OFF = (None, False, "off")  # paths.bytecode values that leave Python's own way
+
+
+def default_cache() -> Path:
+    """paths.cache as conf/config.yaml defaults it: DDP_LAUNCH_CACHE, else ~/.cache/ddp-launch."""
+    return Path(os.environ.get("DDP_LAUNCH_CACHE") or Path(os.environ.get("HOME", "/tmp")) / ".cache" / "ddp-launch")
 
 
 def bytecode_environment(setting, cache_dir: Path, kept: bool) -> dict[str, str]:
