@@ -38,17 +38,17 @@ INFO_FLAGS = ("--help", "-h", "--hydra-help", "--cfg", "-c", "--info", "-i", "--
 
 
 def startup_environment(argv: list[str]) -> dict[str, str]:
-    """The PYTHON* variables the plan's environment will set (plan.py: the ranks' bytecode folder, unbuffered output),
+    """The PYTHON* variables the plan's environment will set (environment.interpreter_environment),
     guessed before Hydra composes, from conf/config.yaml's defaults and the command line's `paths.cache=` and
     `paths.bytecode=` (an experiment that sets them makes the guess wrong, and take() start a fresh torchrun)."""
     from launcher.machine.hardware import bytecode_kept  # the launcher's modules: not in the warm torchrun's own start
-    from launcher.plan.environment import bytecode_environment, default_cache
+    from launcher.plan.environment import bytecode_environment, default_cache, interpreter_environment
 
     given = dict(a.split("=", 1) for a in argv if a.startswith(("paths.cache=", "paths.bytecode=")))
     cache = Path(given.get("paths.cache") or default_cache()).expanduser()
     setting = given.get("paths.bytecode", "auto")
     setting = {"null": None, "false": False}.get(setting.lower(), setting)  # as Hydra reads them
-    return {"PYTHONUNBUFFERED": "1", **bytecode_environment(setting, cache, bytecode_kept())}
+    return interpreter_environment(bytecode_environment(setting, cache, bytecode_kept()))
 
 
 def _python_startup(env: dict[str, str]) -> dict[str, str]:

@@ -55,6 +55,12 @@ def bytecode_environment(setting, cache_dir: Path, kept: bool) -> dict[str, str]
     return {"PYTHONPYCACHEPREFIX": str(folder), "PYTHONDONTWRITEBYTECODE": ""}  # empty: unset, to Python
 
 
+def interpreter_environment(bytecode: dict[str, str]) -> dict[str, str]:
+    """The PYTHON* variables torchrun's and the ranks' interpreters start with (Python reads them only at its start:
+    the warm torchrun, started before the plan, guesses them with this too): unbuffered output, `bytecode`'s folder."""
+    return {**bytecode, "PYTHONUNBUFFERED": "1"}
+
+
 def thread_environment(threads_per_rank: int) -> dict[str, str]:
     """One rank's share of the cores for its math libraries; DataLoader workers drop to one thread each."""
     n = str(max(1, threads_per_rank))

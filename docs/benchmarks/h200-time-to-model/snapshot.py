@@ -84,7 +84,7 @@ def main(rounds: int, device: str) -> None:
         times["deepcopy"].append(old)
         times["queued"].append(queued)
         times["writer"].append(writer)
-    tensors = sum(1 for v in on_host(ckpt._take()[RESUME_KEY]).values() for _ in _leaves(v))
+    tensors = sum(1 for _ in _leaves({name: c.state_dict() for name, c in components.items()}))
     result = {k: round(statistics.median(v) * 1e3, 1) for k, v in times.items()}
     result.update(rounds=rounds, resume_tensors=tensors, device=torch.cuda.get_device_name() if device == "cuda" else "cpu",
                   torch=torch.__version__)
