@@ -195,6 +195,29 @@ def test_nvjpeg_decodes_what_the_cpu_decodes_and_names_what_it_cannot(tmp_path):
         assert (images[i].cpu().float() - cpu.float()).abs().mean() < 2.0
 
 
+def test_nvjpeg_warmed_on_a_thread_beside_the_set_up_leaves_the_graph_capture_after_it_valid():
+    """rank/prewarm.py: the warm-up's decode on its own thread ends without error, and a CUDA graph captured after
+    the join replays what the eager computation gives."""
+    from launcher.rank.prewarm import Prewarm
+
+    logged = []
+    prewarm = Prewarm(torch.device("cuda", 0), decode_batch=8, log=logged.append).start()
+    x = torch.randn(64, 64, device="cuda")  # the set-up's own CUDA work, beside it
+    prewarm.join()
+    assert prewarm.error is None and not logged and prewarm.seconds > 0
+    graph, static = torch.cuda.CUDAGraph(), torch.zeros_like(x)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        (static @ static).relu()  # warm-up before capture, as torch.cuda.graph's users do
+    torch.cuda.current_stream().wait_stream(side)
+    with torch.cuda.graph(graph):
+        out = (static @ static).relu()
+    static.copy_(x)
+    graph.replay()
+    torch.testing.assert_close(out, (x @ x).relu())
+
+
 @pytest.mark.parametrize("model", ["yolo11n", "yolo26n"])
 def test_cuda_graphs_capture_the_other_shipped_model_families(tmp_path, cache_dir, model):
     """train.cuda_graphs=auto is the default on GPUs: the other families are captured too, not left to the eager

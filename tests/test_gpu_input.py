@@ -389,3 +389,23 @@ def test_the_batch_tables_go_up_in_one_copy_each_where_it_was():
         for a, t in zip(arrays, moved):
             assert t.device.type == device.type and t.shape == a.shape
             assert np.array_equal(t.cpu().numpy(), a)
+
+
+def test_a_failed_nvjpeg_warm_up_is_logged_once_and_stops_nothing(monkeypatch):
+    """rank/prewarm.py: the warm-up's error reaches the log at the join, once, and the set-up goes on; on the CPU, or
+    with no JPEG decoded on the device, no thread starts."""
+    from launcher.rank import prewarm
+
+    def refused(device, batch):
+        raise RuntimeError("nvJPEG is not available")
+
+    monkeypatch.setattr(prewarm, "nvjpeg_warm_up", refused)
+    logged = []
+    warm = prewarm.Prewarm(torch.device("cuda", 0), decode_batch=4, log=logged.append).start()
+    warm.join()
+    warm.join()
+    assert len(logged) == 1 and "nvJPEG is not available" in logged[0] and "first batch" in logged[0]
+    for device, batch in (("cpu", 4), ("cuda", 0)):
+        idle = prewarm.Prewarm(torch.device(device), decode_batch=batch).start()
+        idle.join()
+        assert idle.seconds is None

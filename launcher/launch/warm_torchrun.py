@@ -16,9 +16,10 @@ differ a fresh torchrun is started instead.
 Opt-in for now, with DDP_LAUNCH_WARM_START=1: the tests of the launcher's signal paths failed now and then with it
 on (in CI twice in three runs, each time another test; on 2026-12-03 the SIGHUP and the SIGTERM tests once each in
 the first three runs of the four signal tests on a loaded 2-core machine, their output not kept; then none in 6
-more runs of the four and 10 of those two alone, beside one or two busy-loop processes). The
-SIGKILL test's failures are explained (the test read the logs before the ranks had written them); the others are
-not yet, so until they are, torchrun starts once the plan is made, as before.
+more runs of the four and 10 of those two alone, beside one or two busy-loop processes; later that day none in 8
+more runs of the four beside the 2-rank equivalence tests, full output kept, nor in a run of all of
+tests/test_faults.py). The SIGKILL test's failures are explained (the test read the logs before the ranks had
+written them); the others are not yet, so until they are, torchrun starts once the plan is made, as before.
 """
 
 from __future__ import annotations

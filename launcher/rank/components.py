@@ -1,5 +1,6 @@
 """What a rank builds before its first step, in the order it must be built (each line says why it stands there):
 
+0. nvJPEG's warm-up, on a thread beside everything up to 5 (prewarm.py), joined before any graph is captured;
 1. the node-shared image cache, before the process group (its build may outlast dist.timeout_s: nobody waits for it
    in a timed barrier);
    with train.batch_per_device=auto, this GPU's largest batch, measured before the process group too (the loss's
@@ -41,6 +42,7 @@ from launcher.rank.data.sampler import EpochBatchSampler, EpochSeededDataset, mo
 from launcher.rank.dist import Comm, rank_info
 from launcher.rank.faults import FaultInjector
 from launcher.rank.heartbeat import Heartbeat, NoHeartbeat
+from launcher.rank.prewarm import Prewarm
 from launcher.rank.state import Checkpointer, TrainState, upgrade
 from launcher.rank.step import auto_batch
 from launcher.rank.step.captured_step import CapturedStep, uses_captured_step
@@ -86,6 +88,11 @@ class Rank:
             torch.cuda.set_device(self.device)
             torch.empty(1, device=self.device)  # the driver and the CUDA context, made here to be timed as their own part
         self._stamp("cuda_init")
+        # nvJPEG's start on a thread, joined before any graph capture (prewarm.py)
+        decode_batch = (plan.batch_per_rank or 64) if plan.augment_on == "gpu" else 0  # (auto: not measured yet)
+        self.prewarm = Prewarm(self.device, decode_batch=decode_batch, log=self.log).start()
+        if self.prewarm.started:
+            self._stamp("torchvision_import")  # start() imported it, on this thread
         self.faults = FaultInjector.from_env(self.rank)
         self.hyp = build.hyperparameters(cfg, plan, folder.path, self.local_rank)
         torch.set_num_threads(plan.threads_per_rank)  # importing Ultralytics changed it
@@ -99,6 +106,8 @@ class Rank:
 
         # 1. the node's image cache, before the process group; the batch this GPU takes (train.batch_per_device=auto)
         self.caches = self._image_caches() if train["cache"] == "shared" else {}
+        if plan.batch_pending:
+            self.prewarm.join()  # the probe captures graphs
         measured = self._measure_batch(validation) if plan.batch_pending else None
         self._stamp("image_cache_and_batch")
         # 2. the process group and the heartbeat; the job's batch
@@ -173,6 +182,9 @@ class Rank:
                      "loss), and not sync-free")
 
         self._stamp("optimizer_ema_loss")
+        if self.prewarm.started:
+            self.prewarm.join()
+            self._stamp("prewarm_join")
         # 6. what the step calls: the whole step captured (one GPU), or the network graphed inside DDP
         self.step = self._captured() if self._captures_step(self.net) else None
         if self.step is None:

@@ -13,7 +13,7 @@ ap_per_class; images/s = images / wall time of the pass. Both mAPs are printed; 
 (the pixels, letterbox, NMS and matching are Ultralytics').
 
 Usage (the H200 machine, from the repository root, ddp-launch installed):
-  python3 docs/benchmarks/h200-validation/run.py OUT_DIR [--val-images 800] [--imgsz 640] [--model yolov8s]
+  python3 docs/benchmarks/h200-validation/run.py OUT_DIR [--val-images 800] [--imgsz 640] [--model yolov8s] [--profile]
 Results: OUT_DIR/results.json and OUT_DIR/results.md.
 """
 
@@ -74,6 +74,32 @@ def timed(validate, passes: int) -> tuple[list[float], dict]:
     return times, metrics
 
 
+def profile(validate, out: Path) -> None:
+    """Where one pass's time goes: on the host (cProfile) and on the GPU (torch.profiler's kernel totals)."""
+    import cProfile
+    import io
+    import pstats
+
+    host = cProfile.Profile()
+    sync()
+    host.enable()
+    validate()
+    sync()
+    host.disable()
+    text = io.StringIO()
+    pstats.Stats(host, stream=text).sort_stats("cumulative").print_stats(45)
+    (out / "profile-host.txt").write_text(text.getvalue())
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        validate()
+        sync()
+    sort = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
+    (out / "profile-gpu.txt").write_text(prof.key_averages().table(sort_by=sort, row_limit=40))
+    print(f"profiled: {out / 'profile-host.txt'}, {out / 'profile-gpu.txt'}", flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("out", type=Path)
@@ -86,6 +112,9 @@ def main() -> None:
     p.add_argument("--batch", type=int, nargs="+", default=[128, 256], help="the fast engine's val.batch values")
     p.add_argument("--passes", type=int, default=5)
     p.add_argument("--workers", type=int, default=16, help="the validation loader's workers (a run: 2 x its own)")
+    p.add_argument("--profile", action="store_true",
+                   help="one more pass of the fast engine at the first batch, profiled: OUT_DIR/profile-host.txt "
+                        "(cProfile, by cumulative time) and profile-gpu.txt (torch.profiler, by GPU time)")
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     data_yaml = dataset(args.val_images, args.out)
@@ -148,6 +177,8 @@ def main() -> None:
                                "metrics": metrics})
         print(f"fast batch {batch} graphs {graphs}: {ips:.0f} images/s ({ips / base:.1f}x), preload "
               f"{fast.timing['preload_s']:.2f} s, mAP50-95 {metrics['metrics/mAP50-95(B)']:.4f}", flush=True)
+        if args.profile and (batch, graphs) == configs[0]:
+            profile(validate, args.out)
         del fast
         if device.type == "cuda":
             torch.cuda.empty_cache()
