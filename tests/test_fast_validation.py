@@ -217,18 +217,27 @@ def a_model_that_finds_objects() -> DetectionModel:
     return model
 
 
-def test_the_fast_validator_gives_what_detection_validator_gives_on_a_real_model(val_split, tmp_path):
-    """The same weights and split through both engines: metrics and validation losses equal (CPU, fp32)."""
+def test_the_fast_validator_gives_what_detection_validator_gives_on_a_real_model(val_split, tmp_path, monkeypatch):
+    """The same weights and split through both engines: metrics, validation losses and (plots on) the confusion
+    matrix equal (CPU, fp32). Nothing is drawn: Ultralytics' drawing is stubbed out, the fast one never called."""
+    from ultralytics.utils import metrics
+
+    for owner, name in [(DetectionValidator, "plot_val_samples"), (DetectionValidator, "plot_predictions"),
+                        (metrics.ConfusionMatrix, "plot"), (metrics, "plot_pr_curve"), (metrics, "plot_mc_curve")]:
+        monkeypatch.setattr(owner, name, lambda *args, **kwargs: None)
     ema = SimpleNamespace(ema=a_model_that_finds_objects())
     hyp = get_cfg(overrides={"imgsz": 64, "plots": False})
     data = {"val": str(val_split / "images" / "val"), "names": dict(enumerate(CLASSES)), "nc": NC, "channels": 3}
     loaders = [datasets.val_loader(hyp, data, 4, 32, 0, torch.device("cpu")) for _ in range(2)]
     kwargs = dict(device=torch.device("cpu"), data=data, amp=False, epoch=0, epochs=1,
                   loss_items={k: torch.zeros(()) for k in ("box_loss", "cls_loss", "dfl_loss")})
-    want, want_fitness = Validator(loaders[0], hyp, tmp_path / "a").validate(ema, Comm(), **kwargs)
+    ref = Validator(loaders[0], hyp, tmp_path / "a")
+    want, want_fitness = ref.validate(ema, Comm(), **kwargs, plots=True)
     fast = FastValidator(loaders[1], hyp, tmp_path / "b", batch=4, amp_dtype=None, cuda_graphs=False, log=print)
-    got, got_fitness = fast.validate(ema, Comm(), **kwargs)
-    again, _ = fast.validate(ema, Comm(), **kwargs)  # from the preloaded split
+    got, got_fitness = fast.validate(ema, Comm(), **kwargs, plots=True, draw=lambda what, drawing: None)
+    matrix = fast.validator.confusion_matrix.matrix.copy()
+    again, _ = fast.validate(ema, Comm(), **kwargs)  # from the preloaded split, without plots
+    assert np.array_equal(matrix, ref.validator.confusion_matrix.matrix) and matrix[:NC, :NC].sum() > 0
     assert list(got) == list(want)
     assert got == pytest.approx(want, abs=1e-4) and got_fitness == pytest.approx(want_fitness, abs=1e-4)
     assert again == got

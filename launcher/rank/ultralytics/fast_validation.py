@@ -7,8 +7,9 @@ batch on the device (rank/validate/nms.py, matching.py). What reaches the metric
 update_metrics collects, in the same layout; Ultralytics' own DetMetrics (ap_per_class), ConfusionMatrix and plotting
 compute and draw the rest, through a DetectionValidator that never runs a batch itself:
   - the PR/F1/P/R curves from DetMetrics.process(plot=True), as Ultralytics draws them;
-  - the confusion matrix from ConfusionMatrix.process_batch on the same detections, image by image (only when plots
-    are drawn: the final validation), summed over the ranks;
+  - the confusion matrix of ConfusionMatrix.process_batch on the same detections (only when plots are drawn: the
+    final validation), counted a batch at a time on the device (rank/validate/confusion.py; image by image through
+    process_batch itself where Ultralytics' `visualize` wants its matches), summed over the ranks;
   - val_batch{0,1,2}_labels.jpg and _pred.jpg from rank 0's first three batches (up to 16 images each, as before);
   in a training run all three are drawn in the plotter's thread, after the final weights are written (`draw`).
 The validation loss is the EMA's own Ultralytics loss on the same outputs, summed per batch and divided by the batch
@@ -32,6 +33,7 @@ from launcher.rank.dist import Comm
 from launcher.rank.ultralytics import datasets
 from launcher.rank.ultralytics.plots import PLOT_LOCK
 from launcher.rank.ultralytics.validation import label_loss_items
+from launcher.rank.validate.confusion import confusion_counts
 from launcher.rank.validate.engine import NmsSettings, detections_of, run_pass
 from launcher.rank.validate.forward import InferenceForward
 from launcher.rank.validate.store import PreloadedSplit
@@ -112,13 +114,19 @@ class FastValidator:
                                             amp_dtype=self.amp_dtype if amp and device.type == "cuda" else None,
                                             log=self.log)
         plotted: list = []
+        confusion: list[torch.Tensor] = []  # each batch's confusion counts, on the device until the pass ends
 
         def each_batch(vb, det, boxes):
             if plots:
-                for i in range(vb.n):
-                    n = int(vb.count[i])
-                    truth = {"cls": vb.cls[i, :n], "bboxes": boxes[i, :n]}
-                    v.confusion_matrix.process_batch(detections_of(det, i), truth, conf=v.args.conf)
+                cm = v.confusion_matrix
+                if cm.matches is None:  # the counts alone: the whole batch at once
+                    confusion.append(confusion_counts(det, det.valid(), boxes, vb.cls, vb.valid(), cm.nc,
+                                                      float(v.args.conf)))
+                else:  # `visualize`: Ultralytics' matches bookkeeping is per image, in process_batch
+                    for i in range(vb.n):
+                        n = int(vb.count[i])
+                        truth = {"cls": vb.cls[i, :n], "bboxes": boxes[i, :n]}
+                        cm.process_batch(detections_of(det, i), truth, conf=v.args.conf)
                 if comm.rank == 0 and len(plotted) < PLOTTED_BATCHES:
                     plotted.append((vb, det))
 
@@ -127,6 +135,8 @@ class FastValidator:
             result = run_pass(self.split, self.forward, batch=self.batch, nc=v.nc, nms=nms_settings(v.args, v.end2end),
                               single_cls=bool(v.args.single_cls), on_batch=self.on_batch, each_batch=each_batch,
                               loss_fn=lambda targets, preds: self._loss(model, targets, preds))
+        if confusion:  # one copy to the host
+            v.confusion_matrix.matrix += torch.stack(confusion).sum(0).cpu().numpy()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         elapsed = time.perf_counter() - started
