@@ -195,38 +195,6 @@ def test_nvjpeg_decodes_what_the_cpu_decodes_and_names_what_it_cannot(tmp_path):
         assert (images[i].cpu().float() - cpu.float()).abs().mean() < 2.0
 
 
-def test_the_nvjpeg_binding_queues_its_decode_without_waiting_and_gives_torchvisions_pixels(tmp_path):
-    """rank/data/nvjpeg.py: the batched decode is queued on the decoder's stream and returns while the work queued
-    there before it still runs, with the event that marks its end; the images equal torchvision's decode of the same
-    files, bit for bit; a progressive JPEG is declined by the hardware decoder (the caller decodes it another way) or
-    decoded like torchvision's."""
-    from PIL import Image
-    from torchvision.io import ImageReadMode, decode_jpeg
-
-    from tests.test_gpu_input import write_images
-
-    from launcher.rank.data.nvjpeg import NvJpeg
-
-    files = write_images(tmp_path, ["jpg", "grey", "jpg"], size=(640, 480))
-    progressive = tmp_path / "progressive.jpg"
-    Image.open(files[0]).save(progressive, quality=90, progressive=True)
-    files.append(str(progressive))
-    data = [torch.frombuffer(bytearray(open(f, "rb").read()), dtype=torch.uint8) for f in files]
-    decoder = NvJpeg(torch.device("cuda", 0))  # its own handle, not the process's
-    with torch.cuda.stream(decoder.stream):
-        torch.cuda._sleep(500_000_000)  # a quarter of a second of GPU time queued before the decode
-    images, ready = decoder.decode(data)
-    assert not ready.query()  # returned while the sleep still runs: no host wait
-    ready.synchronize()
-    expected = decode_jpeg(data, mode=ImageReadMode.RGB, device="cuda")
-    for i, (image, want) in enumerate(zip(images, expected)):
-        if image is None:
-            assert decoder.hardware and i in (1, 3), i  # what the hardware decoder does not take
-        else:
-            assert image.is_cuda and torch.equal(image, want), i
-    assert images[0] is not None and images[2] is not None
-
-
 def test_nvjpeg_warmed_on_a_thread_beside_the_set_up_leaves_the_graph_capture_after_it_valid():
     """rank/prewarm.py: the warm-up's decode on its own thread ends without error, and a CUDA graph captured after
     the join replays what the eager computation gives."""

@@ -356,7 +356,6 @@ def test_auto_takes_the_cpu_pipeline_for_what_only_it_does_and_says_so(override)
     ("+train.extra.copy_paste=0.1", "loader.augment_on=cpu"),
     ("train.cache=ram", "train.cache=shared"),
     ("loader.augment_on=gpus", "auto, cpu or gpu"),
-    ("loader.jpeg_decoder=nvidia", "auto, nvjpeg or torchvision"),
 ])
 def test_what_the_gpu_input_cannot_do_is_refused_with_the_setting_that_can(override, advice):
     _, problems = _plan(["loader.augment_on=gpu", override])
@@ -397,7 +396,7 @@ def test_a_failed_nvjpeg_warm_up_is_logged_once_and_stops_nothing(monkeypatch):
     with no JPEG decoded on the device, no thread starts."""
     from launcher.rank import prewarm
 
-    def refused(device, batch, jpeg_decoder):
+    def refused(device, batch):
         raise RuntimeError("nvJPEG is not available")
 
     monkeypatch.setattr(prewarm, "nvjpeg_warm_up", refused)
@@ -410,99 +409,3 @@ def test_a_failed_nvjpeg_warm_up_is_logged_once_and_stops_nothing(monkeypatch):
         idle = prewarm.Prewarm(torch.device(device), decode_batch=batch).start()
         idle.join()
         assert idle.seconds is None
-
-
-# --- which JPEG decoder (loader.jpeg_decoder); the binding itself decodes on CUDA only: tests/test_gpu.py ---------------
-class _FakeBinding:
-    """nvjpeg.NvJpeg's decode: a tensor per JPEG it takes, None where it declines, or a failed batch."""
-
-    def __init__(self, declines=(), fails=False):
-        self.declines, self.fails, self.batches = set(declines), fails, []
-
-    def decode(self, data):
-        from launcher.rank.data.nvjpeg import NvJpegError
-
-        self.batches.append(len(data))
-        if self.fails:
-            raise NvJpegError("nvjpegDecodeBatched failed: NVJPEG_STATUS_EXECUTION_FAILED")
-        return [None if i in self.declines else torch.full((3, 2, 2), 1, dtype=torch.uint8)
-                for i in range(len(data))], None
-
-
-def _decoder_on_a_fake_gpu(monkeypatch, binding, jpeg_decoder="auto"):
-    """A Decoder that believes it is on CUDA, with the binding faked and torchvision's decode recorded."""
-    from launcher.rank.data import gpu_input, nvjpeg
-
-    def for_device(device):
-        if isinstance(binding, Exception):
-            raise binding
-        return binding
-
-    monkeypatch.setattr(nvjpeg.NvJpeg, "for_device", staticmethod(for_device))
-    logged, torchvision_batches = [], []
-    decoder = gpu_input.Decoder(torch.device("cpu"), [], logged.append, jpeg_decoder=jpeg_decoder)
-    decoder.device, decoder.use_nvjpeg = torch.device("cuda"), jpeg_decoder != "torchvision"
-
-    def torchvision_decode(data):
-        torchvision_batches.append(len(data))
-        return [torch.full((3, 2, 2), 2, dtype=torch.uint8) for _ in data]
-
-    monkeypatch.setattr(decoder, "_decode_with_torchvision", torchvision_decode)
-    return decoder, logged, torchvision_batches
-
-
-def test_the_binding_decodes_the_batch_and_torchvision_only_what_it_declines(monkeypatch):
-    binding = _FakeBinding(declines={1, 3})  # progressive JPEGs, say: the hardware decoder does not take them
-    decoder, logged, torchvision_batches = _decoder_on_a_fake_gpu(monkeypatch, binding)
-    data = [torch.zeros(10, dtype=torch.uint8)] * 5
-    out = decoder._decode_jpegs(data)
-    assert binding.batches == [5] and torchvision_batches == [2] and not logged
-    assert [int(im[0, 0, 0]) for im in out] == [1, 2, 1, 2, 1]
-    decoder._decode_jpegs(data[:2])
-    assert binding.batches == [5, 2]  # made once, used batch after batch
-
-
-def test_a_batch_the_binding_fails_is_decoded_by_torchvision_and_said_once(monkeypatch):
-    binding = _FakeBinding(fails=True)
-    decoder, logged, torchvision_batches = _decoder_on_a_fake_gpu(monkeypatch, binding)
-    data = [torch.zeros(10, dtype=torch.uint8)] * 3
-    for _ in range(2):
-        assert [int(im[0, 0, 0]) for im in decoder._decode_jpegs(data)] == [2, 2, 2]
-    assert torchvision_batches == [3, 3] and decoder.batch_failures == 2
-    assert len(logged) == 1 and "EXECUTION_FAILED" in logged[0] and "torchvision" in logged[0]
-
-
-def test_without_the_binding_auto_decodes_with_torchvision_and_says_why_once(monkeypatch):
-    from launcher.rank.data.nvjpeg import NvJpegUnavailable
-
-    decoder, logged, torchvision_batches = _decoder_on_a_fake_gpu(monkeypatch, NvJpegUnavailable("no libnvjpeg"))
-    data = [torch.zeros(10, dtype=torch.uint8)] * 2
-    decoder._decode_jpegs(data)
-    decoder._decode_jpegs(data)
-    assert torchvision_batches == [2, 2] and len(logged) == 1 and "no libnvjpeg" in logged[0]
-
-
-def test_asking_for_the_binding_by_name_fails_without_it_saying_what_to_set(monkeypatch):
-    from launcher.rank.data.nvjpeg import NvJpegUnavailable
-
-    decoder, _, _ = _decoder_on_a_fake_gpu(monkeypatch, NvJpegUnavailable("no libnvjpeg"), jpeg_decoder="nvjpeg")
-    with pytest.raises(RuntimeError, match="loader.jpeg_decoder=auto"):
-        decoder._decode_jpegs([torch.zeros(10, dtype=torch.uint8)])
-
-
-def test_torchvision_by_name_never_touches_the_binding(monkeypatch):
-    binding = _FakeBinding()
-    decoder, _, torchvision_batches = _decoder_on_a_fake_gpu(monkeypatch, binding, jpeg_decoder="torchvision")
-    decoder._decode_jpegs([torch.zeros(10, dtype=torch.uint8)] * 4)
-    assert binding.batches == [] and torchvision_batches == [4]
-
-
-def test_a_library_that_does_not_load_is_named_in_the_reason(tmp_path):
-    from launcher.rank.data.nvjpeg import NvJpeg, NvJpegUnavailable, load_library
-
-    fake = tmp_path / "libnvjpeg.so.13"
-    fake.write_bytes(b"not a library")
-    with pytest.raises(NvJpegUnavailable, match="libnvjpeg.so.13"):
-        load_library([str(fake)])
-    with pytest.raises(NvJpegUnavailable, match="CUDA"):
-        NvJpeg(torch.device("cpu"))

@@ -18,7 +18,6 @@ from launcher.problems import Problem
 AMP_VALUES = (True, False, "bf16")
 CACHE_VALUES = (False, "ram", "disk", "shared")
 AUGMENT_ON = ("auto", "cpu", "gpu")
-JPEG_DECODERS = ("auto", "nvjpeg", "torchvision")  # loader.jpeg_decoder (rank/data/nvjpeg.py, gpu_input.py)
 # log.integrations: Ultralytics' settings key -> the package its callbacks need (also its pip name)
 INTEGRATIONS = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow", "clearml": "clearml",
                 "comet": "comet_ml", "dvc": "dvclive"}
@@ -236,8 +235,6 @@ def input_problems(loader: dict, train: dict, *, augment_on: str) -> list[Proble
     """What the chosen input pipeline cannot do, with the setting that can."""
     problems: list[Problem] = []
     one_of(loader.get("augment_on", "auto"), AUGMENT_ON, "loader.augment_on", problems, "auto, cpu or gpu")
-    one_of(loader.get("jpeg_decoder", "auto"), JPEG_DECODERS, "loader.jpeg_decoder", problems,
-           "auto, nvjpeg or torchvision")
     if augment_on == "gpu":
         problems += [Problem(f"{setting}: {advice}") for setting, advice in cpu_only_settings(train)]
     return problems

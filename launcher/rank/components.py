@@ -90,8 +90,7 @@ class Rank:
         self._stamp("cuda_init")
         # nvJPEG's start on a thread, joined before any graph capture (prewarm.py)
         decode_batch = (plan.batch_per_rank or 64) if plan.augment_on == "gpu" else 0  # (auto: not measured yet)
-        self.prewarm = Prewarm(self.device, decode_batch=decode_batch, log=self.log,
-                               jpeg_decoder=self.cfg["loader"].get("jpeg_decoder", "auto")).start()
+        self.prewarm = Prewarm(self.device, decode_batch=decode_batch, log=self.log).start()
         if self.prewarm.started:
             self._stamp("torchvision_import")  # start() imported it, on this thread
         self.faults = FaultInjector.from_env(self.rank)
@@ -397,8 +396,7 @@ class Rank:
             dataset = EncodedTrainDataset(images, labels=inner.labels, decode_all=self.device.type != "cuda",
                                           cache=self.caches.get("train"))
             augment = GpuAugment(inner.imgsz, self.hyp, out_dtype=self.input_dtype)
-            decoder = Decoder(self.device, images.files, self.log, jpeg_decoder=loader_cfg.get("jpeg_decoder", "auto"))
-            gpu_input = GpuInput(augment, decoder, device=self.device,
+            gpu_input = GpuInput(augment, Decoder(self.device, images.files, self.log), device=self.device,
                                  capacity=buffer_capacity(len(images), self.plan.batch_per_rank), close_at=self.close_at,
                                  partners_from_batch=not loader_cfg.get("mosaic_buffer", True))
             return dataset, gpu_input

@@ -2,10 +2,9 @@
 
 A process's first batched nvJPEG decode initialises the library, many times the cost of the next decode, and the
 first training batch paid it (docs/benchmarks/h200-time-to-model/README.md, first_decode.py). `Prewarm` decodes one
-batch on a thread as soon as the CUDA context exists, with the decoder the input will use (loader.jpeg_decoder: the
-process's nvjpeg binding, rank/data/nvjpeg.py, or torchvision's); the decode runs in C, mostly outside the GIL, so
-the set-up's Python work goes on beside it. The set-up `join()`s it before capturing CUDA graphs: a capture must see
-no other thread's CUDA calls (an allocation or a stream made while it records invalidates it). No process
+batch on a thread as soon as the CUDA context exists; the decode runs in torchvision's C++ operator, mostly outside
+the GIL, so the set-up's Python work goes on beside it. The set-up `join()`s it before capturing CUDA graphs: a capture
+must see no other thread's CUDA calls (an allocation or a stream made while it records invalidates it). No process
 forks while it runs (the loaders' workers start after the join).
 
 torchvision is imported by the caller, before the thread starts: the import (it imports Dynamo) is Python work, and
@@ -24,31 +23,23 @@ import torch
 WARM_UP_SHAPE = (3, 480, 640)  # a 640x480 photo's JPEG, 4:2:0: the decoder path the training images take
 
 
-def nvjpeg_warm_up(device: torch.device, batch: int, jpeg_decoder: str = "auto") -> None:
-    """One batched decode of `batch` images on `device`, the size of the training input's batches, by the decoder
-    the input will use (loader.jpeg_decoder: the nvjpeg binding, made here for the process, or torchvision's)."""
+def nvjpeg_warm_up(device: torch.device, batch: int) -> None:
+    """One batched decode of `batch` images on `device`, the size of the training input's batches."""
     from torchvision.io import decode_jpeg, encode_jpeg
-
-    from launcher.rank.data.nvjpeg import NvJpeg, NvJpegUnavailable
 
     torch.cuda.set_device(device)  # the current device is per thread
     data = encode_jpeg(torch.full(WARM_UP_SHAPE, 114, dtype=torch.uint8))
-    try:
-        if jpeg_decoder == "torchvision":
-            raise NvJpegUnavailable("not asked for")
-        NvJpeg.for_device(device).decode([data] * batch)[1].synchronize()
-    except NvJpegUnavailable:  # the input decodes with torchvision then (gpu_input.Decoder says so)
-        decode_jpeg([data] * batch, device=device)
+    decode_jpeg([data] * batch, device=device)
     torch.cuda.synchronize(device)
 
 
 class Prewarm:
     """`Prewarm(device, decode_batch=64).start()`, then `join()` before anything captures a graph (decode_batch: the
-    training input's batch; 0, or a device other than CUDA: nothing to warm; jpeg_decoder: loader.jpeg_decoder).
-    `seconds`: how long the thread took; `error`: why the warm-up failed, or None."""
+    training input's batch; 0, or a device other than CUDA: nothing to warm). `seconds`: how long the thread took;
+    `error`: why the warm-up failed, or None."""
 
-    def __init__(self, device: torch.device, *, decode_batch: int, jpeg_decoder: str = "auto", log=print):
-        self.device, self.decode_batch, self.jpeg_decoder, self.log = device, decode_batch, jpeg_decoder, log
+    def __init__(self, device: torch.device, *, decode_batch: int, log=print):
+        self.device, self.decode_batch, self.log = device, decode_batch, log
         self.seconds: float | None = None
         self.error: str | None = None
         self._thread = threading.Thread(target=self._run, name="ddp-launch-prewarm", daemon=True)
@@ -75,7 +66,7 @@ class Prewarm:
     def _run(self) -> None:
         started = time.perf_counter()
         try:
-            nvjpeg_warm_up(self.device, self.decode_batch, self.jpeg_decoder)
+            nvjpeg_warm_up(self.device, self.decode_batch)
         except Exception as e:  # noqa: BLE001 - the first batch does the same work again and reports its own error
             self.error = f"{type(e).__name__}: {e}"
         self.seconds = time.perf_counter() - started

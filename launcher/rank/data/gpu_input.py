@@ -2,13 +2,10 @@
 
 Per batch, on the stream that prepares it (pipeline.TrainInputs runs step 1 in a thread of its own, the rest in
 another, on a side stream, while the steps before it run):
-  1. decode: the JPEGs in one batched nvJPEG call, queued on the preparing stream (nvjpeg.py; with
-     `loader.jpeg_decoder=torchvision`, or where that binding is unavailable, torchvision.io.decode_jpeg on CUDA,
-     which waits for its own stream); images the workers decoded (non-JPEG files, rotated JPEGs: encoded.py) are
-     copied up. A JPEG the batched call declines (progressive ones, on the hardware decoder) goes through
-     torchvision's; a batch that fails is retried image by image there, and an image it still refuses is decoded on
-     the CPU. A file nothing can decode is named in the rank's log once and trains as a grey image without labels:
-     the run goes on, and says so.
+  1. decode: the JPEGs in one batched nvJPEG call (torchvision.io.decode_jpeg on CUDA); images the workers decoded
+     (non-JPEG files, rotated JPEGs: encoded.py) are copied up; a batch nvJPEG refuses is retried image by image,
+     and an image it still refuses is decoded on the CPU. A file nothing can decode is named in the rank's log once
+     and trains as a grey image without labels: the run goes on, and says so.
   2. load: each image resized into a slot of the image buffer (warp.load_into_slots: Ultralytics' load_image), its
      labels stored beside it in the slot's pixels; what the host knows of the batch (slots, sizes, labels) goes up
      in one pinned copy (`upload`).
@@ -36,7 +33,6 @@ import torch
 
 from launcher.rank.data.encoded import EncodedBatch, decode_on_cpu
 from launcher.rank.data.gpu_augment import GpuAugment, RawBatch
-from launcher.rank.data.nvjpeg import NvJpeg, NvJpegError, NvJpegUnavailable
 from launcher.rank.data.warp import BORDER, load_into_slots
 
 
@@ -54,28 +50,13 @@ def resized_shape(h0: int, w0: int, imgsz: int) -> tuple[int, int]:
 
 
 class Decoder:
-    """EncodedBatch -> one (3, h, w) uint8 RGB image per sample on `device`, and which samples could not be decoded.
-    `jpeg_decoder`: loader.jpeg_decoder (auto: the nvjpeg binding where it is available, else torchvision's)."""
+    """EncodedBatch -> one (3, h, w) uint8 RGB image per sample on `device`, and which samples could not be decoded."""
 
-    def __init__(self, device: torch.device, files: list[str], log=print, *, jpeg_decoder: str = "auto"):
+    def __init__(self, device: torch.device, files: list[str], log=print):
         self.device, self.files, self.log = device, files, log
         self.reported: set[int] = set()  # images already named in the log
-        self.nvjpeg = None  # nvjpeg.NvJpeg, made at the first batch (or by the start-up's warm-up, prewarm.py)
-        self.jpeg_decoder = jpeg_decoder
-        self.use_nvjpeg = device.type == "cuda" and jpeg_decoder != "torchvision"
-        self.batch_failures = 0  # batches the nvjpeg binding failed (each then decoded by torchvision)
-        self.ready: torch.cuda.Event | None = None  # recorded after the binding's decode of the last batch
 
     def __call__(self, batch: EncodedBatch) -> tuple[list[torch.Tensor | None], list[bool]]:
-        """The batch's images, ready for work queued on the current stream."""
-        images, failed, ready = self.decode_async(batch)
-        wait_for(images, ready)
-        return images, failed
-
-    def decode_async(self, batch: EncodedBatch) -> tuple[list[torch.Tensor | None], list[bool], torch.cuda.Event | None]:
-        """The batch's images, and the event after which the binding's are written (None: nothing to wait for): the
-        work that reads them waits for it on its own stream (`wait_for`), when it comes to them."""
-        self.ready = None
         images: list[torch.Tensor | None] = [None] * len(batch.payloads)
         failed = [False] * len(images)
         encoded = [i for i, p in enumerate(batch.payloads) if p.dim() == 1]
@@ -96,43 +77,13 @@ class Decoder:
                         continue
                     image = image.to(self.device)
                 images[i] = image
-        return images, failed, self.ready
+        return images, failed
 
     def _decode_jpegs(self, data: list[torch.Tensor]) -> list[torch.Tensor | None]:
-        if self.device.type != "cuda":  # a CPU rank's workers decode everything; this serves a stray JPEG
-            return [None] * len(data)
-        out: list[torch.Tensor | None] = [None] * len(data)
-        if self._binding() is not None:
-            try:
-                out, self.ready = self.nvjpeg.decode(data)  # on the binding's own stream: wait for `ready`
-            except NvJpegError as e:  # torchvision's decoder below retries the batch, image by image if need be
-                self.batch_failures += 1
-                if self.batch_failures == 1:
-                    self.log(f"WARNING nvJPEG's batched decode failed ({e}); that batch was decoded by torchvision "
-                             "(said once)")
-        rest = [i for i, image in enumerate(out) if image is None]
-        if rest:
-            for i, image in zip(rest, self._decode_with_torchvision([data[i] for i in rest])):
-                out[i] = image
-        return out
-
-    def _binding(self):
-        """The nvjpeg binding for this device, or None (loader.jpeg_decoder=torchvision, or unavailable: said once)."""
-        if self.nvjpeg is None and self.use_nvjpeg:
-            try:
-                self.nvjpeg = NvJpeg.for_device(self.device)
-            except NvJpegUnavailable as e:
-                if self.jpeg_decoder == "nvjpeg":  # asked for by name: no silent fallback
-                    raise RuntimeError(f"loader.jpeg_decoder=nvjpeg: {e}; set loader.jpeg_decoder=auto (torchvision's "
-                                       "decoder where the binding is unavailable) or torchvision") from e
-                self.use_nvjpeg = False
-                self.log(f"WARNING loader.jpeg_decoder: nvJPEG's binding is unavailable ({e}); decoding with "
-                         "torchvision.io.decode_jpeg (a host wait per batch)")
-        return self.nvjpeg
-
-    def _decode_with_torchvision(self, data: list[torch.Tensor]) -> list[torch.Tensor | None]:
         from torchvision.io import ImageReadMode, decode_jpeg
 
+        if self.device.type != "cuda":  # a CPU rank's workers decode everything; this serves a stray JPEG
+            return [None] * len(data)
         try:
             return list(decode_jpeg(data, mode=ImageReadMode.RGB, device=self.device))
         except RuntimeError:  # one image nvJPEG refuses fails the whole batch: find it
@@ -172,26 +123,12 @@ def upload(arrays: list[np.ndarray], device: torch.device) -> list[torch.Tensor]
 TORCH_DTYPES = {np.dtype(np.int64): torch.int64, np.dtype(np.float32): torch.float32}
 
 
-def wait_for(images: list[torch.Tensor | None], ready: torch.cuda.Event | None) -> None:
-    """The current stream waits for `ready` (the decode that writes the images), and the images' memory is kept for
-    it: the allocator hands it out again only once the current stream's work queued so far is done."""
-    present = [image for image in images if image is not None]
-    if ready is None or not present:
-        return
-    stream = torch.cuda.current_stream(present[0].device)
-    stream.wait_event(ready)
-    for image in present:
-        image.record_stream(stream)
-
-
 class Decoded(NamedTuple):
-    """Step 1's result: a batch's images on the device (None where none could be decoded), which failed, and the
-    event after which the images are written (None: they are, for the current stream)."""
+    """Step 1's result: a batch's images on the device (None where none could be decoded), and which failed."""
 
     batch: EncodedBatch
     images: list[torch.Tensor | None]
     failed: list[bool]
-    ready: torch.cuda.Event | None = None
 
 
 class GpuInput:
@@ -223,12 +160,11 @@ class GpuInput:
         return self.close_at is None or epoch < self.close_at
 
     def decoded(self, batch: EncodedBatch) -> Decoded:
-        return Decoded(batch, *self.decode.decode_async(batch))
+        return Decoded(batch, *self.decode(batch))
 
     def __call__(self, batch: EncodedBatch | Decoded, generator: torch.Generator) -> dict:
         start = self._event()
-        batch, images, failed, ready = batch if isinstance(batch, Decoded) else self.decoded(batch)
-        wait_for(images, ready)  # queued here, by the thread that augments: only this batch's decode is waited for
+        batch, images, failed = batch if isinstance(batch, Decoded) else self.decoded(batch)
         b, s = len(batch.payloads), self.augment.imgsz
         if b > self.capacity:
             raise ValueError(f"a batch of {b} does not fit an image buffer of {self.capacity}")
