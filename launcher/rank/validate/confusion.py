@@ -54,11 +54,11 @@ def confusion_counts(det: Detections, valid_det: torch.Tensor, target_boxes: tor
         claimed_by.scatter_(1, gt, torch.where(hit, j.view(b, 1), claimed_by.gather(1, gt)))
 
     det_cls, gt_cls = det.cls.int().long(), target_cls.int().long()  # .int() truncates, as Ultralytics' .int()
-    matched = claimed_by >= 0
+    claimer = torch.where(claimed_by >= 0, claimed_by, k)  # (B, T): each target's detection, k (spare) for none
     with_background = torch.cat([det_cls, det_cls.new_full((b, 1), nc)], 1)  # column k: an unclaimed target's row
-    pred_of_gt = with_background.gather(1, torch.where(matched, claimed_by, k))  # (B, T): each target's row
+    pred_of_gt = with_background.gather(1, claimer)  # (B, T): each target's row
     claimed = torch.zeros((b, k + 1), dtype=torch.bool, device=device)  # a spare column for the sentinel
-    claimed.scatter_(1, torch.where(matched, claimed_by, k), True)
+    claimed.scatter_(1, claimer, True)
     unclaimed = kept & ~claimed[:, :k]  # (B, K): false positives against the background
     # Every target and every detection adds its cell, weighted 0 where it does not count: a boolean selection
     # instead would make the host wait for its size.
