@@ -75,6 +75,22 @@ def test_images_with_more_candidates_than_a_chunk_keep_the_boxes_ultralytics_kee
         assert torch.equal(rows(det, i), want), i
 
 
+def test_a_chain_of_boxes_deeper_than_a_round_group_is_suppressed_as_greedy_nms_does():
+    """40 boxes in a row, each overlapping the next (IoU 0.78) but not the one after (0.6), in descending score:
+    greedy NMS keeps every second box, which the fixed-point iteration reaches only after about 40 rounds, several
+    groups of ROUNDS_PER_CHECK; one box per image."""
+    n = 40
+    xywh = torch.stack([100 + 5 * torch.arange(n), torch.full((n,), 100), torch.full((n,), 40),
+                        torch.full((n,), 40)]).float()
+    pred = torch.cat([xywh, (0.9 - 0.01 * torch.arange(n)).float()[None]])[None].repeat(2, 1, 1)
+    pred[1, 4, 1::2] = 0  # the second image: the odd boxes below conf, nothing suppressed
+    ref = ultralytics_nms.non_max_suppression(pred, 0.001, 0.7, max_det=300)
+    det = batched_nms(pred, 0.001, 0.7, max_det=300)
+    assert [len(r) for r in ref] == [20, 20] and torch.equal(ref[0][:, 0], 80 + 10 * torch.arange(20).float())
+    for i, want in enumerate(ref):
+        assert torch.equal(rows(det, i), want), i
+
+
 def test_an_end_to_end_head_is_only_filtered_by_confidence():
     g = torch.Generator().manual_seed(0)
     pred = torch.rand(4, 50, 6, generator=g)
@@ -143,9 +159,12 @@ def _ultralytics_validator(save_dir: Path):
     return v
 
 
-def test_metrics_from_the_same_predictions_equal_ultralytics(tmp_path):
+@pytest.mark.parametrize("replayed", [False, True])
+def test_metrics_from_the_same_predictions_equal_ultralytics(tmp_path, replayed):
     """Ultralytics' postprocess and update_metrics per batch, against the fast engine's pass over the same batches
-    preloaded (two ranks' shards gathered in rank order, as rank 0 does)."""
+    preloaded (two ranks' shards gathered in rank order, as rank 0 does). `replayed`: the forward writes every
+    batch's output into the same tensor, as a replayed CUDA graph does: each batch is post-processed before the
+    next forward."""
     batches = _loader_batches(10, 4)
     preds = [head_output(len(b["im_file"]), NC, 300, seed=5 + k, size=90.0) for k, b in enumerate(batches)]
     ref = _ultralytics_validator(tmp_path)
@@ -157,8 +176,13 @@ def test_metrics_from_the_same_predictions_equal_ultralytics(tmp_path):
     per_rank = []
     for shard_batches, shard_preds in shards:
         split = PreloadedSplit.load(shard_batches, torch.device("cpu"))
-        replies = iter(shard_preds)
-        result = run_pass(split, lambda img: next(replies), batch=4, nc=NC, nms=nms_settings(ref.args, False))
+        replies, static = iter(shard_preds), torch.zeros_like(shard_preds[0])
+
+        def forward(img):
+            pred = next(replies)
+            return static[: len(pred)].copy_(pred) if replayed else pred
+
+        result = run_pass(split, forward, batch=4, nc=NC, nms=nms_settings(ref.args, False))
         per_rank.append(result.stats)
     mine = _ultralytics_validator(tmp_path)
     mine.metrics.stats = gathered_stats(per_rank)
@@ -246,8 +270,9 @@ def test_the_fast_validator_gives_what_detection_validator_gives_on_a_real_model
 
 
 def test_a_split_read_ahead_during_training_validates_as_one_read_at_the_first_validation(val_split, tmp_path):
-    """FastValidator.read_ahead (after the first step): the loader's workers are running before any validation, and
-    the first validation's metrics are those of a validator that read the split only then."""
+    """FastValidator.read_ahead (after the first step): the loader's workers are running, and a thread loads the
+    split, before any validation; the first validation's metrics are those of a validator that read the split only
+    then."""
     ema = SimpleNamespace(ema=a_model_that_finds_objects())
     hyp = get_cfg(overrides={"imgsz": 64, "plots": False})
     data = {"val": str(val_split / "images" / "val"), "names": dict(enumerate(CLASSES)), "nc": NC, "channels": 3}
@@ -255,11 +280,30 @@ def test_a_split_read_ahead_during_training_validates_as_one_read_at_the_first_v
                   loss_items={k: torch.zeros(()) for k in ("box_loss", "cls_loss", "dfl_loss")})
     ahead, late = (FastValidator(datasets.val_loader(hyp, data, 2, 32, 2, torch.device("cpu")), hyp, tmp_path / name,
                                  batch=4, amp_dtype=None, cuda_graphs=False, log=print) for name in ("a", "b"))
-    ahead.read_ahead()
+    ahead.read_ahead(torch.device("cpu"))
     workers = ahead.loader.iterator._workers
     assert len(workers) == 2 and all(w.is_alive() for w in workers) and late.loader.iterator is None
+    ahead.reading.thread.join(timeout=120)
+    assert ahead.split is None and len(ahead.reading.result()[0]) == 6  # loaded before the validation asked
     got, want = ahead.validate(ema, Comm(), **kwargs), late.validate(ema, Comm(), **kwargs)
-    assert got == want and len(ahead.split) == len(late.split) == 6
+    assert got == want and len(ahead.split) == len(late.split) == 6 and not any(w.is_alive() for w in workers)
+
+
+def test_a_split_that_fails_to_read_during_training_fails_the_first_validation_with_its_cause():
+    from launcher.rank.ultralytics.fast_validation import SplitReader
+
+    def batches():
+        yield from ()
+        raise OSError("val/images/broken.jpg: Input/output error")
+
+    class Broken:
+        def __iter__(self):
+            return batches()
+
+    reader = SplitReader(Broken(), torch.device("cpu"))
+    with pytest.raises(RuntimeError, match="reading the validation split during training failed") as raised:
+        reader.result()
+    assert "broken.jpg" in str(raised.value.__cause__)
 
 
 def test_the_final_validations_plots_are_drawn_when_the_run_asks_and_from_what_that_validation_saw(val_split,

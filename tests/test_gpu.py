@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 
@@ -423,6 +424,63 @@ def test_the_fast_validator_on_cuda_gives_ultralytics_map(tmp_path, cache_dir):
     assert list(got) == list(want)
     for key in ("metrics/mAP50(B)", "metrics/mAP50-95(B)", "metrics/precision(B)", "metrics/recall(B)"):
         assert abs(got[key] - want[key]) <= 0.05 * want[key] + 1e-4, (key, got[key], want[key])  # both in fp16
+
+
+class ImageDependentHead(torch.nn.Module):
+    """A detector-like eval output (B, 4 + nc, anchors) that depends on each image (a random network's barely does:
+    its outputs for two batches agree to 1e-5): boxes and class scores from the image's pooled pixels."""
+
+    def __init__(self, nc: int, anchors: int = 600):
+        super().__init__()
+        torch.manual_seed(0)
+        self.nc, self.anchors = nc, anchors
+        self.proj = torch.nn.Linear(3 * 8 * 8, (4 + nc) * anchors)
+        torch.nn.init.normal_(self.proj.weight, 0, 0.1)
+
+    def forward(self, x):
+        h, w = x.shape[2:]
+        z = self.proj(torch.nn.functional.adaptive_avg_pool2d(x, 8).flatten(1)).view(len(x), 4 + self.nc, -1).float()
+        xy = torch.sigmoid(z[:, :2])
+        wh, scores = 8 + 40 * torch.sigmoid(z[:, 2:4]), torch.sigmoid(z[:, 4:]) ** 3
+        return torch.cat([xy[:, :1] * w, xy[:, 1:] * h, wh, scores], 1)
+
+
+def test_the_pipelined_validation_pass_computes_what_the_serial_pass_computes(tmp_path):
+    """run_pass with a second stream (the next batch's graph replayed before this batch's NMS, matching and loss):
+    exactly the statistics and loss of the same pass with everything on one stream (each batch post-processed
+    before the next replay), over several batches whose outputs differ."""
+    from ultralytics.cfg import get_cfg
+
+    from launcher.inputs.shapes import CLASSES, ShapesSpec, ensure_dataset
+    from launcher.rank.ultralytics import datasets
+    from launcher.rank.validate.engine import NmsSettings, run_pass
+    from launcher.rank.validate.forward import InferenceForward
+    from launcher.rank.validate.store import PreloadedSplit
+
+    spec = ShapesSpec(train_images=2, val_images=72, width=97, height=71, seed=5)
+    root = ensure_dataset(tmp_path / "data", spec, workers=1, log=lambda *_: None).parent
+    device = torch.device("cuda", 0)
+    model = ImageDependentHead(len(CLASSES)).to(device).eval()
+    hyp = get_cfg(overrides={"imgsz": 64, "plots": False})
+    data = {"val": str(root / "images" / "val"), "names": dict(enumerate(CLASSES)), "nc": len(CLASSES), "channels": 3}
+    split = PreloadedSplit.load(iter(datasets.val_loader(hyp, data, 16, 32, 0, device)), device)
+    forward = InferenceForward(model, device, batch=16, amp_dtype=torch.float16, graphs=True, log=print)
+    first, second = list(split.batches(16))[:2]
+    with torch.inference_mode():  # the premise: batches' outputs differ, so an output overwritten too soon shows
+        out = forward(first.img).clone()
+        assert not torch.equal(forward(second.img)[:16], out)
+    loss_fn = lambda targets, preds: {"preds": preds.sum(), "targets": targets["bboxes"].sum()}  # noqa: E731
+    passes = []
+    for stream in (None, torch.cuda.Stream(device), None):
+        with torch.inference_mode():
+            passes.append(run_pass(split, forward, batch=16, nc=len(CLASSES), nms=NmsSettings(), loss_fn=loss_fn,
+                                   stream=stream))
+    serial, pipelined, again = passes
+    assert pipelined.batches == serial.batches == 5 and forward._captured  # replayed graphs, 5 batches
+    assert len(serial.stats["conf"]) > 500 and serial.stats["tp"].any()  # detections, some of them true
+    for r in (pipelined, again):
+        assert all(np.array_equal(r.stats[k], serial.stats[k]) for k in serial.stats)
+        assert all(torch.equal(r.loss[k], serial.loss[k]) for k in serial.loss)
 
 
 def test_the_step_profile_reads_the_loops_steps_on_the_gpus_timeline(tmp_path):

@@ -7,7 +7,9 @@ DetectionValidator (val.engine=ultralytics) on the same weights and the same val
    pad 0.5), the EMA in fp16 autocast, its NMS and metrics, the validation loss: --passes timed passes after one
    unmeasured (its workers start).
 3. The fast engine on the same loader's images: the one-off preload (reported apart), the first pass (CUDA graph
-   capture), then --passes timed passes, for each --batch (and without CUDA graphs at the first batch).
+   capture), then --passes timed passes, for each --batch (and at the first batch: without CUDA graphs, with each
+   batch's post-processing after its forward on one stream instead of pipelined on a second, and with
+   --old-nms-rounds NMS's fixed point checked after every round over 8 images at a time, as before 2026-12-04).
 Every pass is a whole validation as a training run calls it: forward, NMS, matching, the validation loss, rank 0's
 ap_per_class; images/s = images / wall time of the pass. Both mAPs are printed; they differ only by fp16 rounding
 (the pixels, letterbox, NMS and matching are Ultralytics').
@@ -29,13 +31,13 @@ from types import SimpleNamespace
 import torch
 
 
-def dataset(val_images: int, out: Path) -> Path:
+def dataset(val_images: int, out: Path, train_images: int | None = None) -> Path:
     """conf/data/shapes_bench.yaml's split (4,096 train / 256 val textured 640x480 JPEGs), or with --val-images N
     the same generator with N validation images and a token training split."""
     from launcher.inputs import shapes
 
     bench = val_images == 256
-    spec = shapes.ShapesSpec(train_images=4096 if bench else 64, val_images=val_images, width=640, height=480,
+    spec = shapes.ShapesSpec(train_images=train_images or (4096 if bench else 64), val_images=val_images, width=640, height=480,
                              min_objects=1, max_objects=7, texture=True)
     root = Path(os.environ.get("DDP_LAUNCH_CACHE", Path.home() / ".cache" / "ddp-launch")) / "datasets"
     t0 = time.time()
@@ -108,16 +110,21 @@ def main() -> None:
     p.add_argument("--model", default="yolov8s")
     p.add_argument("--weights", default=None)
     p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--train-images", type=int, default=None,
+                   help="the training split's size for the weights' run (default: 4,096 with 256 val images, else 64)")
     p.add_argument("--train-batch", type=int, default=64, help="sets Ultralytics' val batch: 2 x this")
     p.add_argument("--batch", type=int, nargs="+", default=[128, 256], help="the fast engine's val.batch values")
     p.add_argument("--passes", type=int, default=5)
     p.add_argument("--workers", type=int, default=16, help="the validation loader's workers (a run: 2 x its own)")
+    p.add_argument("--old-nms-rounds", action="store_true",
+                   help="one more row: the first batch with NMS's fixed point read back after every round, 8 images "
+                        "at a time (nms.ROUNDS_PER_CHECK=1, MATRIX_ELEMENTS=2**25)")
     p.add_argument("--profile", action="store_true",
                    help="one more pass of the fast engine at the first batch, profiled: OUT_DIR/profile-host.txt "
                         "(cProfile, by cumulative time) and profile-gpu.txt (torch.profiler, by GPU time)")
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    data_yaml = dataset(args.val_images, args.out)
+    data_yaml = dataset(args.val_images, args.out, args.train_images)
     weights = trained_weights(args, data_yaml, args.out)
 
     from ultralytics.cfg import get_cfg
@@ -159,25 +166,35 @@ def main() -> None:
                            "map50_95": metrics["metrics/mAP50-95(B)"], "metrics": metrics})
     print(f"ultralytics: {base:.0f} images/s, mAP50-95 {metrics['metrics/mAP50-95(B)']:.4f}", flush=True)
 
-    configs = [(b, True) for b in args.batch] + [(args.batch[0], False)]
-    for batch, graphs in configs:
+    from launcher.rank.validate import nms
+
+    configs = [(b, True, True, "") for b in args.batch] + [(args.batch[0], False, True, ""),
+                                                            (args.batch[0], True, False, "")]
+    if args.old_nms_rounds:
+        configs.append((args.batch[0], True, True, "old"))
+    shipped = nms.ROUNDS_PER_CHECK, nms.MATRIX_ELEMENTS
+    for batch, graphs, pipelined, nms_rounds in configs:
+        nms.ROUNDS_PER_CHECK, nms.MATRIX_ELEMENTS = (1, 2**25) if nms_rounds == "old" else shipped
         fast = FastValidator(loader(), hyp, args.out / f"fast{batch}", batch=batch,
                              amp_dtype=torch.float16 if device.type == "cuda" else None,
-                             cuda_graphs=graphs, log=print)
+                             cuda_graphs=graphs, pipelined=pipelined, log=print)
         validate = lambda: fast.validate(ema, Comm(), **kwargs)  # noqa: E731
         t0 = time.perf_counter()
         validate()  # the preload (timed inside) and the graphs' capture
         first = time.perf_counter() - t0
         times, metrics = timed(validate, args.passes)
         ips = args.val_images / (sum(times) / len(times))
-        result["rows"].append({"engine": "fast", "batch": batch, "graphs": graphs, "images_per_s": ips,
+        result["rows"].append({"engine": "fast", "batch": batch, "graphs": graphs, "pipelined": pipelined,
+                               "nms": nms_rounds or "shipped",
+                               "images_per_s": ips,
                                "pass_s": times, "preload_s": fast.timing["preload_s"], "first_pass_s": first,
                                "pass_only_images_per_s": fast.timing["images_per_s"],
                                "map50": metrics["metrics/mAP50(B)"], "map50_95": metrics["metrics/mAP50-95(B)"],
                                "metrics": metrics})
-        print(f"fast batch {batch} graphs {graphs}: {ips:.0f} images/s ({ips / base:.1f}x), preload "
+        print(f"fast batch {batch} graphs {graphs} pipelined {pipelined} nms {nms_rounds or 'shipped'}: "
+              f"{ips:.0f} images/s ({ips / base:.1f}x), preload "
               f"{fast.timing['preload_s']:.2f} s, mAP50-95 {metrics['metrics/mAP50-95(B)']:.4f}", flush=True)
-        if args.profile and (batch, graphs) == configs[0]:
+        if args.profile and (batch, graphs, pipelined, nms_rounds) == configs[0]:
             profile(validate, args.out)
         del fast
         if device.type == "cuda":
@@ -187,11 +204,13 @@ def main() -> None:
     lines = [f"# Validation engines, {result['gpu']}, {args.model} at {args.imgsz} px, {args.val_images} images",
              "", f"weights `{weights}`; Ultralytics' loader: {args.workers} workers, batch {val_batch}; "
              f"mean of {args.passes} passes", "",
-             "| engine | batch | CUDA graphs | images/s | x Ultralytics | preload s | mAP50 | mAP50-95 |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| engine | batch | CUDA graphs | pipelined | NMS | images/s | x Ultralytics | first validation s | "
+             "preload s | mAP50 | mAP50-95 |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in result["rows"]:
-        lines.append(f"| {r['engine']} | {r['batch']} | {r['graphs']} | {r['images_per_s']:.0f} | "
-                     f"{r['images_per_s'] / base:.1f} | {r.get('preload_s', float('nan')):.2f} | {r['map50']:.4f} | "
+        lines.append(f"| {r['engine']} | {r['batch']} | {r['graphs']} | {r.get('pipelined', '-')} | "
+                     f"{r.get('nms', '-')} | {r['images_per_s']:.0f} | {r['images_per_s'] / base:.1f} | "
+                     f"{r.get('first_pass_s', float('nan')):.2f} | {r.get('preload_s', float('nan')):.2f} | "
+                     f"{r['map50']:.4f} | "
                      f"{r['map50_95']:.4f} |")
     (args.out / "results.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

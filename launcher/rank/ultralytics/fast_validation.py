@@ -1,11 +1,13 @@
 """Validation at inference speed (`val.engine=fast`, what `auto` picks), with Ultralytics' metrics.
 
 The split is read once per run through Ultralytics' own validation loader (rect batches, pad 0.5: its pixels) and kept
-on the device (rank/validate/store.py); each validation then runs the EMA in fp16 over large batches, replayed as
-CUDA graphs (rank/validate/forward.py), with NMS and the matching of detections to targets batched over the whole
-batch on the device (rank/validate/nms.py, matching.py). What reaches the metrics is what DetectionValidator's
-update_metrics collects, in the same layout; Ultralytics' own DetMetrics (ap_per_class), ConfusionMatrix and plotting
-compute and draw the rest, through a DetectionValidator that never runs a batch itself:
+on the device (rank/validate/store.py), by a thread during the first epoch (`read_ahead`, SplitReader); each
+validation then runs the EMA in fp16 over large batches, replayed as CUDA graphs (rank/validate/forward.py), with NMS
+and the matching of detections to targets batched over the whole batch on the device (rank/validate/nms.py,
+matching.py), on a second CUDA stream while the next batch's forward runs (rank/validate/engine.py). What reaches
+the metrics is what DetectionValidator's update_metrics collects, in the same layout; Ultralytics' own DetMetrics
+(ap_per_class), ConfusionMatrix and plotting compute and draw the rest, through a DetectionValidator that never runs
+a batch itself:
   - the PR/F1/P/R curves from DetMetrics.process(plot=True), as Ultralytics draws them;
   - the confusion matrix of ConfusionMatrix.process_batch on the same detections (only when plots are drawn: the
     final validation), counted a batch at a time on the device (rank/validate/confusion.py; image by image through
@@ -21,6 +23,8 @@ Per-rank statistics go to rank 0 through the rank's own process group (Comm.gath
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
 from copy import copy, deepcopy
 
@@ -59,38 +63,49 @@ def gathered_stats(per_rank: list[dict]) -> dict[str, list]:
 
 class FastValidator:
     """The interface of validation.Validator: `validate(...)` -> (metrics, fitness) on rank 0, (None, None)
-    elsewhere; every rank calls it. `batch`: images per forward; `cuda_graphs`: replay the forward per shape."""
+    elsewhere; every rank calls it. `batch`: images per forward; `cuda_graphs`: replay the forward per shape;
+    `pipelined`: on CUDA, each batch's post-processing on a second stream while the next batch's forward runs."""
 
     def __init__(self, loader, hyp, run_dir, *, batch: int, amp_dtype: torch.dtype | None, cuda_graphs: bool = True,
-                 on_batch=None, log=print):
+                 pipelined: bool = True, on_batch=None, log=print):
         self.loader, self.batch, self.amp_dtype, self.cuda_graphs = loader, batch, amp_dtype, cuda_graphs
+        self.pipelined = pipelined
         self.on_batch, self.log = on_batch or (lambda: None), log
         self.validator = DetectionValidator(loader, save_dir=run_dir, args=copy(hyp))
         self.split: PreloadedSplit | None = None
+        self.reading: SplitReader | None = None  # the split being read during training (read_ahead)
         self.forward: InferenceForward | None = None
+        self.stream: torch.cuda.Stream | None = None  # the post-processing's, one batch behind the forward (CUDA)
         self.timing: dict[str, float] = {}  # preload_s (once), last pass_s and images/s
 
     @property
     def metric_keys(self) -> list[str]:
         return list(self.validator.metrics.keys)
 
-    def read_ahead(self) -> None:
-        """The loader's workers start reading this rank's shard now, while training goes on; the preload at the
-        first validation then takes the batches they have read (with enough workers, the whole split: prefetch_factor
-        batches each). Nothing to do with no workers, or once the split is preloaded."""
-        if self.split is None:
-            datasets.start_workers(self.loader)
+    def read_ahead(self, device: torch.device | None = None) -> None:
+        """The loader's workers start reading this rank's shard now, while training goes on; given the `device`, a
+        thread takes their batches as they come and keeps them there (PreloadedSplit.load), so that the first
+        validation finds the split loaded. Nothing to do with no workers (the thread would decode in this process),
+        or once the split is read or being read."""
+        if self.split is None and self.reading is None and datasets.start_workers(self.loader) and device is not None:
+            self.reading = SplitReader(self.loader, device)
 
     def preload(self, device: torch.device) -> None:
         """This rank's shard, once: its loader's batches kept (the loader's workers are not needed after)."""
         started = time.perf_counter()
-        self.split = PreloadedSplit.load(iter(self.loader), device, on_batch=self.on_batch)
+        read_s = None
+        if self.reading is not None:  # read during training: what is left of it
+            self.split, read_s = self.reading.result()
+        else:
+            self.split = PreloadedSplit.load(iter(self.loader), device, on_batch=self.on_batch)
         self.timing["preload_s"] = time.perf_counter() - started
         self.loader.close()  # its workers are done: the split is read from memory from now on
         where = "on the device" if self.split.on_device else "in pinned host memory"
         shapes = ", ".join(f"{n} at {h}x{w}" for (h, w), n in self.split.shapes.items())
-        self.log(f"validation: {len(self.split)} images ({shapes}) preloaded {where} in "
-                 f"{self.timing['preload_s']:.2f} s ({self.split.nbytes / 2**20:.0f} MiB)")
+        took = (f"preloaded in {self.timing['preload_s']:.2f} s" if read_s is None else
+                f"read during training in {read_s:.2f} s, {self.timing['preload_s']:.2f} s of it waited for")
+        self.log(f"validation: {len(self.split)} images ({shapes}) {where}, {took} ({self.split.nbytes / 2**20:.0f} "
+                 "MiB)")
 
     def validate(self, ema, comm: Comm, *, device, data, amp: bool, loss_items: dict, epoch: int, epochs: int,
                  plots: bool = False, draw=None):
@@ -109,6 +124,8 @@ class FastValidator:
             model.end2end = v.args.nms is False
         model.float().eval()
         v.init_metrics(model)  # names, nc, the head's max_det, the confusion matrix, cleared statistics
+        if self.stream is None and device.type == "cuda" and self.pipelined:
+            self.stream = torch.cuda.Stream(device)
         if self.forward is None or self.forward.model is not model:
             self.forward = InferenceForward(model, device, batch=self.batch, graphs=self.cuda_graphs,
                                             amp_dtype=self.amp_dtype if amp and device.type == "cuda" else None,
@@ -134,7 +151,7 @@ class FastValidator:
         with torch.inference_mode(), torch.autocast(device.type, enabled=False):
             result = run_pass(self.split, self.forward, batch=self.batch, nc=v.nc, nms=nms_settings(v.args, v.end2end),
                               single_cls=bool(v.args.single_cls), on_batch=self.on_batch, each_batch=each_batch,
-                              loss_fn=lambda targets, preds: self._loss(model, targets, preds))
+                              loss_fn=lambda targets, preds: self._loss(model, targets, preds), stream=self.stream)
         if confusion:  # one copy to the host
             v.confusion_matrix.matrix += torch.stack(confusion).sum(0).cpu().numpy()
         if device.type == "cuda":
@@ -181,6 +198,38 @@ class FastValidator:
             ema.ema.load_state_dict(weights)
         comm.broadcast_from_rank0(list(ema.ema.state_dict().values()))
         return self.validate(ema, comm, **kwargs)
+
+
+class SplitReader:
+    """PreloadedSplit.load of a loader in a thread of its own (on a CUDA stream of its own), started now;
+    `result()` waits for it: (the split, the seconds it took), or raises what the thread raised."""
+
+    def __init__(self, loader, device: torch.device):
+        self.loader, self.device = loader, device
+        self._result: tuple[PreloadedSplit, float] | None = None
+        self._error: BaseException | None = None
+        self.thread = threading.Thread(target=self._read, name="val-split-reader", daemon=True)
+        self.thread.start()
+
+    def _read(self) -> None:
+        started = time.perf_counter()
+        try:
+            with contextlib.ExitStack() as stack:
+                if self.device.type == "cuda":
+                    stack.enter_context(torch.cuda.device(self.device))
+                    stack.enter_context(torch.cuda.stream(torch.cuda.Stream(self.device)))
+                split = PreloadedSplit.load(iter(self.loader), self.device)
+                if self.device.type == "cuda":  # its copies are done before the validation reads it
+                    torch.cuda.current_stream().synchronize()
+            self._result = split, time.perf_counter() - started
+        except BaseException as e:  # noqa: BLE001 - raised by result(), in the validating thread
+            self._error = e
+
+    def result(self) -> tuple[PreloadedSplit, float]:
+        self.thread.join()
+        if self._error is not None:
+            raise RuntimeError("reading the validation split during training failed") from self._error
+        return self._result
 
 
 class _Drawing:

@@ -3,6 +3,11 @@
 Everything stays on the device until the pass ends; then one copy brings the statistics to the host in the layout of
 Ultralytics' DetMetrics.stats (per detection: the 10 true-positive flags, confidence, class; per target: its class;
 per image: its classes, once each), in image order.
+
+Given a second CUDA stream, the pass is a two-stage pipeline: batch i+1's forward is queued on the current stream
+before batch i's post-processing (NMS, matching, the loss) runs on the second one, so that the host reads inside
+the post-processing wait for batch i's work alone while the next forward keeps the GPU busy. A replayed graph
+writes its outputs in place, so each batch's outputs are copied before the next replay.
 """
 
 from __future__ import annotations
@@ -57,15 +62,20 @@ def batch_stats(vb: ValBatch, det: Detections, boxes: torch.Tensor, nc: int) -> 
 
 
 def run_pass(split: PreloadedSplit, forward, *, batch: int, nc: int, nms: NmsSettings, single_cls: bool = False,
-             loss_fn=None, on_batch=lambda: None, each_batch=None) -> PassResult:
+             loss_fn=None, on_batch=lambda: None, each_batch=None,
+             stream: torch.cuda.Stream | None = None) -> PassResult:
     """`forward(img)` -> the model's eval output; `loss_fn(targets, preds)` -> a dict of loss items (the val loss);
-    `each_batch(batch, detections, target_boxes)` sees every batch (the plots' confusion matrix, the first batches)."""
+    `each_batch(batch, detections, target_boxes)` sees every batch (the plots' confusion matrix, the first batches);
+    `stream`: where the post-processing runs, one batch behind the forward (None: after it, on the same stream)."""
     out = {k: [] for k in ("tp", "conf", "pred_cls", "target_cls", "target_img")}
     loss: dict[str, torch.Tensor] = {}
     batches = images = 0
-    for vb in split.batches(batch):
+
+    def post(vb: ValBatch, preds, ready) -> None:
+        nonlocal batches, images
         n, shape = vb.n, tuple(vb.img.shape[2:])
-        preds = forward(vb.img)
+        if ready is not None:
+            torch.cuda.current_stream().wait_event(ready)
         y = preds[0] if isinstance(preds, (list, tuple)) else preds
         det = batched_nms(y[:n], nms.conf, nms.iou, max_det=nms.max_det, multi_label=nms.multi_label,
                           agnostic=nms.agnostic, nc=nc, end2end=nms.end2end)
@@ -83,8 +93,33 @@ def run_pass(split: PreloadedSplit, forward, *, batch: int, nc: int, nms: NmsSet
         batches += 1
         images += n
         on_batch()
+
+    pending = None
+    for vb in split.batches(batch):
+        preds = forward(vb.img)
+        if stream is None:  # now, before the next replay of a graph overwrites its outputs
+            post(vb, preds, None)
+            continue
+        # kept from the next replay, and from the allocator until the second stream is done with them
+        preds = pytree.tree_map(lambda t: _kept_for(t[: vb.n].clone(), stream) if isinstance(t, torch.Tensor) else t,
+                                preds)
+        ready = torch.cuda.Event()
+        ready.record()
+        if pending is not None:
+            with torch.cuda.stream(stream):
+                post(*pending)
+        pending = (vb, preds, ready)
+    if pending is not None:
+        with torch.cuda.stream(stream):
+            post(*pending)
+        torch.cuda.current_stream().wait_stream(stream)  # what it computed is read on this stream from here on
     stats = {k: (torch.cat(v).cpu().numpy() if v else np.zeros((0, 10) if k == "tp" else 0)) for k, v in out.items()}
     return PassResult(stats=stats, images=images, batches=batches, loss=loss)
+
+
+def _kept_for(t: torch.Tensor, stream: torch.cuda.Stream) -> torch.Tensor:
+    t.record_stream(stream)
+    return t
 
 
 def detections_of(det: Detections, i: int) -> dict[str, torch.Tensor]:

@@ -30,7 +30,8 @@ from typing import NamedTuple
 import torch
 
 CHUNK = 2048  # candidates per image suppressed at once
-MATRIX_ELEMENTS = 2**25  # pairwise IoUs computed at once (a few temporaries of 128 MiB each)
+MATRIX_ELEMENTS = 2**26  # pairwise IoUs computed at once (a few temporaries of 256 MiB each)
+ROUNDS_PER_CHECK = 8  # fixed-point rounds between host reads: a round past the fixed point changes nothing
 
 
 class Detections(NamedTuple):
@@ -159,12 +160,11 @@ def _greedy(boxes: torch.Tensor, valid: torch.Tensor, iou: float) -> torch.Tenso
     suppresses = (pairwise_iou(boxes) > iou) & later & valid[:, :, None]  # [b, i, j]: i, if kept, removes j
     s = suppresses.to(torch.float16 if boxes.is_cuda else torch.float32)
     keep = valid.clone()
-    while True:
-        hit = torch.bmm(keep.to(s.dtype)[:, None, :], s)[:, 0] > 0
-        new = valid & ~hit
-        if torch.equal(new, keep):
+    while True:  # an untrained model's candidates chain tens of rounds deep: one host read per ROUNDS_PER_CHECK
+        for _ in range(ROUNDS_PER_CHECK):
+            keep, last = valid & ~(torch.bmm(keep.to(s.dtype)[:, None, :], s)[:, 0] > 0), keep
+        if torch.equal(keep, last):
             return keep
-        keep = new
 
 
 def _end2end(prediction: torch.Tensor, conf: float, max_det: int) -> Detections:
