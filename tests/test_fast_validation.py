@@ -270,8 +270,8 @@ def test_the_fast_validator_gives_what_detection_validator_gives_on_a_real_model
 
 
 def test_a_split_read_ahead_during_training_validates_as_one_read_at_the_first_validation(val_split, tmp_path):
-    """FastValidator.read_ahead (after the first step): the loader's workers are running, and a thread loads the
-    split, before any validation; the first validation's metrics are those of a validator that read the split only
+    """FastValidator.read_ahead (after the first step): the loader's workers are running, and a thread reads the
+    split into host memory, before any validation; the first validation's metrics are those of a validator that read the split only
     then."""
     ema = SimpleNamespace(ema=a_model_that_finds_objects())
     hyp = get_cfg(overrides={"imgsz": 64, "plots": False})
@@ -280,13 +280,33 @@ def test_a_split_read_ahead_during_training_validates_as_one_read_at_the_first_v
                   loss_items={k: torch.zeros(()) for k in ("box_loss", "cls_loss", "dfl_loss")})
     ahead, late = (FastValidator(datasets.val_loader(hyp, data, 2, 32, 2, torch.device("cpu")), hyp, tmp_path / name,
                                  batch=4, amp_dtype=None, cuda_graphs=False, log=print) for name in ("a", "b"))
-    ahead.read_ahead(torch.device("cpu"))
+    ahead.read_ahead()
     workers = ahead.loader.iterator._workers
     assert len(workers) == 2 and all(w.is_alive() for w in workers) and late.loader.iterator is None
     ahead.reading.thread.join(timeout=120)
-    assert ahead.split is None and len(ahead.reading.result()[0]) == 6  # loaded before the validation asked
+    groups, _ = ahead.reading.result()
+    assert ahead.split is None and sum(len(g.files) for g in groups.values()) == 6  # read before the validation asked
     got, want = ahead.validate(ema, Comm(), **kwargs), late.validate(ema, Comm(), **kwargs)
     assert got == want and len(ahead.split) == len(late.split) == 6 and not any(w.is_alive() for w in workers)
+
+
+def test_reading_the_split_moves_nothing_to_a_device_and_placing_it_keeps_every_image(monkeypatch):
+    """PreloadedSplit.read runs on a thread while the training thread may capture a CUDA graph, so it must make no
+    device copy or page-locking call (either would invalidate a capture); place then gives what load gives."""
+    batches = _loader_batches(5, 2, shape=(64, 96), seed=1)
+    want = PreloadedSplit.load(batches, torch.device("cpu"))
+
+    def refused(*args, **kwargs):
+        raise AssertionError("a device call while reading the split")
+
+    with monkeypatch.context() as m:
+        m.setattr(torch.Tensor, "to", refused)
+        m.setattr(torch.Tensor, "pin_memory", refused)
+        groups = PreloadedSplit.read(batches)
+    got = PreloadedSplit.place(groups, torch.device("cpu"))
+    assert got.shapes == want.shapes == {(64, 96): 5}
+    for a, b in zip(got.batches(4), want.batches(4)):
+        assert a.files == b.files and torch.equal(a.img, b.img) and torch.equal(a.xywh, b.xywh)
 
 
 def test_a_split_that_fails_to_read_during_training_fails_the_first_validation_with_its_cause():
@@ -300,7 +320,7 @@ def test_a_split_that_fails_to_read_during_training_fails_the_first_validation_w
         def __iter__(self):
             return batches()
 
-    reader = SplitReader(Broken(), torch.device("cpu"))
+    reader = SplitReader(Broken())
     with pytest.raises(RuntimeError, match="reading the validation split during training failed") as raised:
         reader.result()
     assert "broken.jpg" in str(raised.value.__cause__)

@@ -273,9 +273,10 @@ class InputBoundWarning(Hook):
 
 class ReadAhead(Hook):
     """Once, after this process's first step: `start()`, the validation loader's workers set reading the split, and a
-    thread keeping it on the device, while the epoch trains (FastValidator.read_ahead), so that the first validation
-    finds it loaded. After a step rather than before the first: the training loader's workers and threads are up by
-    then (Ultralytics, too, forks a loader's workers only at its first iteration, not while another loader starts)."""
+    thread keeping it in host memory, while the epoch trains (FastValidator.read_ahead), so that the first validation
+    only copies it to the device. After a step rather than before the first: the training loader's workers and
+    threads are up by then (Ultralytics, too, forks a loader's workers only at its first iteration, not while another
+    loader starts)."""
 
     def __init__(self, start):
         self.start = start

@@ -1,8 +1,8 @@
 """Validation at inference speed (`val.engine=fast`, what `auto` picks), with Ultralytics' metrics.
 
 The split is read once per run through Ultralytics' own validation loader (rect batches, pad 0.5: its pixels) and kept
-on the device (rank/validate/store.py), by a thread during the first epoch (`read_ahead`, SplitReader); each
-validation then runs the EMA in fp16 over large batches, replayed as CUDA graphs (rank/validate/forward.py), with NMS
+on the device (rank/validate/store.py; a thread reads it into host memory during the first epoch: `read_ahead`,
+SplitReader); each validation then runs the EMA in fp16 over large batches, replayed as CUDA graphs (rank/validate/forward.py), with NMS
 and the matching of detections to targets batched over the whole batch on the device (rank/validate/nms.py,
 matching.py), on a second CUDA stream while the next batch's forward runs (rank/validate/engine.py). What reaches
 the metrics is what DetectionValidator's update_metrics collects, in the same layout; Ultralytics' own DetMetrics
@@ -23,7 +23,6 @@ Per-rank statistics go to rank 0 through the rank's own process group (Comm.gath
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
 from copy import copy, deepcopy
@@ -82,20 +81,21 @@ class FastValidator:
     def metric_keys(self) -> list[str]:
         return list(self.validator.metrics.keys)
 
-    def read_ahead(self, device: torch.device | None = None) -> None:
-        """The loader's workers start reading this rank's shard now, while training goes on; given the `device`, a
-        thread takes their batches as they come and keeps them there (PreloadedSplit.load), so that the first
-        validation finds the split loaded. Nothing to do with no workers (the thread would decode in this process),
-        or once the split is read or being read."""
-        if self.split is None and self.reading is None and datasets.start_workers(self.loader) and device is not None:
-            self.reading = SplitReader(self.loader, device)
+    def read_ahead(self) -> None:
+        """The loader's workers start reading this rank's shard now, while training goes on, and a thread takes their
+        batches as they come into host memory (PreloadedSplit.read), so that the first validation only copies the
+        split to the device. Nothing to do with no workers (the thread would decode in this process), or once the
+        split is read or being read."""
+        if self.split is None and self.reading is None and datasets.start_workers(self.loader):
+            self.reading = SplitReader(self.loader)
 
     def preload(self, device: torch.device) -> None:
         """This rank's shard, once: its loader's batches kept (the loader's workers are not needed after)."""
         started = time.perf_counter()
         read_s = None
-        if self.reading is not None:  # read during training: what is left of it
-            self.split, read_s = self.reading.result()
+        if self.reading is not None:  # read during training: what is left of it, then the copy to the device
+            groups, read_s = self.reading.result()
+            self.split = PreloadedSplit.place(groups, device)
         else:
             self.split = PreloadedSplit.load(iter(self.loader), device, on_batch=self.on_batch)
         self.timing["preload_s"] = time.perf_counter() - started
@@ -103,7 +103,8 @@ class FastValidator:
         where = "on the device" if self.split.on_device else "in pinned host memory"
         shapes = ", ".join(f"{n} at {h}x{w}" for (h, w), n in self.split.shapes.items())
         took = (f"preloaded in {self.timing['preload_s']:.2f} s" if read_s is None else
-                f"read during training in {read_s:.2f} s, {self.timing['preload_s']:.2f} s of it waited for")
+                f"read during training in {read_s:.2f} s, then waited for and placed in {self.timing['preload_s']:.2f} "
+                "s")
         self.log(f"validation: {len(self.split)} images ({shapes}) {where}, {took} ({self.split.nbytes / 2**20:.0f} "
                  "MiB)")
 
@@ -201,12 +202,13 @@ class FastValidator:
 
 
 class SplitReader:
-    """PreloadedSplit.load of a loader in a thread of its own (on a CUDA stream of its own), started now;
-    `result()` waits for it: (the split, the seconds it took), or raises what the thread raised."""
+    """PreloadedSplit.read of a loader in a thread of its own, started now (host memory only: it makes no CUDA call
+    while the training thread may be capturing a graph); `result()` waits for it: (the groups, the seconds it took),
+    or raises what the thread raised."""
 
-    def __init__(self, loader, device: torch.device):
-        self.loader, self.device = loader, device
-        self._result: tuple[PreloadedSplit, float] | None = None
+    def __init__(self, loader):
+        self.loader = loader
+        self._result: tuple[dict, float] | None = None
         self._error: BaseException | None = None
         self.thread = threading.Thread(target=self._read, name="val-split-reader", daemon=True)
         self.thread.start()
@@ -214,18 +216,11 @@ class SplitReader:
     def _read(self) -> None:
         started = time.perf_counter()
         try:
-            with contextlib.ExitStack() as stack:
-                if self.device.type == "cuda":
-                    stack.enter_context(torch.cuda.device(self.device))
-                    stack.enter_context(torch.cuda.stream(torch.cuda.Stream(self.device)))
-                split = PreloadedSplit.load(iter(self.loader), self.device)
-                if self.device.type == "cuda":  # its copies are done before the validation reads it
-                    torch.cuda.current_stream().synchronize()
-            self._result = split, time.perf_counter() - started
+            self._result = PreloadedSplit.read(iter(self.loader)), time.perf_counter() - started
         except BaseException as e:  # noqa: BLE001 - raised by result(), in the validating thread
             self._error = e
 
-    def result(self) -> tuple[PreloadedSplit, float]:
+    def result(self) -> tuple[dict, float]:
         self.thread.join()
         if self._error is not None:
             raise RuntimeError("reading the validation split during training failed") from self._error

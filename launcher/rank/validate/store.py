@@ -59,31 +59,41 @@ class _Group:
         self.labels: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.files, self.ori_shape, self.ratio_pad = [], [], []
 
-    def finish(self, device: torch.device, on_device: bool):
+    def stack(self) -> None:
+        """On the host: the images as one tensor, each image's labels padded to the group's most."""
         n = len(self.files)
         width = max([len(c) for c, _ in self.labels] + [1])
         cls, xywh, count = torch.zeros((n, width)), torch.zeros((n, width, 4)), torch.zeros(n, dtype=torch.int64)
         for i, (c, b) in enumerate(self.labels):
             cls[i, : len(c)], xywh[i, : len(c)], count[i] = c, b, len(c)
-        images = torch.stack(self.images)
+        self.img, self.cls, self.xywh, self.count = torch.stack(self.images), cls, xywh, count
         self.images = []
+
+    def place(self, device: torch.device, on_device: bool) -> None:
         if on_device:
-            images = images.to(device)
+            self.img = self.img.to(device)
         elif device.type == "cuda":
-            images = images.pin_memory()
-        self.img, self.cls, self.xywh, self.count = images, cls.to(device), xywh.to(device), count.to(device)
+            self.img = self.img.pin_memory()
+        self.cls, self.xywh, self.count = self.cls.to(device), self.xywh.to(device), self.count.to(device)
 
 
 class PreloadedSplit:
-    """`PreloadedSplit.load(loader_batches, device)`, then `batches(size)` as often as wanted."""
+    """`PreloadedSplit.load(loader_batches, device)`, then `batches(size)` as often as wanted. `load` is `read` (on
+    the host) then `place` (on the device), which a caller may run apart: `read` makes no CUDA call, so a thread may
+    run it while the training thread captures CUDA graphs (another thread's allocation or copy would invalidate a
+    capture in progress)."""
 
     def __init__(self, groups: dict[tuple[int, int], _Group], device: torch.device, on_device: bool):
         self.groups, self.device, self.on_device = groups, device, on_device
 
     @classmethod
     def load(cls, batches, device: torch.device, on_batch=lambda: None) -> PreloadedSplit:
-        """From Ultralytics' collated validation batches (img uint8 (b, 3, H, W), batch_idx, cls, bboxes, im_file,
-        ori_shape, ratio_pad)."""
+        return cls.place(cls.read(batches, on_batch), device)
+
+    @staticmethod
+    def read(batches, on_batch=lambda: None) -> dict[tuple[int, int], _Group]:
+        """Ultralytics' collated validation batches (img uint8 (b, 3, H, W), batch_idx, cls, bboxes, im_file,
+        ori_shape, ratio_pad), grouped by image shape and stacked, in host memory."""
         groups: dict[tuple[int, int], _Group] = {}
         for batch in batches:
             img = batch["img"]
@@ -97,10 +107,17 @@ class PreloadedSplit:
                 group.ori_shape.append(batch["ori_shape"][i])
                 group.ratio_pad.append(batch["ratio_pad"][i])
             on_batch()
-        nbytes = sum(len(g.images) * g.images[0].numel() for g in groups.values())
+        for group in groups.values():
+            group.stack()
+        return groups
+
+    @classmethod
+    def place(cls, groups: dict[tuple[int, int], _Group], device: torch.device) -> PreloadedSplit:
+        """`read`'s groups on the device when they fit (DEVICE_SHARE of its free memory), else in pinned host memory."""
+        nbytes = sum(g.img.numel() for g in groups.values())
         on_device = device.type != "cuda" or nbytes <= DEVICE_SHARE * device_free(device)
         for group in groups.values():
-            group.finish(device, on_device)
+            group.place(device, on_device)
         return cls(groups, device, on_device)
 
     def __len__(self) -> int:
