@@ -241,9 +241,12 @@ def a_model_that_finds_objects() -> DetectionModel:
     return model
 
 
-def test_the_fast_validator_gives_what_detection_validator_gives_on_a_real_model(val_split, tmp_path, monkeypatch):
+@pytest.mark.parametrize("folded", [False, True])
+def test_the_fast_validator_gives_what_detection_validator_gives_on_a_real_model(val_split, tmp_path, monkeypatch,
+                                                                                folded):
     """The same weights and split through both engines: metrics, validation losses and (plots on) the confusion
-    matrix equal (CPU, fp32). Nothing is drawn: Ultralytics' drawing is stubbed out, the fast one never called."""
+    matrix equal (CPU, fp32), with the EMA itself or its folded copy. Nothing is drawn: Ultralytics' drawing is
+    stubbed out, the fast one never called."""
     from ultralytics.utils import metrics
 
     for owner, name in [(DetectionValidator, "plot_val_samples"), (DetectionValidator, "plot_predictions"),
@@ -257,7 +260,8 @@ def test_the_fast_validator_gives_what_detection_validator_gives_on_a_real_model
                   loss_items={k: torch.zeros(()) for k in ("box_loss", "cls_loss", "dfl_loss")})
     ref = Validator(loaders[0], hyp, tmp_path / "a")
     want, want_fitness = ref.validate(ema, Comm(), **kwargs, plots=True)
-    fast = FastValidator(loaders[1], hyp, tmp_path / "b", batch=4, amp_dtype=None, cuda_graphs=False, log=print)
+    fast = FastValidator(loaders[1], hyp, tmp_path / "b", batch=4, amp_dtype=None, cuda_graphs=False, folded=folded,
+                         log=print)
     got, got_fitness = fast.validate(ema, Comm(), **kwargs, plots=True, draw=lambda what, drawing: None)
     matrix = fast.validator.confusion_matrix.matrix.copy()
     again, _ = fast.validate(ema, Comm(), **kwargs)  # from the preloaded split, without plots

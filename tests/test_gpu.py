@@ -381,9 +381,9 @@ def test_auto_batch_fits_and_an_epoch_at_it_uses_50_to_70_percent_of_the_gpu(tmp
 
 
 def test_the_fast_validator_on_cuda_gives_ultralytics_map(tmp_path, cache_dir):
-    """val.engine=fast (fp16, CUDA graphs, batched NMS and matching) against Ultralytics' DetectionValidator on the
-    same weights (a head that finds some of the shapes untrained: test_fast_validation's) and split: the same mAP up
-    to fp16 rounding; both engines' images/s printed."""
+    """val.engine=fast (fp16, CUDA graphs, batched NMS and matching; the EMA, then its folded copy) against
+    Ultralytics' DetectionValidator on the same weights (a head that finds some of the shapes untrained:
+    test_fast_validation's) and split: the same mAP up to fp16 rounding; each engine's images/s printed."""
     import time
     from types import SimpleNamespace
 
@@ -407,10 +407,11 @@ def test_the_fast_validator_on_cuda_gives_ultralytics_map(tmp_path, cache_dir):
                   loss_items={k: torch.zeros((), device=device) for k in ("box_loss", "cls_loss", "dfl_loss")})
     ema = SimpleNamespace(ema=model)
     results = {}
-    for name in ("ultralytics", "fast"):
+    for name in ("ultralytics", "fast", "folded"):
         loader = datasets.val_loader(hyp, data, 16, 32, 2, device)
         validator = (Validator(loader, hyp, tmp_path / name) if name == "ultralytics" else
-                     FastValidator(loader, hyp, tmp_path / name, batch=32, amp_dtype=torch.float16, log=print))
+                     FastValidator(loader, hyp, tmp_path / name, batch=32, amp_dtype=torch.float16,
+                                   folded=name == "folded", log=print))
         validator.validate(ema, Comm(), **kwargs)  # workers start / the preload and the graphs' capture
         torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -419,11 +420,105 @@ def test_the_fast_validator_on_cuda_gives_ultralytics_map(tmp_path, cache_dir):
         results[name] = (metrics, 64 / (time.perf_counter() - t0))
         print(f"{name}: {results[name][1]:.0f} images/s, mAP50 {metrics['metrics/mAP50(B)']:.4f} "
               f"mAP50-95 {metrics['metrics/mAP50-95(B)']:.4f}")
-    want, got = results["ultralytics"][0], results["fast"][0]
+    want = results["ultralytics"][0]
     assert want["metrics/recall(B)"] > 0  # something was found: the comparison is not of zeros
-    assert list(got) == list(want)
-    for key in ("metrics/mAP50(B)", "metrics/mAP50-95(B)", "metrics/precision(B)", "metrics/recall(B)"):
-        assert abs(got[key] - want[key]) <= 0.05 * want[key] + 1e-4, (key, got[key], want[key])  # both in fp16
+    for got in (results["fast"][0], results["folded"][0]):
+        assert list(got) == list(want)
+        for key in ("metrics/mAP50(B)", "metrics/mAP50-95(B)", "metrics/precision(B)", "metrics/recall(B)"):
+            assert abs(got[key] - want[key]) <= 0.05 * want[key] + 1e-4, (key, got[key], want[key])  # both in fp16
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_the_validation_kernels_on_cuda_compute_what_their_pytorch_forms_compute(dtype):
+    """rank/validate/kernels.py's Triton forms against PyTorch: the bias and SiLU in fp32, rounded once (channels_last
+    and contiguous tensors, channel counts that fill no block); the upsampling exactly."""
+    import torch.nn.functional as F
+
+    from launcher.rank.validate import kernels
+
+    for shape in [(2, 3, 5, 7), (4, 80, 13, 17), (2, 144, 9, 11), (1, 512, 20, 20)]:
+        for layout in (torch.channels_last, torch.contiguous_format):
+            y = torch.randn(shape, device="cuda").to(dtype).contiguous(memory_format=layout)
+            bias = torch.randn(shape[1], device="cuda").to(dtype)
+            for silu in (True, False):
+                want = y.float() + bias.float().view(1, -1, 1, 1)
+                want = (want * torch.sigmoid(want) if silu else want).to(dtype)
+                got = kernels.bias_act_(y.clone(), bias, silu)
+                torch.testing.assert_close(got, want)
+                assert got.is_contiguous(memory_format=layout)
+        x = torch.randn(shape, device="cuda").to(dtype).contiguous(memory_format=torch.channels_last)
+        up = kernels.upsample_nearest2x(x)
+        assert up.is_contiguous(memory_format=torch.channels_last)
+        assert torch.equal(up, F.interpolate(x, scale_factor=2, mode="nearest"))
+
+
+WARMED_UP_LAUNCHES = """
+import pathlib, sys
+import torch
+from launcher.rank.validate import kernels
+cache, warm = pathlib.Path(sys.argv[1]), sys.argv[2] == "warm"
+if warm:
+    kernels.warm_up(torch.device("cuda", 0), torch.float16)
+before = len(list(cache.rglob("*.cubin")))
+y = torch.randn(4, 80, 13, 17, device="cuda", dtype=torch.half).contiguous(memory_format=torch.channels_last)
+for silu in (True, False):
+    kernels.bias_act_(y, torch.randn(80, device="cuda", dtype=torch.half), silu)
+kernels.upsample_nearest2x(y)
+torch.cuda.synchronize()
+print(before, len(list(cache.rglob("*.cubin"))))
+"""
+
+
+def test_the_kernels_warmed_up_during_training_are_the_ones_the_folded_forward_launches(tmp_path):
+    """kernels.warm_up compiles, without a launch, exactly the specialisations a validation then launches (fp16,
+    channels_last): in a process with an empty Triton cache, the launches after it compile nothing more; without it
+    they compile all three."""
+    import os
+    import subprocess
+    import sys
+
+    counts = {}
+    for mode in ("warm", "cold"):
+        cache = tmp_path / mode
+        done = subprocess.run([sys.executable, "-c", WARMED_UP_LAUNCHES, str(cache), mode], capture_output=True,
+                              text=True, env={**os.environ, "TRITON_CACHE_DIR": str(cache)}, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        counts[mode] = tuple(int(n) for n in done.stdout.split()[-2:])
+    assert counts == {"warm": (3, 3), "cold": (0, 3)}, counts
+
+
+def test_the_folded_fp16_copy_on_cuda_is_as_close_to_fp32_as_autocast_and_its_graph_follows_a_refresh():
+    """The fast validator's forward (rank/ultralytics/folded.py: BatchNorm folded, fp16, the Triton bias/SiLU and
+    upsampling) against the EMA's fp32 output: no further from it than the EMA under fp16 autocast (the forward
+    before the fold); replayed as a CUDA graph, a refresh after the EMA moved reaches the replay."""
+    from launcher.rank.ultralytics.folded import FoldedCopy
+    from launcher.rank.validate.forward import InferenceForward
+    from tests.test_folded_copy import a_trained_looking_model
+
+    ema = a_trained_looking_model().cuda()
+    img = torch.randint(0, 256, (8, 3, 96, 128), dtype=torch.uint8, device="cuda")
+    folded = FoldedCopy(ema, torch.float16)
+    forward = InferenceForward(folded.model, torch.device("cuda"), batch=8, amp_dtype=None, graphs=True)
+    amp = InferenceForward(ema, torch.device("cuda"), batch=8, amp_dtype=torch.float16, graphs=False)
+
+    def outputs():
+        with torch.inference_mode():
+            want = ema(img.float().contiguous(memory_format=torch.channels_last) / 255)[0]
+            return want, forward(img)[0].float(), amp(img)[0].float()
+
+    for moved in (False, True):
+        if moved:
+            with torch.no_grad():  # up to 2 % on every weight and statistic (more overflows fp16 in 60 layers)
+                for t in ema.state_dict().values():
+                    if t.is_floating_point():
+                        t.mul_(1 + 0.02 * torch.rand_like(t))
+            folded.refresh()
+        want, got, autocast = outputs()
+        assert forward._captured  # replayed
+        for part in (slice(0, 4), slice(4, None)):  # boxes (pixels), then class scores
+            err, amp_err = (got[:, part] - want[:, part]).abs().max(), (autocast[:, part] - want[:, part]).abs().max()
+            assert err <= 2 * amp_err + 1e-3, (moved, part, err, amp_err)
+            assert want[:, part].abs().max() > 10 * amp_err  # the premise: outputs well above the rounding
 
 
 class ImageDependentHead(torch.nn.Module):

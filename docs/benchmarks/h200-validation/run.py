@@ -7,8 +7,9 @@ DetectionValidator (val.engine=ultralytics) on the same weights and the same val
    pad 0.5), the EMA in fp16 autocast, its NMS and metrics, the validation loss: --passes timed passes after one
    unmeasured (its workers start).
 3. The fast engine on the same loader's images: the one-off preload (reported apart), the first pass (CUDA graph
-   capture), then --passes timed passes, for each --batch (and at the first batch: without CUDA graphs, with each
-   batch's post-processing after its forward on one stream instead of pipelined on a second, and with
+   capture), then --passes timed passes, for each --batch (and at the first batch, as --rows picks: without CUDA
+   graphs, with each batch's post-processing after its forward on one stream instead of pipelined on a second,
+   on a copy of the EMA with BatchNorm folded in fp16 instead of the EMA under autocast (`folded`), and with
    --old-nms-rounds NMS's fixed point checked after every round over 8 images at a time, as before 2026-12-04).
 Every pass is a whole validation as a training run calls it: forward, NMS, matching, the validation loss, rank 0's
 ap_per_class; images/s = images / wall time of the pass. Both mAPs are printed; they differ only by fp16 rounding
@@ -116,6 +117,12 @@ def main() -> None:
     p.add_argument("--batch", type=int, nargs="+", default=[128, 256], help="the fast engine's val.batch values")
     p.add_argument("--passes", type=int, default=5)
     p.add_argument("--workers", type=int, default=16, help="the validation loader's workers (a run: 2 x its own)")
+    p.add_argument("--rows", default="graphs-off,serial,folded",
+                   help="the rows at the first batch besides the shipped engine: graphs-off, serial, folded")
+    p.add_argument("--fold", action="store_true", help="the --batch rows on the folded copy (FastValidator(folded))")
+    p.add_argument("--no-graphs", action="store_true", help="the --batch rows without CUDA graphs")
+    p.add_argument("--skip-ultralytics", action="store_true",
+                   help="no Ultralytics row (a fresh process per engine: its first validation alone)")
     p.add_argument("--old-nms-rounds", action="store_true",
                    help="one more row: the first batch with NMS's fixed point read back after every round, 8 images "
                         "at a time (nms.ROUNDS_PER_CHECK=1, MATRIX_ELEMENTS=2**25)")
@@ -156,28 +163,36 @@ def main() -> None:
               "weights": weights, "imgsz": args.imgsz, "val_images": args.val_images, "workers": args.workers,
               "ultralytics_val_batch": val_batch, "passes": args.passes, "rows": []}
 
-    ul = Validator(loader(), hyp, args.out / "ultralytics")
-    validate = lambda: ul.validate(ema, Comm(), **kwargs)  # noqa: E731
-    validate()  # its workers start
-    times, metrics = timed(validate, args.passes)
-    base = args.val_images / (sum(times) / len(times))
-    result["rows"].append({"engine": "ultralytics", "batch": val_batch, "graphs": False, "images_per_s": base,
-                           "pass_s": times, "map50": metrics["metrics/mAP50(B)"],
-                           "map50_95": metrics["metrics/mAP50-95(B)"], "metrics": metrics})
-    print(f"ultralytics: {base:.0f} images/s, mAP50-95 {metrics['metrics/mAP50-95(B)']:.4f}", flush=True)
+    base = float("nan")
+    if not args.skip_ultralytics:
+        ul = Validator(loader(), hyp, args.out / "ultralytics")
+        validate = lambda: ul.validate(ema, Comm(), **kwargs)  # noqa: E731
+        validate()  # its workers start
+        times, metrics = timed(validate, args.passes)
+        base = args.val_images / (sum(times) / len(times))
+        result["rows"].append({"engine": "ultralytics", "batch": val_batch, "graphs": False, "images_per_s": base,
+                               "pass_s": times, "map50": metrics["metrics/mAP50(B)"],
+                               "map50_95": metrics["metrics/mAP50-95(B)"], "metrics": metrics})
+        print(f"ultralytics: {base:.0f} images/s, mAP50-95 {metrics['metrics/mAP50-95(B)']:.4f}", flush=True)
 
     from launcher.rank.validate import nms
 
-    configs = [(b, True, True, "") for b in args.batch] + [(args.batch[0], False, True, ""),
-                                                            (args.batch[0], True, False, "")]
+    rows = set(filter(None, args.rows.split(",")))
+    unknown = rows - {"graphs-off", "serial", "folded"}
+    if unknown:
+        p.error(f"--rows: unknown {sorted(unknown)}")
+    first = args.batch[0]
+    configs = [(b, not args.no_graphs, True, "", args.fold) for b in args.batch]
+    configs += [(first, False, True, "", False)] * ("graphs-off" in rows) + [(first, True, False, "", False)] * (
+        "serial" in rows) + [(first, True, True, "", True)] * ("folded" in rows)
     if args.old_nms_rounds:
-        configs.append((args.batch[0], True, True, "old"))
+        configs.append((first, True, True, "old", False))
     shipped = nms.ROUNDS_PER_CHECK, nms.MATRIX_ELEMENTS
-    for batch, graphs, pipelined, nms_rounds in configs:
+    for batch, graphs, pipelined, nms_rounds, folded in configs:
         nms.ROUNDS_PER_CHECK, nms.MATRIX_ELEMENTS = (1, 2**25) if nms_rounds == "old" else shipped
         fast = FastValidator(loader(), hyp, args.out / f"fast{batch}", batch=batch,
                              amp_dtype=torch.float16 if device.type == "cuda" else None,
-                             cuda_graphs=graphs, pipelined=pipelined, log=print)
+                             cuda_graphs=graphs, pipelined=pipelined, folded=folded, log=print)
         validate = lambda: fast.validate(ema, Comm(), **kwargs)  # noqa: E731
         t0 = time.perf_counter()
         validate()  # the preload (timed inside) and the graphs' capture
@@ -185,16 +200,16 @@ def main() -> None:
         times, metrics = timed(validate, args.passes)
         ips = args.val_images / (sum(times) / len(times))
         result["rows"].append({"engine": "fast", "batch": batch, "graphs": graphs, "pipelined": pipelined,
-                               "nms": nms_rounds or "shipped",
+                               "nms": nms_rounds or "shipped", "folded": folded,
                                "images_per_s": ips,
                                "pass_s": times, "preload_s": fast.timing["preload_s"], "first_pass_s": first,
                                "pass_only_images_per_s": fast.timing["images_per_s"],
                                "map50": metrics["metrics/mAP50(B)"], "map50_95": metrics["metrics/mAP50-95(B)"],
                                "metrics": metrics})
-        print(f"fast batch {batch} graphs {graphs} pipelined {pipelined} nms {nms_rounds or 'shipped'}: "
+        print(f"fast batch {batch} graphs {graphs} pipelined {pipelined} nms {nms_rounds or 'shipped'} folded {folded}: "
               f"{ips:.0f} images/s ({ips / base:.1f}x), preload "
               f"{fast.timing['preload_s']:.2f} s, mAP50-95 {metrics['metrics/mAP50-95(B)']:.4f}", flush=True)
-        if args.profile and (batch, graphs, pipelined, nms_rounds) == configs[0]:
+        if args.profile and (batch, graphs, pipelined, nms_rounds, folded) == configs[0]:
             profile(validate, args.out)
         del fast
         if device.type == "cuda":
@@ -204,10 +219,11 @@ def main() -> None:
     lines = [f"# Validation engines, {result['gpu']}, {args.model} at {args.imgsz} px, {args.val_images} images",
              "", f"weights `{weights}`; Ultralytics' loader: {args.workers} workers, batch {val_batch}; "
              f"mean of {args.passes} passes", "",
-             "| engine | batch | CUDA graphs | pipelined | NMS | images/s | x Ultralytics | first validation s | "
-             "preload s | mAP50 | mAP50-95 |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| engine | batch | CUDA graphs | pipelined | folded | NMS | images/s | x Ultralytics | first validation s | "
+             "preload s | mAP50 | mAP50-95 |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in result["rows"]:
         lines.append(f"| {r['engine']} | {r['batch']} | {r['graphs']} | {r.get('pipelined', '-')} | "
+                     f"{r.get('folded', '-')} | "
                      f"{r.get('nms', '-')} | {r['images_per_s']:.0f} | {r['images_per_s'] / base:.1f} | "
                      f"{r.get('first_pass_s', float('nan')):.2f} | {r.get('preload_s', float('nan')):.2f} | "
                      f"{r['map50']:.4f} | "

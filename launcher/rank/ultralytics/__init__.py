@@ -10,6 +10,8 @@ Reaches into internals, each in one place:
 - fast_validation.py: a DetectionValidator that runs no batch: init_metrics, its metrics.stats, confusion_matrix,
   seen, speed, plot_val_samples/plot_predictions, get_stats, finalize_metrics and print_results called directly
   (the statistics it would have collected are rank/validate/'s, in its layout).
+- folded.py: Conv / DWConv's `conv`, `bn` and `act`, folded as BaseModel.fuse folds them, in a copy that is never
+  saved (FastValidator(folded=True), off by default).
 - loss.py: v8DetectionLoss.get_assigned_targets_and_loss and .preprocess re-implemented (the global normaliser, the
   host's target count); TaskAlignedAssigner.get_box_metrics / select_candidates_in_gts and BboxLoss.forward overridden.
 - datasets.py: BaseDataset.get_img_files on a stand-in (the files of a split); the image lists and mosaic buffer of

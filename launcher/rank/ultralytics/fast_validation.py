@@ -2,7 +2,8 @@
 
 The split is read once per run through Ultralytics' own validation loader (rect batches, pad 0.5: its pixels) and kept
 on the device (rank/validate/store.py; a thread reads it into host memory during the first epoch: `read_ahead`,
-SplitReader); each validation then runs the EMA in fp16 over large batches, replayed as CUDA graphs (rank/validate/forward.py), with NMS
+SplitReader); each validation then runs the EMA in fp16 over large batches, replayed as CUDA graphs
+(rank/validate/forward.py; `folded`: a copy with its BatchNorms folded, folded.py), with NMS
 and the matching of detections to targets batched over the whole batch on the device (rank/validate/nms.py,
 matching.py), on a second CUDA stream while the next batch's forward runs (rank/validate/engine.py). What reaches
 the metrics is what DetectionValidator's update_metrics collects, in the same layout; Ultralytics' own DetMetrics
@@ -34,11 +35,13 @@ from ultralytics.utils.metrics import DetMetrics
 
 from launcher.rank.dist import Comm
 from launcher.rank.ultralytics import datasets
+from launcher.rank.ultralytics.folded import FoldedCopy
 from launcher.rank.ultralytics.plots import PLOT_LOCK
 from launcher.rank.ultralytics.validation import label_loss_items
 from launcher.rank.validate.confusion import confusion_counts
 from launcher.rank.validate.engine import NmsSettings, detections_of, run_pass
 from launcher.rank.validate.forward import InferenceForward
+from launcher.rank.validate.kernels import WarmUp
 from launcher.rank.validate.store import PreloadedSplit
 
 PLOTTED_BATCHES = 3  # BaseValidator plots its first three batches
@@ -63,12 +66,20 @@ def gathered_stats(per_rank: list[dict]) -> dict[str, list]:
 class FastValidator:
     """The interface of validation.Validator: `validate(...)` -> (metrics, fitness) on rank 0, (None, None)
     elsewhere; every rank calls it. `batch`: images per forward; `cuda_graphs`: replay the forward per shape;
-    `pipelined`: on CUDA, each batch's post-processing on a second stream while the next batch's forward runs."""
+    `pipelined`: on CUDA, each batch's post-processing on a second stream while the next batch's forward runs;
+    `folded`: the forward on a copy of the EMA with BatchNorm folded (folded.py), in the AMP dtype on CUDA, instead of
+    the EMA under autocast: its forward is faster, but the pass is not bound by the forward and the first validation
+    pays for the copy and Triton's start, so it is off (docs/benchmarks/h200-validation/README.md).
+    `device`: the rank's, where read_ahead warms the folded forward's kernels up."""
 
     def __init__(self, loader, hyp, run_dir, *, batch: int, amp_dtype: torch.dtype | None, cuda_graphs: bool = True,
-                 pipelined: bool = True, on_batch=None, log=print):
+                 pipelined: bool = True, folded: bool = False, device: torch.device | None = None, on_batch=None,
+                 log=print):
         self.loader, self.batch, self.amp_dtype, self.cuda_graphs = loader, batch, amp_dtype, cuda_graphs
-        self.pipelined = pipelined
+        self.pipelined, self.fold, self.device = pipelined, folded, device
+        self.folded: FoldedCopy | None = None
+        self.warming: WarmUp | None = None  # the folded forward's Triton kernels, compiled during training
+        self._amp_dtype: torch.dtype | None = None  # this validation's autocast type (None on CPU or without AMP)
         self.on_batch, self.log = on_batch or (lambda: None), log
         self.validator = DetectionValidator(loader, save_dir=run_dir, args=copy(hyp))
         self.split: PreloadedSplit | None = None
@@ -85,9 +96,11 @@ class FastValidator:
         """The loader's workers start reading this rank's shard now, while training goes on, and a thread takes their
         batches as they come into host memory (PreloadedSplit.read), so that the first validation only copies the
         split to the device. Nothing to do with no workers (the thread would decode in this process), or once the
-        split is read or being read."""
+        split is read or being read. On CUDA, a second thread compiles the folded forward's kernels (WarmUp)."""
         if self.split is None and self.reading is None and datasets.start_workers(self.loader):
             self.reading = SplitReader(self.loader)
+        if self.fold and self.warming is None and self.device is not None and self.device.type == "cuda":
+            self.warming = WarmUp(self.device, self.amp_dtype or torch.float32)
 
     def preload(self, device: torch.device) -> None:
         """This rank's shard, once: its loader's batches kept (the loader's workers are not needed after)."""
@@ -127,10 +140,22 @@ class FastValidator:
         v.init_metrics(model)  # names, nc, the head's max_det, the confusion matrix, cleared statistics
         if self.stream is None and device.type == "cuda" and self.pipelined:
             self.stream = torch.cuda.Stream(device)
-        if self.forward is None or self.forward.model is not model:
-            self.forward = InferenceForward(model, device, batch=self.batch, graphs=self.cuda_graphs,
-                                            amp_dtype=self.amp_dtype if amp and device.type == "cuda" else None,
-                                            log=self.log)
+        self._amp_dtype = self.amp_dtype if amp and device.type == "cuda" else None
+        if self.warming is not None:  # once: its kernels are compiled before the first launch
+            warming, self.warming = self.warming.join(), None
+            self.log(f"validation: its kernels compiled during training in {warming.seconds:.2f} s" if not warming.error
+                     else f"WARNING: compiling the validation's kernels during training failed ({warming.error})")
+        if self.fold and (self.folded is None or self.folded.source is not model):
+            folding = time.perf_counter()
+            self.folded = FoldedCopy(model, self._amp_dtype or torch.float32)
+            self.log(f"validation: the EMA copied with {self.folded.folded} BatchNorms folded, in "
+                     f"{str(self.folded.dtype).removeprefix('torch.')}, in {time.perf_counter() - folding:.2f} s")
+        elif self.folded is not None:
+            self.folded.refresh()  # the EMA's weights now
+        network = self.folded.model if self.fold else model
+        if self.forward is None or self.forward.model is not network:
+            self.forward = InferenceForward(network, device, batch=self.batch, graphs=self.cuda_graphs,
+                                            amp_dtype=None if self.fold else self._amp_dtype, log=self.log)
         plotted: list = []
         confusion: list[torch.Tensor] = []  # each batch's confusion counts, on the device until the pass ends
 
@@ -189,8 +214,9 @@ class FastValidator:
         return metrics, metrics.pop("fitness", None)
 
     def _loss(self, model, targets: dict, preds) -> dict:
-        """The EMA's own loss items, under the forward's autocast as in BaseValidator (its BCE in fp32)."""
-        with self.forward.autocast():
+        """The EMA's own loss items under autocast to the AMP dtype, whichever forward made `preds` (its BCE in fp32)."""
+        with torch.autocast(self.forward.device.type, dtype=self._amp_dtype or torch.float32,
+                            enabled=self._amp_dtype is not None, cache_enabled=False):
             return model.loss(targets, preds)[1]
 
     def validate_weights(self, weights: dict[str, torch.Tensor], ema, comm: Comm, **kwargs):

@@ -1,5 +1,6 @@
-"""The network's inference forward for validation: fixed-size batches in fp16 autocast, channels_last, replayed as a
-CUDA graph per image shape on CUDA (`val.cuda_graphs`).
+"""The network's inference forward for validation: fixed-size batches, channels_last, replayed as a CUDA graph per
+image shape on CUDA (`val.cuda_graphs`). The network computes in its own dtype (the fast validator's folded fp16
+copy: rank/ultralytics/folded.py), or under autocast to `amp_dtype` (the auto-batch probe's training network).
 
 The eager forward of a detector launches hundreds of small kernels per batch, and the host's launch time bounds it
 at large batches as in training (rank/step/graphed.py). Each graph is captured at the first batch of its shape,
@@ -11,6 +12,8 @@ The Detect head caches its anchors per input shape: the tensors a graph was capt
 
 from __future__ import annotations
 
+import time
+
 import torch
 from torch.utils import _pytree as pytree
 
@@ -18,11 +21,18 @@ MAX_GRAPHS = 4  # shapes captured; images of further shapes run eagerly (rectang
 
 
 class InferenceForward:
-    """`forward(img_uint8)` -> the model's eval output for those n images (tensors may hold more rows: slice [:n])."""
+    """`forward(img_uint8)` -> the model's eval output for those n images (tensors may hold more rows: slice [:n]).
+    `amp_dtype`: autocast's type, None for none; `input_dtype`: the images' type, by default fp16 under fp16 autocast
+    (as Ultralytics' validator feeds them), else the model's own."""
 
     def __init__(self, model: torch.nn.Module, device: torch.device, *, batch: int,
-                 amp_dtype: torch.dtype | None, graphs: bool, log=print):
+                 amp_dtype: torch.dtype | None, graphs: bool, input_dtype: torch.dtype | None = None, log=print):
         self.model, self.device, self.batch, self.amp_dtype, self.log = model, device, batch, amp_dtype, log
+        if input_dtype is None:
+            first = next(model.parameters(), None)
+            own = first.dtype if first is not None and first.is_floating_point() else torch.float32
+            input_dtype = torch.float16 if amp_dtype == torch.float16 else (torch.float32 if amp_dtype else own)
+        self.input_dtype = input_dtype
         self.graphs = graphs and device.type == "cuda"
         self.channels_last = device.type == "cuda"
         self._captured: dict[tuple[int, int], tuple] = {}  # shape -> (graph, input, outputs, spec, kept tensors)
@@ -30,8 +40,8 @@ class InferenceForward:
         self.failed = False
 
     def _input(self, img: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """uint8 -> the network's input: img.half() / 255 under fp16 AMP, as Ultralytics' validator, else float."""
-        x = (img.half() if self.amp_dtype == torch.float16 else img.float()) / 255
+        """uint8 -> the network's input: img / 255 in input_dtype."""
+        x = img.to(self.input_dtype) / 255
         if out is None:
             return x.contiguous(memory_format=torch.channels_last) if self.channels_last else x
         out[: len(img)].copy_(x)
@@ -56,8 +66,8 @@ class InferenceForward:
             return self.model(self._input(img))
 
     def _capture(self, shape: tuple[int, int]) -> None:
-        dtype = torch.float16 if self.amp_dtype == torch.float16 else torch.float32
-        static = torch.zeros((self.batch, 3, *shape), dtype=dtype, device=self.device)
+        started = time.perf_counter()
+        static = torch.zeros((self.batch, 3, *shape), dtype=self.input_dtype, device=self.device)
         static = static.contiguous(memory_format=torch.channels_last)
         try:
             side = torch.cuda.Stream(self.device)
@@ -79,4 +89,5 @@ class InferenceForward:
         kept = tuple(getattr(head, name) for name in ("anchors", "strides") if isinstance(getattr(head, name, None),
                                                                                           torch.Tensor))
         self._captured[shape] = (graph, static, tuple(leaves), spec, kept)
-        self.log(f"validation forward captured as a CUDA graph for batches of {self.batch} x {shape[0]}x{shape[1]}")
+        self.log(f"validation forward captured as a CUDA graph for batches of {self.batch} x {shape[0]}x{shape[1]} in "
+                 f"{time.perf_counter() - started:.2f} s")
