@@ -40,7 +40,7 @@ from launcher.rank.ultralytics.plots import PLOT_LOCK
 from launcher.rank.ultralytics.validation import label_loss_items
 from launcher.rank.validate.confusion import confusion_counts
 from launcher.rank.validate.engine import NmsSettings, detections_of, run_pass
-from launcher.rank.validate.forward import InferenceForward
+from launcher.rank.validate.forward import InferenceForward, autocast_to
 from launcher.rank.validate.kernels import WarmUp
 from launcher.rank.validate.store import PreloadedSplit
 
@@ -215,8 +215,7 @@ class FastValidator:
 
     def _loss(self, model, targets: dict, preds) -> dict:
         """The EMA's own loss items under autocast to the AMP dtype, whichever forward made `preds` (its BCE in fp32)."""
-        with torch.autocast(self.forward.device.type, dtype=self._amp_dtype or torch.float32,
-                            enabled=self._amp_dtype is not None, cache_enabled=False):
+        with autocast_to(self.forward.device, self._amp_dtype):
             return model.loss(targets, preds)[1]
 
     def validate_weights(self, weights: dict[str, torch.Tensor], ema, comm: Comm, **kwargs):

@@ -92,8 +92,11 @@ class FoldedCopy:
         folded_keys = {f"{n}.{k}" for n in folded_names for k in ("conv.weight", "conv.bias")}
         mine, theirs = self.model.state_dict(keep_vars=True), source.state_dict(keep_vars=True)
         self._copied = [(mine[k], theirs[k]) for k in mine if k not in folded_keys]
-        self.folded = len(self._folds)
         self.refresh()
+
+    @property
+    def folded(self) -> int:
+        return len(self._folds)
 
     @torch.no_grad()
     def refresh(self) -> None:

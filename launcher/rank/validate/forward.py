@@ -1,6 +1,7 @@
 """The network's inference forward for validation: fixed-size batches, channels_last, replayed as a CUDA graph per
-image shape on CUDA (`val.cuda_graphs`). The network computes in its own dtype (the fast validator's folded fp16
-copy: rank/ultralytics/folded.py), or under autocast to `amp_dtype` (the auto-batch probe's training network).
+image shape on CUDA (`val.cuda_graphs`). The network computes under autocast to `amp_dtype` (the EMA, as the fast
+validator runs it by default; the auto-batch probe's training network), or in its own dtype (the folded fp16 copy:
+rank/ultralytics/folded.py).
 
 The eager forward of a detector launches hundreds of small kernels per batch, and the host's launch time bounds it
 at large batches as in training (rank/step/graphed.py). Each graph is captured at the first batch of its shape,
@@ -18,6 +19,12 @@ import torch
 from torch.utils import _pytree as pytree
 
 MAX_GRAPHS = 4  # shapes captured; images of further shapes run eagerly (rectangular batches of mixed aspect ratios)
+
+
+def autocast_to(device: torch.device, dtype: torch.dtype | None):
+    """Autocast to `dtype` on CUDA; off for None and on other devices."""
+    return torch.autocast(device.type, dtype=dtype or torch.float32, enabled=dtype is not None and device.type == "cuda",
+                          cache_enabled=False)
 
 
 class InferenceForward:
@@ -48,8 +55,7 @@ class InferenceForward:
         return out
 
     def autocast(self):
-        return torch.autocast(self.device.type, dtype=self.amp_dtype or torch.float32,
-                              enabled=self.amp_dtype is not None and self.device.type == "cuda", cache_enabled=False)
+        return autocast_to(self.device, self.amp_dtype)
 
     @torch.no_grad()
     def __call__(self, img: torch.Tensor):
