@@ -429,12 +429,13 @@ def test_the_fast_validator_on_cuda_gives_ultralytics_map(tmp_path, cache_dir):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
-def test_the_validation_kernels_on_cuda_compute_what_their_pytorch_forms_compute(dtype):
-    """rank/validate/kernels.py's Triton forms against PyTorch: the bias and SiLU in fp32, rounded once (channels_last
-    and contiguous tensors, channel counts that fill no block); the upsampling exactly."""
+def test_the_triton_kernels_on_cuda_compute_what_their_pytorch_forms_compute(dtype):
+    """rank/kernels.py's Triton forms against PyTorch: the bias and SiLU in fp32, rounded once (channels_last
+    and contiguous tensors, channel counts that fill no block); the upsampling and its backward bit for bit, the
+    backward from gradients in either layout, through autograd as the training graphs run it."""
     import torch.nn.functional as F
 
-    from launcher.rank.validate import kernels
+    from launcher.rank import kernels
 
     for shape in [(2, 3, 5, 7), (4, 80, 13, 17), (2, 144, 9, 11), (1, 512, 20, 20)]:
         for layout in (torch.channels_last, torch.contiguous_format):
@@ -450,29 +451,43 @@ def test_the_validation_kernels_on_cuda_compute_what_their_pytorch_forms_compute
         up = kernels.upsample_nearest2x(x)
         assert up.is_contiguous(memory_format=torch.channels_last)
         assert torch.equal(up, F.interpolate(x, scale_factor=2, mode="nearest"))
+        n, c, h, w = shape
+        for layout in (torch.channels_last, torch.contiguous_format):
+            grad = torch.randn((n, c, 2 * h, 2 * w), device="cuda").to(dtype).contiguous(memory_format=layout)
+            want = torch.ops.aten.upsample_nearest2d_backward(grad, [2 * h, 2 * w], list(shape), 2.0, 2.0)
+            assert torch.equal(kernels.upsample_nearest2x_backward(grad), want)
+            leaf = x.detach().requires_grad_()
+            kernels.nearest2x(leaf).backward(grad)
+            assert torch.equal(leaf.grad, want)
 
 
 WARMED_UP_LAUNCHES = """
 import pathlib, sys
 import torch
-from launcher.rank.validate import kernels
+from launcher.rank import kernels
 cache, warm = pathlib.Path(sys.argv[1]), sys.argv[2] == "warm"
+names = kernels.VALIDATION if sys.argv[3] == "validation" else kernels.TRAINING
 if warm:
-    kernels.warm_up(torch.device("cuda", 0), torch.float16)
+    kernels.warm_up(torch.device("cuda", 0), torch.float16, names)
 before = len(list(cache.rglob("*.cubin")))
 y = torch.randn(4, 80, 13, 17, device="cuda", dtype=torch.half).contiguous(memory_format=torch.channels_last)
-for silu in (True, False):
-    kernels.bias_act_(y, torch.randn(80, device="cuda", dtype=torch.half), silu)
-kernels.upsample_nearest2x(y)
+if names == kernels.VALIDATION:
+    for silu in (True, False):
+        kernels.bias_act_(y, torch.randn(80, device="cuda", dtype=torch.half), silu)
+    kernels.upsample_nearest2x(y)
+else:
+    leaf = y.detach().requires_grad_()
+    kernels.nearest2x(leaf).sum().backward()
 torch.cuda.synchronize()
 print(before, len(list(cache.rglob("*.cubin"))))
 """
 
 
-def test_the_kernels_warmed_up_during_training_are_the_ones_the_folded_forward_launches(tmp_path):
-    """kernels.warm_up compiles, without a launch, exactly the specialisations a validation then launches (fp16,
-    channels_last): in a process with an empty Triton cache, the launches after it compile nothing more; without it
-    they compile all three."""
+@pytest.mark.parametrize("names,kernel_count", [("validation", 3), ("training", 2)])
+def test_the_kernels_warmed_up_on_a_thread_are_the_ones_launched_after(tmp_path, names, kernel_count):
+    """kernels.warm_up compiles, without a launch, exactly the specialisations that are then launched (fp16,
+    channels_last): the folded validation forward's, and the training graphs' upsampling forward and backward. In a
+    process with an empty Triton cache, the launches after it compile nothing more; without it they compile all."""
     import os
     import subprocess
     import sys
@@ -480,11 +495,11 @@ def test_the_kernels_warmed_up_during_training_are_the_ones_the_folded_forward_l
     counts = {}
     for mode in ("warm", "cold"):
         cache = tmp_path / mode
-        done = subprocess.run([sys.executable, "-c", WARMED_UP_LAUNCHES, str(cache), mode], capture_output=True,
+        done = subprocess.run([sys.executable, "-c", WARMED_UP_LAUNCHES, str(cache), mode, names], capture_output=True,
                               text=True, env={**os.environ, "TRITON_CACHE_DIR": str(cache)}, timeout=300)
         assert done.returncode == 0, done.stderr[-3000:]
         counts[mode] = tuple(int(n) for n in done.stdout.split()[-2:])
-    assert counts == {"warm": (3, 3), "cold": (0, 3)}, counts
+    assert counts == {"warm": (kernel_count, kernel_count), "cold": (0, kernel_count)}, counts
 
 
 def test_the_folded_fp16_copy_on_cuda_is_as_close_to_fp32_as_autocast_and_its_graph_follows_a_refresh():
@@ -637,6 +652,106 @@ def test_the_captured_whole_step_takes_the_eager_steps_and_never_waits_for_the_g
             step(batches[2])
         updates.append(_flat(model) - before)
     _assert_graph_update_is_eager(updates)
+
+
+def test_the_training_graphs_upsample_on_triton_and_take_pytorchs_gradients():
+    """upsampling_kernels=True (rank/step/upsampling.py): the whole step's graph and the network's graph replay the
+    Triton upsampling (forward and backward, as the profiler sees the replay) and give the gradients of the graphs
+    without it, bit for bit (cuDNN deterministic); the modules run PyTorch's forward again after the capture."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from launcher.rank.data.pipeline import MAX_TARGETS
+    from launcher.rank.step.captured_step import CapturedStep, bucket
+    from launcher.rank.step.graphed import GraphedDetector
+
+    def grads_and_kernels(kernels_on: bool, whole: bool):
+        model, batch = make_model_and_batch()
+        model = with_training_loss(model.cuda().to(memory_format=torch.channels_last)).train()
+        batch = _on_cuda(batch)
+        batch["img"] = batch["img"].half().contiguous(memory_format=torch.channels_last)
+        if whole:
+            opt = torch.optim.SGD(model.parameters(), lr=0.01)
+            step = CapturedStep(model, optimizer=opt, scaler=torch.amp.GradScaler("cuda", enabled=False), ema=None,
+                                loss_scale=1.0, grad_clip=0.0, amp_dtype=torch.float16, batch=len(batch["img"]),
+                                imgsz=batch["img"].shape[-1], upsampling_kernels=kernels_on)
+            step.capture({**batch, MAX_TARGETS: 3})
+            graph = step.graphs[bucket(3)]
+            replay = lambda: graph.replay(graph.img, graph.targets)  # noqa: E731
+            grads = step.grads
+        else:
+            net = GraphedDetector(model, len(batch["img"]), batch["img"].shape[-1], torch.float16,
+                                  input_dtype=torch.float16, channels_last=True, upsampling_kernels=kernels_on)
+            params = list(model.parameters())
+
+            def replay():
+                for p in params:
+                    p.grad = None
+                with torch.autocast("cuda", dtype=torch.float16):
+                    loss, _ = model.loss(batch, net(batch["img"]))
+                loss.sum().backward()
+            grads = None
+        replay()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            replay()
+            torch.cuda.synchronize()
+        names = {e.key for e in prof.key_averages()}
+        taken = grads if whole else [p.grad for p in model.parameters() if p.requires_grad]
+        assert not any("forward" in m.__dict__ for m in model.modules())  # PyTorch's again
+        return torch.cat([g.detach().float().flatten() for g in taken]), names
+
+    deterministic, benchmark = torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+    try:
+        for whole in (True, False):
+            want, pytorch_kernels = grads_and_kernels(False, whole)
+            got, triton_kernels = grads_and_kernels(True, whole)
+            assert torch.isfinite(want).all() and torch.equal(got, want), whole
+            assert any("upsample_nearest2d" in k for k in pytorch_kernels), pytorch_kernels
+            assert not any("upsample_nearest2d" in k for k in triton_kernels), triton_kernels
+            assert {"_upsample2x", "_upsample2x_backward"} <= triton_kernels, triton_kernels
+    finally:
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = deterministic, benchmark
+
+
+def test_a_bucket_captured_mid_epoch_survives_another_thread_pinning_memory():
+    """A new target bucket is captured while the input's threads run (the DataLoader's pin-memory thread allocates
+    pinned memory, which a "global" capture forbids every thread): each capture succeeds and the pinning thread
+    meets no error."""
+    import threading
+
+    from launcher.rank.data.pipeline import MAX_TARGETS
+    from launcher.rank.step.captured_step import CapturedStep
+
+    model, batch = make_model_and_batch()
+    model, batch = with_training_loss(model.cuda()).train(), _on_cuda(batch)
+    step = CapturedStep(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.01),
+                        scaler=torch.amp.GradScaler("cuda", enabled=False), ema=None, loss_scale=1.0, grad_clip=0.0,
+                        amp_dtype=torch.float16, batch=len(batch["img"]), imgsz=batch["img"].shape[-1])
+    stop, errors, allocations = threading.Event(), [], [0]
+
+    def pin():  # new pinned allocations all the time: blocks held, then given back to the driver, 256 at a time
+        held = []
+        while not stop.is_set():
+            try:
+                held.append(torch.empty(1 << 16, dtype=torch.uint8, pin_memory=True))
+                allocations[0] += 1
+                if len(held) == 256:
+                    held.clear()
+                    torch._C._host_emptyCache()
+            except Exception as e:  # noqa: BLE001 - what the pin-memory thread would raise
+                errors.append(e)
+                return
+
+    thread = threading.Thread(target=pin, daemon=True)
+    thread.start()
+    try:
+        for n in (3, 11, 20, 40):  # buckets 8, 16, 32, 64
+            step.capture({**batch, MAX_TARGETS: n})
+    finally:
+        stop.set()
+        thread.join()
+    assert not errors, errors
+    assert sorted(step.graphs) == [8, 16, 32, 64] and allocations[0] > 256
 
 
 def test_a_checkpoint_of_device_state_reaches_the_host_equal(tmp_path):

@@ -120,3 +120,30 @@ def test_targets_padded_to_a_larger_bucket_give_the_same_loss_and_gradients(coun
             torch.testing.assert_close(items[k], ref_items[k], rtol=1e-5, atol=1e-6, msg=k)
         for a, b in zip(grads, ref_grads):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_the_dfl_term_is_ultralytics_bit_for_bit_and_its_backward_scatters_nothing():
+    """loss.dfl_loss weighs the bins with a dense mask: the values and gradients of Ultralytics' DFLoss exactly (fp32
+    and fp16 logits; targets on bin edges, inside bins, past the last bin), and a backward with no gather's scatter,
+    which deterministic mode runs as a sort (the module docstring)."""
+    from ultralytics.utils.loss import DFLoss
+
+    from launcher.rank.ultralytics.loss import dfl_loss
+
+    g = torch.Generator().manual_seed(0)
+    edges = torch.tensor([[0.0, 1.0, 14.99, 15.0], [3.5, 7.0, 16.2, 0.01]])
+    target = torch.cat([torch.rand(250, 4, generator=g) * 15, edges])
+    for dtype in (torch.float32, torch.float16):
+        logits = (torch.randn(len(target) * 4, 16, generator=g) * 3).to(dtype).requires_grad_()
+        want = DFLoss(16)(logits, target.clone())
+        (want_grad,) = torch.autograd.grad(want.sum(), logits)
+        got = dfl_loss(logits, target.clone(), 16)
+        (got_grad,) = torch.autograd.grad(got.sum(), logits)
+        assert torch.equal(got, want) and torch.equal(got_grad, want_grad), dtype
+    nodes, stack = set(), [got.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is not None and type(node).__name__ not in nodes:
+            nodes.add(type(node).__name__)
+            stack.extend(n for n, _ in node.next_functions)
+    assert not {n for n in nodes if "Gather" in n or "Index" in n or "Scatter" in n}, nodes

@@ -235,3 +235,37 @@ def test_a_batch_without_the_hosts_target_count_is_counted():
     _, batch = make_model_and_batch()  # 3, 1, 2 and 1 boxes
     assert _max_targets({**batch, MAX_TARGETS: None}) == 3 == _max_targets({**batch, MAX_TARGETS: 3})
     assert _max_targets({"batch_idx": torch.zeros(0)}) == 0
+
+
+def test_the_upsampling_swapped_in_for_a_capture_computes_pytorchs_values_and_is_undone():
+    """rank/step/upsampling.py: inside triton_upsampling the network's nearest 2x upsampling modules (and only they)
+    run kernels.nearest2x, with PyTorch's outputs and gradients (on the CPU its PyTorch forms; the Triton kernels on
+    CUDA: tests/test_gpu.py); after it the modules are as they were, and the network pickles without ddp-launch."""
+    import pickle
+
+    from launcher.rank import kernels
+    from launcher.rank.step.upsampling import triton_upsampling
+
+    model, batch = make_model_and_batch()
+    bilinear = torch.nn.Upsample(scale_factor=2, mode="bilinear")
+    model.model.append(bilinear)  # not nearest: left alone
+    nearest = [m for m in model.modules() if kernels.is_nearest2x(m)]
+    assert len(nearest) == 2  # yolov8's neck
+
+    def outputs_and_grads():
+        model.zero_grad()
+        x = batch["img"].clone().requires_grad_()
+        out = [m(x) for m in nearest]
+        sum(o.square().sum() for o in out).backward()
+        return out, x.grad
+
+    want, want_grad = outputs_and_grads()
+    with triton_upsampling(model) as swapped:
+        assert swapped == 2 and all(m.forward is kernels.nearest2x for m in nearest)
+        assert "forward" not in bilinear.__dict__
+        got, got_grad = outputs_and_grads()
+    assert all(torch.equal(a, b) for a, b in zip(got, want)) and torch.equal(got_grad, want_grad)
+    with triton_upsampling(model, enabled=False) as swapped:
+        assert swapped == 0
+    assert not any("forward" in m.__dict__ for m in model.modules())
+    assert b"launcher" not in pickle.dumps(model)

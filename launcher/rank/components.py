@@ -1,6 +1,7 @@
 """What a rank builds before its first step, in the order it must be built (each line says why it stands there):
 
-0. nvJPEG's warm-up, on a thread beside everything up to 5 (prewarm.py), joined before any graph is captured;
+0. nvJPEG's warm-up, and the compilation of the training graphs' Triton kernels (kernels.py), each on a thread beside
+   everything up to 5 (prewarm.py), joined before any graph is captured;
 1. the node-shared image cache, before the process group (its build may outlast dist.timeout_s: nobody waits for it
    in a timed barrier);
    with train.batch_per_device=auto, this GPU's largest batch, measured before the process group too (the loss's
@@ -32,7 +33,7 @@ from launcher.plan import checks
 from launcher.plan import lr as lrmod
 from launcher.plan.describe import batch_lines
 from launcher.plan.plan import LaunchPlan, with_batch
-from launcher.rank import checkpoint_io
+from launcher.rank import checkpoint_io, kernels
 from launcher.rank.data import affinity, image_cache
 from launcher.rank.data.encoded import EncodedImages, EncodedTrainDataset
 from launcher.rank.data.gpu_augment import GpuAugment
@@ -103,6 +104,9 @@ class Rank:
         train, loader_cfg = cfg["train"], cfg["loader"]
         amp = train["amp"] if self.device.type == "cuda" else False
         self.amp_dtype = (torch.bfloat16 if amp == "bf16" else torch.float16) if amp else None
+        # the training graphs' Triton kernels (the neck's upsampling: step/upsampling.py), compiled on a thread
+        self.kernels = (kernels.WarmUp(self.device, self.amp_dtype or torch.float32, kernels.TRAINING)
+                        if self.device.type == "cuda" and plan.cuda_graphs else None)
 
         # 1. the node's image cache, before the process group; the batch this GPU takes (train.batch_per_device=auto)
         self.caches = self._image_caches() if train["cache"] == "shared" else {}
@@ -185,6 +189,9 @@ class Rank:
         if self.prewarm.started:
             self.prewarm.join()
             self._stamp("prewarm_join")
+        if self.kernels is not None:
+            self._upsampling_kernels()  # joined here, so that its wait is timed as its own part
+            self._stamp("kernels_join")
         # 6. what the step calls: the whole step captured (one GPU), or the network graphed inside DDP
         self.step = self._captured() if self._captures_step(self.net) else None
         if self.step is None:
@@ -282,7 +289,8 @@ class Rank:
                     if whole:  # the step the run takes: captured whole, its own gradients and graph pool
                         taken = CapturedStep(net, optimizer=step.optimizer, scaler=step.scaler, ema=step.ema,
                                              loss_scale=1.0, grad_clip=step.grad_clip, amp_dtype=self.amp_dtype,
-                                             batch=batch, imgsz=int(self.hyp.imgsz), log=self.log)
+                                             batch=batch, imgsz=int(self.hyp.imgsz),
+                                             upsampling_kernels=self._upsampling_kernels(), log=self.log)
                         taken.capture(images)
                     else:
                         step.model, taken = self._probe_graphs(net, batch, graphs), step
@@ -464,10 +472,23 @@ class Rank:
         on_gpu = self.plan.augment_on == "gpu"
         return (self.input_dtype if on_gpu else torch.float32), on_gpu
 
+    def _upsampling_kernels(self) -> bool:
+        """Whether the graphs run the neck's upsampling on Triton kernels: once their compilation has ended without an
+        error (else PyTorch's kernels, said once)."""
+        if self.kernels is None:
+            return False
+        warm = self.kernels.join()
+        if warm.error is not None:
+            self.log(f"WARNING: the training graphs' Triton kernels did not compile ({warm.error}); PyTorch's "
+                     "upsampling runs instead")
+            self.kernels = None
+            return False
+        return True
+
     def _capture(self, net: nn.Module, batch: int) -> GraphedDetector:
         dtype, channels_last = self.step_input
         return GraphedDetector(net, batch, self.hyp.imgsz, self.amp_dtype, input_dtype=dtype,
-                               channels_last=channels_last)
+                               channels_last=channels_last, upsampling_kernels=self._upsampling_kernels())
 
     def _captures_step(self, net: nn.Module) -> bool:
         """train.graph_scope: the whole step captured where it can be (auto; captured_step.py), else the network."""
@@ -487,7 +508,8 @@ class Rank:
         step = CapturedStep(self.net, optimizer=self.optimizer, scaler=self.scaler, ema=self.ema,
                             loss_scale=lrmod.loss_scale(plan.base_batch, plan.batch_per_rank),
                             grad_clip=float(optim.get("grad_clip", 10.0)), amp_dtype=self.amp_dtype,
-                            batch=plan.micro_batch, imgsz=int(self.hyp.imgsz), log=self.log)
+                            batch=plan.micro_batch, imgsz=int(self.hyp.imgsz),
+                            upsampling_kernels=self._upsampling_kernels(), log=self.log)
         try:
             step.capture(auto_batch.synthetic_batch(plan.micro_batch, int(self.hyp.imgsz), self.device, dtype=dtype,
                                                     channels_last=channels_last, nc=int(self.data["nc"])))

@@ -13,6 +13,9 @@ optimizer, the gradient clip and the GradScaler read them there, and no step zer
 them). Unscaling, clipping, the fused optimizer, the scaler's update and the EMA stay eager: a few multi-tensor
 launches, and the learning rate and momentum they read change every step of the warmup.
 
+With `upsampling_kernels` (set where its kernels compiled: rank/components.py) the graphs run the neck's upsampling
+on Triton kernels (upsampling.py).
+
 A batch of another shape (multi-scale, a short batch) or whose bucket would leave the dense assigner (DENSE_LIMIT)
 runs the same code eagerly. On the CPU everything runs eagerly: the same step, testable in CI.
 
@@ -30,10 +33,15 @@ import torch
 from torch import nn
 
 from launcher.rank.data.pipeline import MAX_TARGETS
+from launcher.rank.step.upsampling import triton_upsampling
 from launcher.rank.ultralytics.loss import DENSE_LIMIT, PADDED_TARGETS, DetectionLoss
 
 MIN_BUCKET = 8  # the fewest target rows per image a graph is captured for
 WARMUP_PASSES = 2  # eager passes on a side stream before a capture (cuDNN and cuBLAS choose their kernels there)
+# A bucket is captured mid-epoch while the input's threads run: the DataLoader's pin-memory thread may allocate pinned
+# memory, which CUDA forbids every thread during a "global" capture (the allocation fails, the capture is void, and
+# the run stops). "thread_local" forbids it to the capturing thread alone; no other thread uses its stream.
+CAPTURE_MODE = "thread_local"
 
 
 def bucket(max_targets: int) -> int:
@@ -62,7 +70,8 @@ class CapturedStep:
     device, as TrainStep's do."""
 
     def __init__(self, net: nn.Module, *, optimizer, scaler, ema, loss_scale: float, grad_clip: float, amp_dtype,
-                 batch: int, imgsz: int, log: Callable[[str], None] = print):
+                 batch: int, imgsz: int, upsampling_kernels: bool = False, log: Callable[[str], None] = print):
+        self.upsampling_kernels = upsampling_kernels
         self.net, self.optimizer, self.scaler, self.ema = net, optimizer, scaler, ema
         self.loss_scale, self.grad_clip, self.amp_dtype, self.log = loss_scale, grad_clip, amp_dtype, log
         self.model = net  # what a caller reads as the step's module (the probe of train.batch_per_device=auto)
@@ -141,15 +150,16 @@ class _Graph:
         self.img, self.targets = img.clone(), targets.clone()
         saved = {k: v.detach().clone() for k, v in step.net.named_buffers()}  # warm-up passes move BN statistics
         try:
-            side = torch.cuda.Stream(step.device)
-            side.wait_stream(torch.cuda.current_stream(step.device))
-            with torch.cuda.stream(side):
-                for _ in range(WARMUP_PASSES):
-                    step._body(self.img, self.targets, n)
-            torch.cuda.current_stream(step.device).wait_stream(side)
-            self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph, pool=step.pool):
-                self.out = step._body(self.img, self.targets, n)
+            with triton_upsampling(step.net, step.upsampling_kernels):  # what the replays run (upsampling.py)
+                side = torch.cuda.Stream(step.device)
+                side.wait_stream(torch.cuda.current_stream(step.device))
+                with torch.cuda.stream(side):
+                    for _ in range(WARMUP_PASSES):
+                        step._body(self.img, self.targets, n)
+                torch.cuda.current_stream(step.device).wait_stream(side)
+                self.graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(self.graph, pool=step.pool, capture_error_mode=CAPTURE_MODE):
+                    self.out = step._body(self.img, self.targets, n)
         finally:  # also after a failed capture: the step then runs eagerly, on the statistics it had
             with torch.no_grad():
                 for k, v in step.net.named_buffers():

@@ -11,7 +11,7 @@ network as it was: with `auto` the trainer then trains eagerly with a warning, w
 Full-size batches replay the graph; any other shape (the short last batch of an epoch, multi-scale) runs the same
 network eagerly, with the same parameters. DDP wraps the graphed module: gradients still land in `.grad` through
 autograd, so DDP's all-reduce hooks fire as usual. BatchNorm statistics update inside the graph, in the module's
-own buffers.
+own buffers. With `upsampling_kernels` the graphs run the neck's upsampling on Triton kernels (upsampling.py).
 """
 
 from __future__ import annotations
@@ -20,14 +20,18 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from launcher.rank.step.upsampling import triton_upsampling
+
 
 class GraphedDetector(nn.Module):
     """A DetectionModel whose train-mode forward on `(batch, 3, imgsz, imgsz)` images replays a CUDA graph."""
 
     def __init__(self, net: nn.Module, batch: int, imgsz: int, amp_dtype: torch.dtype | None, *,
-                 input_dtype: torch.dtype = torch.float32, channels_last: bool = False):
+                 input_dtype: torch.dtype = torch.float32, channels_last: bool = False,
+                 upsampling_kernels: bool = False):
         super().__init__()
         self.net = net
+        self.upsampling_kernels = upsampling_kernels
         self.shape = (batch, 3, imgsz, imgsz)
         self.amp_dtype = amp_dtype
         # the graph's input buffer as the pipeline writes batches: each replay then copies without converting
@@ -46,8 +50,9 @@ class GraphedDetector(nn.Module):
         saved = {k: v.detach().clone() for k, v in self.net.named_buffers()}  # warm-up runs move BN statistics
         flat = _FlatForward(self)
         try:
-            with torch.autocast("cuda", dtype=self.amp_dtype or torch.float32, enabled=self.amp_dtype is not None,
-                                cache_enabled=False):
+            with triton_upsampling(self.net, self.upsampling_kernels), torch.autocast(
+                    "cuda", dtype=self.amp_dtype or torch.float32, enabled=self.amp_dtype is not None,
+                    cache_enabled=False):
                 return torch.cuda.make_graphed_callables(flat, (sample,), num_warmup_iters=3)
         finally:  # also after a failed capture: the network then trains eagerly, as if never captured
             with torch.no_grad():

@@ -41,7 +41,7 @@ from launcher.rank.ultralytics.validation import label_loss_items
 from launcher.rank.validate.confusion import confusion_counts
 from launcher.rank.validate.engine import NmsSettings, detections_of, run_pass
 from launcher.rank.validate.forward import InferenceForward, autocast_to
-from launcher.rank.validate.kernels import WarmUp
+from launcher.rank.kernels import WarmUp
 from launcher.rank.validate.store import PreloadedSplit
 
 PLOTTED_BATCHES = 3  # BaseValidator plots its first three batches

@@ -6,7 +6,7 @@ docs/benchmarks/h200-validation/README.md); kept for the benchmark's A/B, and fo
 Ultralytics' standalone validator folds each Conv's BatchNorm into its convolution (BaseModel.fuse); its validation
 during training runs the EMA as it is. Folding removes a pass over every activation, but only pays with the
 convolution's bias and SiLU applied in one pass after it, and with the neck's upsampling as a plain copy
-(rank/validate/kernels.py says why). So the copy's
+(rank/kernels.py says why). So the copy's
   - Conv and DWConv modules compute `bias_act_(conv(x) without its bias, folded bias, SiLU or nothing)` (any other
     activation: Ultralytics' forward_fuse, the bias in the convolution);
   - other convolutions with a bias (the Detect head's last layers) add it the same way;
@@ -29,7 +29,7 @@ import torch
 from torch import nn
 from ultralytics.nn.modules import Conv, DWConv
 
-from launcher.rank.validate.kernels import bias_act_, upsample_nearest2x
+from launcher.rank.kernels import bias_act_, is_nearest2x, upsample_nearest2x
 
 FOLDED = (Conv, DWConv)  # modules whose forward is act(bn(conv(x))); exact types (subclasses may differ)
 ACTIVATIONS = {nn.SiLU: True, nn.Identity: False}  # what bias_act_ applies: SiLU, or nothing
@@ -86,7 +86,7 @@ class FoldedCopy:
                     m.forward = types.MethodType(_folded_forward, m)
             elif type(m) is nn.Conv2d and m.bias is not None and m.padding_mode == "zeros":
                 m.forward = types.MethodType(_biased_conv_forward, m)
-            elif type(m) is nn.Upsample and m.mode == "nearest" and m.size is None and _is_two(m.scale_factor):
+            elif is_nearest2x(m):
                 m.forward = types.MethodType(_upsample_forward, m)
         self.model = copy.to(dtype).requires_grad_(False)
         folded_keys = {f"{n}.{k}" for n in folded_names for k in ("conv.weight", "conv.bias")}
@@ -109,8 +109,3 @@ class FoldedCopy:
             mine.copy_(theirs)
         if hasattr(self.source, "end2end"):
             self.model.end2end = self.source.end2end
-
-
-def _is_two(scale) -> bool:
-    scales = scale if isinstance(scale, (tuple, list)) else (scale,)
-    return all(s is not None and float(s) == 2.0 for s in scales)

@@ -25,14 +25,18 @@ to back. The values are Ultralytics'; only how they are computed changes:
 * TaskAlignedAssigner scores every (image, target, anchor) triple densely instead of gathering candidates (above
   DENSE_LIMIT triples it uses Ultralytics' sparse path);
 * BboxLoss computes CIoU and DFL for every anchor and zeroes them outside the foreground (torch.where, so the
-  gradient outside is exactly zero) instead of indexing the foreground anchors.
+  gradient outside is exactly zero) instead of indexing the foreground anchors;
+* DFL weighs each bin's log-probability with a dense mask instead of gathering the two bins around the target
+  (`dfl`): a gather's backward is a scatter, which Ultralytics' default `deterministic=True` runs as a sort and an
+  index_put, 1.4 ms of a 46 ms yolov8s step on the H200 (docs/benchmarks/h200-step/README.md). The same values,
+  bit for bit.
 
 Sums run over more (zero) terms in another order: the loss matches Ultralytics' to float rounding
 (tests/test_loss.py compares values and gradients).
 
 Reaches into Ultralytics: DetectionLoss re-implements v8DetectionLoss.get_assigned_targets_and_loss of 8.4.190 (the
 normaliser is computed inline there) and overrides its preprocess; the dense assigner and box loss override
-TaskAlignedAssigner.get_box_metrics/select_candidates_in_gts and BboxLoss.forward. E2ELoss (YOLO26) takes the loss
+TaskAlignedAssigner.get_box_metrics/select_candidates_in_gts and BboxLoss.forward; `dfl` re-states DFLoss.__call__. E2ELoss (YOLO26) takes the loss
 class as an argument, so its two branches get these too.
 """
 
@@ -42,6 +46,7 @@ from functools import partial
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from ultralytics.utils.loss import BboxLoss, E2ELoss, v8DetectionLoss
 from ultralytics.utils.metrics import bbox_iou
 from ultralytics.utils.ops import xywh2xyxy, xyxy2xywh
@@ -246,6 +251,20 @@ class DenseBboxLoss(BboxLoss):
 
         reg_max = self.dfl_loss.reg_max
         target_ltrb = bbox2dist(anchor_points, target_bboxes, reg_max - 1)  # (b, h*w, 4)
-        dfl = self.dfl_loss(pred_dist.reshape(-1, reg_max), target_ltrb.reshape(-1, 4)).view(fg.shape)
+        dfl = dfl_loss(pred_dist.reshape(-1, reg_max), target_ltrb.reshape(-1, 4), reg_max).view(fg.shape)
         loss_dfl = (torch.where(fg, dfl, 0) * weight).sum() / target_scores_sum
         return loss_iou, loss_dfl
+
+
+def dfl_loss(pred_dist: torch.Tensor, target: torch.Tensor, reg_max: int) -> torch.Tensor:
+    """DFLoss.__call__ of 8.4.190 (the distribution focal loss of each box side, averaged over the four), with each
+    bin's weight a dense mask: wl at the bin left of the target, wr at the bin right of it, zero elsewhere. Adding the
+    zero terms changes no bit of the sum, and the backward is a product instead of a scatter (module docstring)."""
+    target = target.clamp(0, reg_max - 1 - 0.01)
+    left = target.long()  # the bin left of the target
+    wl = (left + 1) - target  # weight left
+    wr = 1 - wl  # weight right
+    bins = torch.arange(reg_max, device=pred_dist.device)
+    left, wl, wr = left.view(-1, 1), wl.view(-1, 1), wr.view(-1, 1)
+    weight = torch.where(bins == left, wl, torch.where(bins == left + 1, wr, 0))
+    return -(F.log_softmax(pred_dist, dim=1) * weight).sum(1).view(target.shape).mean(-1, keepdim=True)

@@ -19,6 +19,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 MAX_GRAPHS = 4  # shapes captured; images of further shapes run eagerly (rectangular batches of mixed aspect ratios)
+CAPTURE_MODE = "thread_local"  # the input's threads run beside a validation (rank/step/captured_step.py says why)
 
 
 def autocast_to(device: torch.device, dtype: torch.dtype | None):
@@ -84,7 +85,7 @@ class InferenceForward:
             torch.cuda.current_stream(self.device).wait_stream(side)
             self._pool = self._pool or torch.cuda.graph_pool_handle()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool), self.autocast():
+            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode=CAPTURE_MODE), self.autocast():
                 leaves, spec = pytree.tree_flatten(self.model(static))
         except Exception as e:  # a network whose eval forward syncs with the host: run it eagerly
             self.failed = True
