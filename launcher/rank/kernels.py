@@ -87,7 +87,7 @@ def upsample_nearest2x_backward(grad: torch.Tensor) -> torch.Tensor:
 
 
 def is_nearest2x(module: torch.nn.Module) -> bool:
-    """An nn.Upsample that doubles height and width by nearest neighbour (Ultralytics' neck): what nearest2x computes."""
+    """An nn.Upsample doubling height and width by nearest neighbour (Ultralytics' neck): what nearest2x computes."""
     if type(module) is not torch.nn.Upsample or module.mode != "nearest" or module.size is not None:
         return False
     scale = module.scale_factor

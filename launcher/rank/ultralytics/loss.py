@@ -27,7 +27,7 @@ to back. The values are Ultralytics'; only how they are computed changes:
 * BboxLoss computes CIoU and DFL for every anchor and zeroes them outside the foreground (torch.where, so the
   gradient outside is exactly zero) instead of indexing the foreground anchors;
 * DFL weighs each bin's log-probability with a dense mask instead of gathering the two bins around the target
-  (`dfl`): a gather's backward is a scatter, which Ultralytics' default `deterministic=True` runs as a sort and an
+  (`dfl_loss`): a gather's backward is a scatter, which Ultralytics' default `deterministic=True` runs as a sort and an
   index_put, 1.4 ms of a 46 ms yolov8s step on the H200 (docs/benchmarks/h200-step/README.md). The same values,
   bit for bit.
 
@@ -36,8 +36,8 @@ Sums run over more (zero) terms in another order: the loss matches Ultralytics' 
 
 Reaches into Ultralytics: DetectionLoss re-implements v8DetectionLoss.get_assigned_targets_and_loss of 8.4.190 (the
 normaliser is computed inline there) and overrides its preprocess; the dense assigner and box loss override
-TaskAlignedAssigner.get_box_metrics/select_candidates_in_gts and BboxLoss.forward; `dfl` re-states DFLoss.__call__. E2ELoss (YOLO26) takes the loss
-class as an argument, so its two branches get these too.
+TaskAlignedAssigner.get_box_metrics/select_candidates_in_gts and BboxLoss.forward; `dfl_loss` re-states
+DFLoss.__call__. E2ELoss (YOLO26) takes the loss class as an argument, so its two branches get these too.
 """
 
 from __future__ import annotations
