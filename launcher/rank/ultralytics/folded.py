@@ -53,10 +53,6 @@ def _biased_conv_forward(self, x):
     return bias_act_(self._conv_forward(x, self.weight, None), self.bias, False)
 
 
-def _upsample_forward(self, x):
-    return upsample_nearest2x(x)
-
-
 class FoldedCopy:
     """`FoldedCopy(ema_model, dtype)`: `.model` the copy in `dtype` (eval mode), `.refresh()` from the EMA in place.
     `folded`: how many BatchNorms were folded."""
@@ -87,7 +83,7 @@ class FoldedCopy:
             elif type(m) is nn.Conv2d and m.bias is not None and m.padding_mode == "zeros":
                 m.forward = types.MethodType(_biased_conv_forward, m)
             elif is_nearest2x(m):
-                m.forward = types.MethodType(_upsample_forward, m)
+                m.forward = upsample_nearest2x  # a function of x alone: nothing to bind
         self.model = copy.to(dtype).requires_grad_(False)
         folded_keys = {f"{n}.{k}" for n in folded_names for k in ("conv.weight", "conv.bias")}
         mine, theirs = self.model.state_dict(keep_vars=True), source.state_dict(keep_vars=True)
