@@ -98,10 +98,11 @@ def ultralytics_checkpointer(tmp_path, before_write=lambda path: None):
     """A Checkpointer with Ultralytics' layout over a small detector-like network, its EMA and SGD's momentum."""
     from types import SimpleNamespace
 
+    from ultralytics.utils import IterableSimpleNamespace
     from ultralytics.utils.torch_utils import ModelEMA
 
     from launcher.rank.components import EmaState
-    from launcher.rank.ultralytics.checkpoint import Layout
+    from launcher.rank.ultralytics.checkpoint import Layout, stripped
 
     net = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4))
     net.anchors = torch.arange(6.0)  # a tensor outside the state, as Detect's anchors
@@ -110,11 +111,13 @@ def ultralytics_checkpointer(tmp_path, before_write=lambda path: None):
     optimizer.step()
     ema = ModelEMA(net)
     ema.ema.criterion = torch.nn.MSELoss()  # Ultralytics' models keep their loss; a checkpoint does not
+    ema.ema.args = IterableSimpleNamespace(imgsz=8)  # as DetectionModel.args
     layout = Layout(ema, SimpleNamespace(imgsz=8))
     keys = lambda: layout.keys(scaler=torch.amp.GradScaler("cuda", enabled=False), epoch=0, best_fitness=None,  # noqa: E731
                                fitness=None, early_stop={}, metrics={}, results={})
     components = {"model": net, "ema": EmaState(ema), "optimizer": optimizer}
-    return Checkpointer(tmp_path / "weights", components, keys, before_write, layout.complete), ema, optimizer
+    checkpointer = Checkpointer(tmp_path / "weights", components, keys, before_write, layout.complete, stripped)
+    return checkpointer, ema, optimizer
 
 
 def test_ultralytics_layout_saves_the_ema_in_fp16_as_it_was_at_each_save(tmp_path):
@@ -144,3 +147,37 @@ def test_ultralytics_layout_saves_the_ema_in_fp16_as_it_was_at_each_save(tmp_pat
         resume = state[RESUME_KEY]["optimizer"]["state"]  # the resume state keeps full precision
         assert all(s["momentum_buffer"].dtype == torch.float32 for s in resume.values())
     assert before["ema"] is not after["ema"] and after["updates"] == ema.updates
+
+
+def test_the_last_save_writes_the_weights_ultralytics_strip_makes_and_the_epoch_before_stays_resumable(tmp_path):
+    """The run's last save writes last.pt and best.pt as final weights at once: what Ultralytics' strip_optimizer makes
+    of the whole checkpoint, key for key; last.prev.pt, the save before, is what a failure before the run's end
+    resumes from; epoch<N>.pt stays whole."""
+    import shutil
+
+    from launcher.rank.ultralytics.checkpoint import strip
+
+    ckpt, ema, _ = ultralytics_checkpointer(tmp_path)
+    weights = tmp_path / "weights"
+    ckpt.save(wait=True)  # the same state, whole: stripped below by Ultralytics' own function
+    shutil.copy(weights / "last.pt", tmp_path / "reference.pt")
+    strip(tmp_path / "reference.pt")
+    ckpt.save(best=True, epoch_copy=3, final=True, wait=True)
+
+    reference = torch.load(tmp_path / "reference.pt", map_location="cpu", weights_only=False)
+    for name in ("last.pt", "best.pt"):
+        final = torch.load(weights / name, map_location="cpu", weights_only=False)
+        assert list(final) == list(reference), name
+        for key, expected in reference.items():
+            if key == "model":
+                model = final[key]
+                assert type(model.args) is dict and model.criterion is None
+                assert not any(p.requires_grad for p in model.parameters())
+                assert all(torch.equal(a, b) and a.dtype == b.dtype for a, b in
+                           zip(model.state_dict().values(), expected.state_dict().values(), strict=True))
+            elif key != "date":
+                assert final[key] == expected, key
+    assert reference["optimizer"] is None and reference[RESUME_KEY] is None
+    resumable, path = load_resumable(weights / "last.pt")
+    assert path == weights / "last.prev.pt" and resumable[RESUME_KEY] is not None
+    assert torch.load(weights / "epoch3.pt", map_location="cpu", weights_only=False)[RESUME_KEY] is not None

@@ -75,10 +75,10 @@ def test_images_with_more_candidates_than_a_chunk_keep_the_boxes_ultralytics_kee
         assert torch.equal(rows(det, i), want), i
 
 
-def test_a_chain_of_boxes_deeper_than_a_round_group_is_suppressed_as_greedy_nms_does():
+def test_a_chain_of_overlapping_boxes_is_suppressed_as_greedy_nms_does():
     """40 boxes in a row, each overlapping the next (IoU 0.78) but not the one after (0.6), in descending score:
-    greedy NMS keeps every second box, which the fixed-point iteration reaches only after about 40 rounds, several
-    groups of ROUNDS_PER_CHECK; one box per image."""
+    greedy NMS keeps every second box, each survivor decided by the one before it (a suppressed box suppresses
+    nothing); one box per image."""
     n = 40
     xywh = torch.stack([100 + 5 * torch.arange(n), torch.full((n,), 100), torch.full((n,), 40),
                         torch.full((n,), 40)]).float()
@@ -89,6 +89,48 @@ def test_a_chain_of_boxes_deeper_than_a_round_group_is_suppressed_as_greedy_nms_
     assert [len(r) for r in ref] == [20, 20] and torch.equal(ref[0][:, 0], 80 + 10 * torch.arange(20).float())
     for i, want in enumerate(ref):
         assert torch.equal(rows(det, i), want), i
+
+
+def compare_scans_in_interpreter() -> None:
+    """Run in a process started with TRITON_INTERPRET=1: batched NMS and the matching with their Triton scans
+    (scans.py, on CPU tensors) against Ultralytics, and each scan against the PyTorch form it replaces."""
+    from launcher.rank.validate import matching, nms, scans
+
+    assert scans.usable(torch.zeros(1)), "Triton's interpreter is not active"
+    for nc, multi_label, max_det in ((3, True, 300), (1, True, 40)):
+        pred = head_output(2, nc, 100, seed=nc + max_det)
+        ref = ultralytics_nms.non_max_suppression(pred, 0.001, 0.7, multi_label=multi_label, max_det=max_det)
+        det = batched_nms(pred, 0.001, 0.7, max_det=max_det, multi_label=multi_label)
+        assert all(torch.equal(rows(det, i), want) for i, want in enumerate(ref)), (nc, multi_label, max_det)
+    g = torch.Generator().manual_seed(0)
+    xy = torch.rand(2, 200, 2, generator=g) * 200
+    boxes = torch.cat([xy, xy + 1 + torch.rand(2, 200, 2, generator=g) * 60], -1)
+    boxes[:, 1::7] = boxes[:, ::7][:, : boxes[:, 1::7].shape[1]]  # identical boxes (IoU 1)
+    alive = torch.rand(2, 200, generator=g) > 0.1
+    assert torch.equal(scans.greedy_nms(boxes, alive, 0.7), nms._torchvision_nms(boxes, alive, 0.7))
+    pred = head_output(3, NC, 150, seed=3)
+    det = batched_nms(pred, 0.001, 0.7, max_det=300)
+    cls, truth, count = _targets(3, seed=3)
+    valid_t = torch.arange(cls.shape[1]) < count[:, None]
+    iou = matching.box_iou(truth, det.boxes) * ((cls[:, :, None] == det.cls[:, None, :]) & valid_t[:, :, None]
+                                                & det.valid()[:, None, :])
+    ours = scans.claims(iou, IOU_THRESHOLDS)
+    assert torch.equal(ours, matching._claims(iou, IOU_THRESHOLDS)) and ours.sum() > 10
+    print("the scans agree")
+
+
+def test_the_triton_scans_keep_and_match_what_ultralytics_does():
+    """Greedy NMS and the matching as one Triton program per image (what CUDA runs), through Triton's interpreter:
+    the boxes Ultralytics keeps, and the PyTorch forms' answers, identical boxes and ties included."""
+    import os
+    import subprocess
+    import sys
+
+    code = "from tests.test_fast_validation import compare_scans_in_interpreter; compare_scans_in_interpreter()"
+    r = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent.parent, capture_output=True, text=True,
+                       timeout=600, env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "the scans agree" in r.stdout
 
 
 def test_an_end_to_end_head_is_only_filtered_by_confidence():

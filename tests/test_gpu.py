@@ -466,12 +466,18 @@ import pathlib, sys
 import torch
 from launcher.rank import kernels
 cache, warm = pathlib.Path(sys.argv[1]), sys.argv[2] == "warm"
-names = kernels.VALIDATION if sys.argv[3] == "validation" else kernels.TRAINING
+names = {"validation": kernels.VALIDATION, "training": kernels.TRAINING, "scans": kernels.SCANS}[sys.argv[3]]
 if warm:
     kernels.warm_up(torch.device("cuda", 0), torch.float16, names)
 before = len(list(cache.rglob("*.cubin")))
 y = torch.randn(4, 80, 13, 17, device="cuda", dtype=torch.half).contiguous(memory_format=torch.channels_last)
-if names == kernels.VALIDATION:
+if names == kernels.SCANS:
+    from launcher.rank.validate import matching, scans
+    boxes = torch.rand(3, 500, 4, device="cuda").cumsum(-1)
+    scans.greedy_nms(boxes, torch.ones(3, 500, dtype=torch.bool, device="cuda"), 0.7)
+    for targets in (5, 17):  # up to 16 and up to 32 targets an image
+        scans.claims(torch.rand(3, targets, 300, device="cuda"), matching.IOU_THRESHOLDS.cuda())
+elif names == kernels.VALIDATION:
     for silu in (True, False):
         kernels.bias_act_(y, torch.randn(80, device="cuda", dtype=torch.half), silu)
     kernels.upsample_nearest2x(y)
@@ -483,11 +489,12 @@ print(before, len(list(cache.rglob("*.cubin"))))
 """
 
 
-@pytest.mark.parametrize("names,kernel_count", [("validation", 3), ("training", 2)])
+@pytest.mark.parametrize("names,kernel_count", [("validation", 3), ("training", 2), ("scans", 3)])
 def test_the_kernels_warmed_up_on_a_thread_are_the_ones_launched_after(tmp_path, names, kernel_count):
     """kernels.warm_up compiles, without a launch, exactly the specialisations that are then launched (fp16,
-    channels_last): the folded validation forward's, and the training graphs' upsampling forward and backward. In a
-    process with an empty Triton cache, the launches after it compile nothing more; without it they compile all."""
+    channels_last): the folded validation forward's, the training graphs' upsampling forward and backward, and the
+    validation's NMS and matching scans. In a process with an empty Triton cache, the launches after it compile
+    nothing more; without it they compile all."""
     import os
     import subprocess
     import sys
@@ -500,6 +507,25 @@ def test_the_kernels_warmed_up_on_a_thread_are_the_ones_launched_after(tmp_path,
         assert done.returncode == 0, done.stderr[-3000:]
         counts[mode] = tuple(int(n) for n in done.stdout.split()[-2:])
     assert counts == {"warm": (kernel_count, kernel_count), "cold": (0, kernel_count)}, counts
+
+
+def test_the_scans_on_cuda_keep_and_match_what_the_cpu_forms_do():
+    """Greedy NMS and the matching as Triton programs on CUDA (rank/validate/scans.py), at a weak model's scale (a
+    full chunk of 2048 candidates an image, crowded, identical boxes among them; 300 detections against 40
+    targets), against torchvision's NMS and the PyTorch matching on the CPU: the same answers, bit for bit."""
+    from launcher.rank.validate import matching, nms, scans
+
+    g = torch.Generator().manual_seed(0)
+    xy = torch.rand(6, 2048, 2, generator=g) * 400
+    boxes = torch.cat([xy, xy + 1 + torch.rand(6, 2048, 2, generator=g) * 80], -1)
+    boxes[:, 1::9] = boxes[:, ::9][:, : boxes[:, 1::9].shape[1]]
+    alive = torch.rand(6, 2048, generator=g) > 0.05
+    kept = scans.greedy_nms(boxes.cuda(), alive.cuda(), 0.7).cpu()
+    assert torch.equal(kept, nms._torchvision_nms(boxes, alive, 0.7)) and 100 < kept.sum(1).min()
+    truth = boxes[:, :40] + torch.rand(6, 40, 4, generator=g) * 10
+    iou = matching.box_iou(truth, boxes[:, :300]) * (torch.rand(6, 40, 300, generator=g) > 0.3)
+    claimed = scans.claims(iou.cuda(), matching.IOU_THRESHOLDS.cuda()).cpu()
+    assert torch.equal(claimed, matching._claims(iou, matching.IOU_THRESHOLDS)) and claimed.sum() > 100
 
 
 def test_the_folded_fp16_copy_on_cuda_is_as_close_to_fp32_as_autocast_and_its_graph_follows_a_refresh():

@@ -136,6 +136,47 @@ def test_an_agreed_stop_ends_the_loop_after_that_epoch():
     assert loop.completed and loop.step.seen == [0] and loop.state.epoch == 0
 
 
+class FakeCheckpointer:
+    def __init__(self):
+        self.saves = []
+
+    def save(self, **kwargs) -> None:
+        self.saves.append(kwargs)
+
+    def wait(self) -> None: ...
+
+
+@pytest.mark.parametrize("stop_after, best_epochs, written", [(None, {1, 3}, {"last.pt", "best.pt"}),
+                                                              (None, {1}, {"last.pt"}),
+                                                              (2, {1, 2}, {"last.pt", "best.pt"})])
+def test_the_runs_last_save_is_the_final_weights_and_only_the_rest_is_stripped_after(stop_after, best_epochs, written):
+    """The last epoch's save (the last of the run, or the one an early stop ends) writes the final weights at once;
+    once the run has completed, only what that save did not write is stripped (best.pt of an earlier epoch)."""
+
+    class Validated(Hook):  # the epoch's fitness, and an early stop after `stop_after` epochs
+        def after_epoch(self, loop):
+            loop.state.validated_epochs.append(loop.state.epoch + 1)
+            loop.state.fitness_epoch = loop.state.epoch + 1 if loop.state.epoch + 1 in best_epochs else 1
+            loop.state.stop = loop.state.epoch + 1 == stop_after
+
+    checkpointer, stripped = FakeCheckpointer(), []
+    loop = make_loop([], epochs=3, steps=1, extra=[Validated(), hooks.Checkpoint(checkpointer, 0, stripped.append)])
+    loop.run()
+    epochs = stop_after or 3
+    assert [s["final"] for s in checkpointer.saves] == [False] * (epochs - 1) + [True]
+    assert checkpointer.saves[-1]["best"] == (epochs in best_epochs)
+    assert stripped == [written]
+
+
+def test_a_run_that_does_not_complete_strips_nothing():
+    checkpointer, stripped = FakeCheckpointer(), []
+    loop = make_loop([], epochs=3, steps=2, step=FakeStep(fail_at=3),
+                     extra=[hooks.Checkpoint(checkpointer, 0, stripped.append)])
+    with pytest.raises(RuntimeError, match="the step failed"):
+        loop.run()
+    assert [s["final"] for s in checkpointer.saves] == [False] and stripped == []
+
+
 class FakeComm:
     """One rank of a job whose other ranks contribute `others` to every all-reduce."""
 

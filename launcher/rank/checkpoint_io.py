@@ -32,7 +32,7 @@ def load_resumable(path: Path, log=print) -> tuple[dict | None, Path | None]:
             failures.append(str(e))
             log(f"WARNING: {e}; trying the previous checkpoint")
             continue
-        if RESUME_KEY not in ckpt:
+        if ckpt.get(RESUME_KEY) is None:  # stripped: strip_optimizer leaves the key, set to None
             failures.append(f"{candidate} holds no resume state (a finished run's final weights?)")
             continue
         return ckpt, candidate

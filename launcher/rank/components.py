@@ -221,11 +221,11 @@ class Rank:
     def log(self, msg: str) -> None:
         print(f"[rank {self.rank}] {msg}", flush=True)
 
-    def checkpointer(self, layout, complete, extra: dict | None = None) -> Checkpointer:
+    def checkpointer(self, layout, complete, finish, extra: dict | None = None) -> Checkpointer:
         """The checkpointer over every component (and `extra` ones: the early stop's memory); `layout` and
-        `complete` give Ultralytics' keys (ultralytics/checkpoint.py's Layout)."""
+        `complete` give Ultralytics' keys (ultralytics/checkpoint.py's Layout), `finish` the final weights."""
         return Checkpointer(self.folder.weights, {**self.components, **(extra or {})}, layout,
-                            before_write=self.faults.at_checkpoint_write, complete=complete)
+                            before_write=self.faults.at_checkpoint_write, complete=complete, finish=finish)
 
     def restore(self, checkpointer: Checkpointer) -> None:
         """Continue where the checkpoint stopped: every component's state; a resume at another world size starts

@@ -395,22 +395,28 @@ class EarlyStop(Hook):
 
 class Checkpoint(Hook):
     """Rank 0: last.pt at every epoch end (best.pt when the epoch is the best, epoch<N>.pt every `save_period`),
-    written while the next epoch trains (state.Checkpointer); at the end of a run the write in flight is waited for
-    and, when the run completed, every checkpoint is stripped to the final weights."""
+    written while the next epoch trains (state.Checkpointer). The last epoch's (the last one, or the early stop's:
+    EarlyStop comes before this hook) is written as the final weights at once (`final`). At the end of a run the write
+    in flight is waited for and, when the run completed, `strip(written)` turns what is still a resumable checkpoint
+    into the final weights (`written`: the files the final save wrote as such)."""
 
     def __init__(self, checkpointer, save_period: int, strip):
         self.checkpointer, self.save_period, self.strip = checkpointer, save_period, strip
+        self.final_written: set[str] = set()
 
     def after_epoch(self, loop: TrainLoop) -> None:
         state = loop.state
         best = state.validated and state.fitness_epoch == state.epoch + 1
         periodic = self.save_period > 0 and state.epoch % self.save_period == 0
-        self.checkpointer.save(best=best, epoch_copy=state.epoch if periodic else None)
+        final = loop.final_epoch or state.stop
+        self.checkpointer.save(best=best, epoch_copy=state.epoch if periodic else None, final=final)
+        if final:
+            self.final_written = {"last.pt", "best.pt"} if best else {"last.pt"}
 
     def after_train(self, loop: TrainLoop) -> None:
         self.checkpointer.wait()
         if loop.completed:
-            self.strip()
+            self.strip(self.final_written)
 
 
 class AgreeToStop(Hook):

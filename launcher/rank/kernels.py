@@ -41,6 +41,7 @@ BLOCK = 2048  # elements per program of bias_act_
 ROWS, CHANNELS = 64, 64  # pixels x channels per program of the upsampling's kernels (output / input pixels)
 VALIDATION = ("bias_act", "upsample")  # the kernels of the folded validation forward (warm_up's `names`)
 TRAINING = ("upsample", "upsample_backward")  # the training step's
+SCANS = ("scans",)  # the validation's NMS and matching (rank/validate/scans.py)
 
 
 def _on_triton(t: torch.Tensor) -> bool:
@@ -111,9 +112,9 @@ def nearest2x(x: torch.Tensor) -> torch.Tensor:
 
 
 def warm_up(device: torch.device, dtype: torch.dtype, names: tuple[str, ...] = VALIDATION) -> None:
-    """The kernels `names` (VALIDATION, TRAINING) compiled (or loaded from Triton's cache) for `dtype` on channels_last
-    tensors, as they are launched, without launching: no CUDA work, so it may run beside a graph capture on another
-    thread."""
+    """The kernels `names` (VALIDATION, TRAINING, SCANS) compiled (or loaded from Triton's cache) for `dtype` on
+    channels_last tensors, as they are launched, without launching: no CUDA work, so it may run beside a graph capture
+    on another thread."""
     if triton is None or device.type != "cuda" or dtype not in TRITON_DTYPES:
         return
     torch.cuda.set_device(device)  # Triton compiles for the thread's current device
@@ -124,6 +125,10 @@ def warm_up(device: torch.device, dtype: torch.dtype, names: tuple[str, ...] = V
         _upsample2x.warmup(dtype, dtype, 1, 1, 1, 1, ROWS=ROWS, CHANNELS=CHANNELS, grid=(1,))
     if "upsample_backward" in names:
         _upsample2x_backward.warmup(dtype, dtype, 1, 1, 1, 1, ROWS=ROWS, CHANNELS=CHANNELS, grid=(1,))
+    if "scans" in names:
+        from launcher.rank.validate import scans  # the validation's own module; its kernels are fp32 whatever `dtype`
+
+        scans.warm_up(device)
 
 
 class WarmUp:

@@ -82,7 +82,7 @@ def train(cfg: dict, plan: LaunchPlan, folder: RunFolder, stamps: dict | None = 
         meter, monitor = _meter(r, METER_SKIP_STEPS)
         early_stop = h.EarlyStop(int(train_cfg["patience"]), r.log)
         layout = checkpoint.Layout(r.ema, r.hyp)
-        checkpointer = r.checkpointer(lambda: _layout(r, layout, early_stop), layout.complete,
+        checkpointer = r.checkpointer(lambda: _layout(r, layout, early_stop), layout.complete, checkpoint.stripped,
                                       extra={"early_stop": early_stop})
         r.restore(checkpointer)
         samples = h.RecordSamples() if cfg.get("debug", {}).get("record_samples") else None
@@ -93,7 +93,8 @@ def train(cfg: dict, plan: LaunchPlan, folder: RunFolder, stamps: dict | None = 
         evaluate = h.Evaluate(lambda loop: _validate(r, loop, plotter), lambda loop, w: _validate(r, loop, plotter, w),
                               lambda: _best_weights(r, checkpointer), interval=int(train_cfg["val_interval"]),
                               comm=r.comm, device=r.device, log=r.log)
-        save = h.Checkpoint(checkpointer, int(train_cfg["save_period"]), lambda: _strip(r)) if on_rank0 else None
+        save = h.Checkpoint(checkpointer, int(train_cfg["save_period"]), lambda written: _strip(r, written)) \
+            if on_rank0 else None
         if on_rank0:
             evaluate = Timed(evaluate, timeline, name="val", final="final_val", keep=lambda loop: loop.state.validated)
             save = Timed(save, timeline, name="save", final="weights")
@@ -220,12 +221,13 @@ def _layout(r: Rank, layout: checkpoint.Layout, early_stop: h.EarlyStop) -> dict
                        results=results.read_columns(r.folder.path / "results.csv"))
 
 
-def _strip(r: Rank) -> None:
-    """The final weights: last.pt and best.pt without training state; last.prev.pt removed."""
+def _strip(r: Rank, written: set[str]) -> None:
+    """The final weights: last.pt and best.pt without training state (stripped here unless in `written`, the names
+    the last save wrote as final weights); last.prev.pt removed."""
     last = r.folder.weights / "last.pt"
     previous_of(last).unlink(missing_ok=True)
     for f in (last, r.folder.weights / "best.pt"):
-        if f.exists():
+        if f.name not in written and f.exists():
             checkpoint.strip(f)
 
 

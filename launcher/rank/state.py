@@ -97,7 +97,8 @@ class Checkpointer:
     `components` are saved and restored by name; `layout()` gives Ultralytics' keys of the checkpoint at that
     moment, and `complete(checkpoint)`, in the writer thread, the keys it derives from the host copies (the fp16 EMA
     model and optimizer, made from the resume state's copies rather than copied again); `before_write(path)` is the
-    fault injector's hook (tests kill the writer half-way).
+    fault injector's hook (tests kill the writer half-way); `finish(checkpoint)` the final weights made from a
+    completed checkpoint (ultralytics/checkpoint.py's stripped).
 
     `save()` takes the state at once, as host copies queued on the GPU's stream (so the steps that follow cannot
     change it, and the training thread does not wait for them), and completes, serialises and writes it in a
@@ -105,13 +106,18 @@ class Checkpointer:
     is in flight at a time: the next `save()` and `wait()` join it first and raise its error. Whoever reads the files
     during the run (the final validation's best.pt, the stripping) or ends the process (a signal's stop) calls
     `wait()` first.
+
+    The run's last save (`final`) writes last.pt (and best.pt, when that epoch is the best) as the final weights at
+    once, not a resumable checkpoint to be read back and stripped after the run: last.prev.pt, the epoch before,
+    stays resumable until the run has ended (the caller removes it then).
     """
 
     def __init__(self, weights: Path, components: dict[str, Stateful], layout: Callable[[], dict],
                  before_write: Callable[[Path], None] = lambda path: None,
-                 complete: Callable[[dict], dict] = lambda checkpoint: checkpoint):
+                 complete: Callable[[dict], dict] = lambda checkpoint: checkpoint,
+                 finish: Callable[[dict], dict] = lambda checkpoint: checkpoint):
         self.weights, self.components, self.layout, self.before_write = Path(weights), components, layout, before_write
-        self.complete = complete
+        self.complete, self.finish = complete, finish
         self.last, self.best = self.weights / "last.pt", self.weights / "best.pt"
         self._writer: threading.Thread | None = None
         self._error: BaseException | None = None
@@ -130,12 +136,14 @@ class Checkpointer:
         resume = {name: c.state_dict() for name, c in self.components.items()}
         return self._host.take({**self.layout(), RESUME_KEY: resume})
 
-    def save(self, *, best: bool = False, epoch_copy: int | None = None, wait: bool = False) -> None:
-        """last.pt, and best.pt / epoch<N>.pt when asked, written in the background (`wait`: before returning). A
-        full disk is an error naming the folder, with the previous checkpoint intact, raised here or by `wait()`."""
+    def save(self, *, best: bool = False, epoch_copy: int | None = None, wait: bool = False,
+             final: bool = False) -> None:
+        """last.pt, and best.pt / epoch<N>.pt when asked, written in the background (`wait`: before returning);
+        `final`: last.pt and best.pt as the final weights (epoch<N>.pt stays whole). A full disk is an error naming the
+        folder, with the previous checkpoint intact, raised here or by `wait()`."""
         self.wait()
         snapshot = self._take()
-        self._writer = threading.Thread(target=self._write, args=(snapshot, best, epoch_copy), daemon=True,
+        self._writer = threading.Thread(target=self._write, args=(snapshot, best, epoch_copy, final), daemon=True,
                                         name="ddp-launch-checkpoint")
         self._writer.start()
         if wait:
@@ -150,20 +158,19 @@ class Checkpointer:
             error, self._error = self._error, None
             raise error
 
-    def _write(self, snapshot: dict, best: bool, epoch_copy: int | None) -> None:
+    def _write(self, snapshot: dict, best: bool, epoch_copy: int | None, final: bool) -> None:
         started = time.perf_counter()
         try:
             self._host.ready()
             snapshot = self.complete(snapshot)
-            buffer = io.BytesIO()
-            torch.save(snapshot, buffer)
-            data = buffer.getvalue()
+            whole = _serialised(snapshot) if not final or epoch_copy is not None else None
+            data = _serialised(self.finish(snapshot)) if final else whole
             self.before_write(self.last)
             atomic_write_bytes(self.last, data, keep_previous=True)
             if best:
                 atomic_write_bytes(self.best, data)
             if epoch_copy is not None:
-                atomic_write_bytes(self.weights / f"epoch{epoch_copy}.pt", data)
+                atomic_write_bytes(self.weights / f"epoch{epoch_copy}.pt", whole)
         except OSError as e:
             self._error = CheckpointError(
                 f"could not write a checkpoint to {self.weights} ({e.strerror or e}); the previous checkpoint "
@@ -174,6 +181,12 @@ class Checkpointer:
         except BaseException as e:  # noqa: BLE001 - raised in the training thread by wait()
             self._error = e
         self.write_s.append(time.perf_counter() - started)
+
+
+def _serialised(checkpoint: dict) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(checkpoint, buffer)
+    return buffer.getvalue()
 
 
 class HostCopy:

@@ -21,7 +21,8 @@ Reaches into internals, each in one place:
 - build.py: BaseTrainer.build_optimizer's parameter groups, DetectionTrainer's class weights and model attributes,
   the frozen-layer rule of BaseTrainer._setup_train and init_seeds' switches, each re-stated;
   DetectionValidator._check_max_det called.
-- checkpoint.py: BaseTrainer.save_model's checkpoint keys.
+- checkpoint.py: BaseTrainer.save_model's checkpoint keys, and strip_optimizer's steps re-stated for the last
+  checkpoint of a run, still in memory (stripped).
 - baseline.py: BaseTrainer.read_results_csv and check_amp replaced for the benchmark's baseline cell.
 - time_to_model.py: the same two for the time-to-model benchmark's Ultralytics side, and engine.trainer's
   strip_optimizer wrapped to stamp when final_eval has stripped the checkpoints.

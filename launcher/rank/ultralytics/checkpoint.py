@@ -3,6 +3,8 @@
 BaseTrainer.save_model's keys: the EMA in fp16 (NaN and inf zeroed, contiguous), the optimizer in fp16, the training
 arguments, the last metrics and results.csv as columns. ddp-launch adds its exact resume state beside them
 (rank/state.py); strip() removes it, and the optimizer, once the run has finished, as Ultralytics' final_eval does.
+stripped() makes the same final weights from a checkpoint still in memory (the last epoch's), so that the end of a
+run writes them once instead of writing the whole checkpoint, reading it back and writing it again.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from pathlib import Path
 
 import torch
 from ultralytics import __version__ as ULTRALYTICS_VERSION
+from ultralytics.utils import DEFAULT_CFG_DICT, DEFAULT_CFG_KEYS
 from ultralytics.utils.torch_utils import convert_optimizer_state_dict_to_fp16, strip_optimizer
 
 from launcher.rank.checkpoint_io import RESUME_KEY
@@ -88,6 +91,35 @@ def _host_model(module: torch.nn.Module) -> torch.nn.Module:
 def strip(path: Path) -> None:
     """The final weights: EMA as the model, no optimizer, no resume state."""
     strip_optimizer(path, updates={RESUME_KEY: None})
+
+
+# strip_optimizer's metadata; the checkpoint's own date, version and licence come after it and win, as there
+STRIP_METADATA = {"license": "AGPL-3.0 License (https://ultralytics.com/license)",
+                  "docs": "https://docs.ultralytics.com"}
+STRIPPED_KEYS = ("optimizer", "best_fitness", "stopper", "ema", "updates", "scaler")  # set to None by strip_optimizer
+
+
+def stripped(ckpt: dict) -> dict:
+    """What strip() writes for `ckpt` (a whole checkpoint, e.g. the last epoch's, still in memory), without its
+    file: strip_optimizer's steps re-stated, in its order. Like strip_optimizer with the copy it loads, it changes the
+    EMA model object in place (fp16, frozen, its args a dict): give it a checkpoint that nothing saves again, the
+    run's last."""
+    x = dict(ckpt)
+    metadata = {"date": datetime.now().astimezone().isoformat(), "version": ULTRALYTICS_VERSION, **STRIP_METADATA}
+    if x.get("ema"):
+        x["model"] = x["ema"]
+    model = x["model"]
+    if hasattr(model, "args"):
+        model.args = dict(model.args)
+    if hasattr(model, "criterion"):
+        model.criterion = None
+    model.half()
+    for p in model.parameters():
+        p.requires_grad = False
+    args = {**DEFAULT_CFG_DICT, **x.get("train_args", {})}
+    x.update(dict.fromkeys(STRIPPED_KEYS), epoch=-1,
+             train_args={k: v for k, v in args.items() if k in DEFAULT_CFG_KEYS})
+    return {**metadata, **x, RESUME_KEY: None}
 
 
 def ema_weights(ckpt: dict) -> dict:

@@ -33,6 +33,7 @@ import torch
 from ultralytics.models.yolo.detect import DetectionValidator
 from ultralytics.utils.metrics import DetMetrics
 
+from launcher.rank import kernels
 from launcher.rank.dist import Comm
 from launcher.rank.ultralytics import datasets
 from launcher.rank.ultralytics.folded import FoldedCopy
@@ -41,7 +42,6 @@ from launcher.rank.ultralytics.validation import label_loss_items
 from launcher.rank.validate.confusion import confusion_counts
 from launcher.rank.validate.engine import NmsSettings, detections_of, run_pass
 from launcher.rank.validate.forward import InferenceForward, autocast_to
-from launcher.rank.kernels import WarmUp
 from launcher.rank.validate.store import PreloadedSplit
 
 PLOTTED_BATCHES = 3  # BaseValidator plots its first three batches
@@ -78,7 +78,7 @@ class FastValidator:
         self.loader, self.batch, self.amp_dtype, self.cuda_graphs = loader, batch, amp_dtype, cuda_graphs
         self.pipelined, self.fold, self.device = pipelined, folded, device
         self.folded: FoldedCopy | None = None
-        self.warming: WarmUp | None = None  # the folded forward's Triton kernels, compiled during training
+        self.warming: kernels.WarmUp | None = None  # the validation's Triton kernels, compiled during training
         self._amp_dtype: torch.dtype | None = None  # this validation's autocast type (None on CPU or without AMP)
         self.on_batch, self.log = on_batch or (lambda: None), log
         self.validator = DetectionValidator(loader, save_dir=run_dir, args=copy(hyp))
@@ -96,11 +96,13 @@ class FastValidator:
         """The loader's workers start reading this rank's shard now, while training goes on, and a thread takes their
         batches as they come into host memory (PreloadedSplit.read), so that the first validation only copies the
         split to the device. Nothing to do with no workers (the thread would decode in this process), or once the
-        split is read or being read. On CUDA, a second thread compiles the folded forward's kernels (WarmUp)."""
+        split is read or being read. On CUDA, a second thread compiles the validation's Triton kernels (WarmUp): the
+        NMS and matching scans, and the folded forward's."""
         if self.split is None and self.reading is None and datasets.start_workers(self.loader):
             self.reading = SplitReader(self.loader)
-        if self.fold and self.warming is None and self.device is not None and self.device.type == "cuda":
-            self.warming = WarmUp(self.device, self.amp_dtype or torch.float32)
+        if self.warming is None and self.device is not None and self.device.type == "cuda":
+            names = (*kernels.VALIDATION, *kernels.SCANS) if self.fold else kernels.SCANS
+            self.warming = kernels.WarmUp(self.device, self.amp_dtype or torch.float32, names)
 
     def preload(self, device: torch.device) -> None:
         """This rank's shard, once: its loader's batches kept (the loader's workers are not needed after)."""

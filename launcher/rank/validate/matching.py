@@ -5,13 +5,16 @@ different classes, and then, visiting the detections that reach the lowest thres
 order, lets each claim the unclaimed target it overlaps most at each of the 10 thresholds (0.5:0.95): a detection is
 a true positive at a threshold when that IoU reaches it. The visit is sequential, so here it runs over the k-th such
 detection of every image at once: as many rounds as the busiest image has candidate detections, each a few
-operations on (images, targets, thresholds). Same IoUs in the same float operations, the same first-index argmax:
-the same true positives.
+operations on (images, targets, thresholds); on CUDA the visit is one Triton program per image instead (scans.py),
+with no launch per round. Same IoUs in the same float operations, the same first-index argmax: the same true
+positives.
 """
 
 from __future__ import annotations
 
 import torch
+
+from launcher.rank.validate import scans
 
 IOU_THRESHOLDS = torch.linspace(0.5, 0.95, 10)  # DetectionValidator.iouv
 
@@ -30,15 +33,22 @@ def true_positives(pred_boxes: torch.Tensor, pred_cls: torch.Tensor, pred_valid:
     """(B, D, T) bool: detection d of image b is a true positive at threshold t. Detections in descending
     confidence order per image; padding rows (not `*_valid`) never match."""
     b, d = pred_cls.shape
-    t = thresholds.numel()
     device = pred_cls.device
-    correct = torch.zeros((b, d + 1, t), dtype=torch.bool, device=device)  # a spare row for padding
     if not (d and true_cls.shape[1]):
-        return correct[:, :d]
+        return torch.zeros((b, d, thresholds.numel()), dtype=torch.bool, device=device)
     thresholds = thresholds.to(device)
     iou = box_iou(true_boxes, pred_boxes)  # (B, M, D): targets as rows, as Ultralytics
     same = (true_cls[:, :, None] == pred_cls[:, None, :]) & true_valid[:, :, None] & pred_valid[:, None, :]
     iou = iou * same
+    return scans.claims(iou, thresholds) if scans.usable(iou) else _claims(iou, thresholds)
+
+
+def _claims(iou: torch.Tensor, thresholds: torch.Tensor) -> torch.Tensor:
+    """scans.claims in PyTorch: the k-th candidate detection of every image at once, round after round."""
+    b, _, d = iou.shape
+    t = thresholds.numel()
+    device = iou.device
+    correct = torch.zeros((b, d + 1, t), dtype=torch.bool, device=device)  # a spare row for padding
     candidate = (iou >= thresholds.min()).any(1)  # (B, D)
     rounds = int(candidate.sum(1).max())  # the host read: the busiest image's candidates
     if not rounds:

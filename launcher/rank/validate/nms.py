@@ -2,11 +2,9 @@
 
 Ultralytics 8.4.190 (utils/nms.py) loops over the images of a batch, and per image calls torchvision's NMS, which
 makes the host wait for the GPU: hundreds of small launches and a sync per image. Here every image's candidates are
-ranked by one topk, the pairwise suppression of each image's candidates is one batched IoU, and greedy NMS is solved
-for every image at once by fixed-point iteration: `keep[j] = not any(keep[i] and iou[i, j] > thr for i before j)`.
-Iterating that map from "every candidate kept", the first t candidates are right after t rounds, and a round that
-changes nothing has reached the one fixed point, which is greedy NMS's answer; clusters of boxes chain only a few
-deep, so a few rounds suffice.
+ranked by one sort, and greedy NMS runs for every image at once: on CUDA one Triton program per image scans its
+sorted candidates, keeping each that no kept one before it suppresses (scans.py); elsewhere, where a call costs no
+sync, torchvision's NMS runs image by image, as in Ultralytics.
 
 Semantics are Ultralytics' for the validator's call (multi_label=True, conf 0.001, iou 0.7, max_det): candidates
 are (anchor, class) pairs scoring above `conf` (the best class only without multi_label, or with one class), at most
@@ -16,11 +14,10 @@ fp16 scores tie often, and the order decides which of two tied boxes survives). 
 keep the first `max_det`. Not reproduced: Ultralytics' time limit (2 s + 0.05 s per image), after which it drops the
 remaining images of the batch; and, above `max_nms` candidates in an image, which of those tied at the cut are kept
 (Ultralytics' argsort there is unstable).
-Candidates are suppressed CHUNK at a time (a matrix of CHUNK^2 per image is the most this holds in memory): a chunk's
-candidates first lose to the survivors of the chunks before it, then to each other; an image stops once it has
-max_det survivors, since no later candidate can change its first max_det. A weak model (the first epochs) gives
-every anchor a candidate, tens of thousands per image, but its first chunk already holds max_det survivors: before,
-such images went through torchvision's NMS one by one, as in Ultralytics, a sync per image.
+Candidates are suppressed CHUNK at a time (the most one Triton program holds): a chunk's candidates first lose to
+the survivors of the chunks before it, then to each other; an image stops once it has max_det survivors, since no
+later candidate can change its first max_det. A weak model (the first epochs) gives every anchor a candidate, tens of
+thousands per image, but its first chunk already holds max_det survivors.
 """
 
 from __future__ import annotations
@@ -29,9 +26,10 @@ from typing import NamedTuple
 
 import torch
 
-CHUNK = 2048  # candidates per image suppressed at once
-MATRIX_ELEMENTS = 2**26  # pairwise IoUs computed at once (a few temporaries of 256 MiB each)
-ROUNDS_PER_CHECK = 8  # fixed-point rounds between host reads: a round past the fixed point changes nothing
+from launcher.rank.validate import scans
+
+CHUNK = scans.CANDIDATES  # candidates per image suppressed at once
+MATRIX_ELEMENTS = 2**26  # IoUs of earlier survivors with a chunk's candidates computed at once (temporaries of 256 MiB)
 
 
 class Detections(NamedTuple):
@@ -112,11 +110,6 @@ def box_iou(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return inter / ((ax2 - ax1) * (ay2 - ay1) + (bx2 - bx1) * (by2 - by1) - inter)
 
 
-def pairwise_iou(boxes: torch.Tensor) -> torch.Tensor:
-    """(B, K, K) IoU of each image's boxes with each other."""
-    return box_iou(boxes, boxes)
-
-
 def _greedy_in_chunks(boxes: torch.Tensor, valid: torch.Tensor, iou: float, max_det: int) -> torch.Tensor:
     """Greedy NMS of every image's candidates (sorted by descending score; `valid` a prefix of each row), CHUNK
     candidates at a time, until an image has max_det survivors or no candidates left: which are kept."""
@@ -130,7 +123,7 @@ def _greedy_in_chunks(boxes: torch.Tensor, valid: torch.Tensor, iou: float, max_
             if len(todo) == 0:
                 break
         width = end - start
-        rows = max(1, MATRIX_ELEMENTS // (width * width))
+        rows = max(1, MATRIX_ELEMENTS // (max_det * width))
         for first in range(0, len(todo), rows):
             idx = todo[first : first + rows]
             chunk, alive = boxes[idx, start:end], valid[idx, start:end]
@@ -154,17 +147,23 @@ def _first_kept(rows: torch.Tensor, keep: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def _greedy(boxes: torch.Tensor, valid: torch.Tensor, iou: float) -> torch.Tensor:
-    """Greedy NMS of each image's candidates (sorted by descending score) at once: which are kept."""
-    k = boxes.shape[1]
-    later = torch.ones((k, k), dtype=torch.bool, device=boxes.device).triu(1)
-    suppresses = (pairwise_iou(boxes) > iou) & later & valid[:, :, None]  # [b, i, j]: i, if kept, removes j
-    s = suppresses.to(torch.float16 if boxes.is_cuda else torch.float32)
-    keep = valid.clone()
-    while True:  # an untrained model's candidates chain tens of rounds deep: one host read per ROUNDS_PER_CHECK
-        for _ in range(ROUNDS_PER_CHECK):
-            keep, last = valid & ~(torch.bmm(keep.to(s.dtype)[:, None, :], s)[:, 0] > 0), keep
-        if torch.equal(keep, last):
-            return keep
+    """Greedy NMS of each image's candidates (sorted by descending score), which `valid` may keep: which are kept.
+    On CUDA one Triton program per image (scans.py); elsewhere torchvision's NMS image by image, as Ultralytics."""
+    return scans.greedy_nms(boxes, valid, iou) if scans.usable(boxes) else _torchvision_nms(boxes, valid, iou)
+
+
+def _torchvision_nms(boxes: torch.Tensor, valid: torch.Tensor, iou: float) -> torch.Tensor:
+    """torchvision.ops.nms of each image's valid candidates, ranked by a score that keeps their order (they are
+    sorted already, equal scores included)."""
+    import torchvision  # imported by Ultralytics already
+
+    b, k = valid.shape
+    keep = torch.zeros_like(valid)
+    rank = torch.arange(k, 0, -1, dtype=torch.float32, device=boxes.device)
+    for i in range(b):
+        idx = valid[i].nonzero()[:, 0]
+        keep[i, idx[torchvision.ops.nms(boxes[i, idx].float(), rank[idx], iou)]] = True
+    return keep
 
 
 def _end2end(prediction: torch.Tensor, conf: float, max_det: int) -> Detections:
