@@ -10,7 +10,9 @@ DetectionValidator (val.engine=ultralytics) on the same weights and the same val
    capture), then --passes timed passes, for each --batch (and at the first batch, as --rows picks: without CUDA
    graphs, with each batch's post-processing after its forward on one stream instead of pipelined on a second,
    on a copy of the EMA with BatchNorm folded in fp16 instead of the EMA under autocast (`folded`), and with
-   --old-nms-rounds NMS's fixed point checked after every round over 8 images at a time, as before 2026-12-04).
+   --no-scans the post-processing without its Triton scans (rank/validate/scans.py): torchvision's NMS image by
+   image and the matching's rounds in PyTorch. The fixed-point NMS of the sessions before the twelfth, which the
+   ninth session's --old-nms-rounds varied, is gone.
 Every pass is a whole validation as a training run calls it: forward, NMS, matching, the validation loss, rank 0's
 ap_per_class; images/s = images / wall time of the pass. Both mAPs are printed; they differ only by fp16 rounding
 (the pixels, letterbox, NMS and matching are Ultralytics').
@@ -123,9 +125,9 @@ def main() -> None:
     p.add_argument("--no-graphs", action="store_true", help="the --batch rows without CUDA graphs")
     p.add_argument("--skip-ultralytics", action="store_true",
                    help="no Ultralytics row (a fresh process per engine: its first validation alone)")
-    p.add_argument("--old-nms-rounds", action="store_true",
-                   help="one more row: the first batch with NMS's fixed point read back after every round, 8 images "
-                        "at a time (nms.ROUNDS_PER_CHECK=1, MATRIX_ELEMENTS=2**25)")
+    p.add_argument("--no-scans", action="store_true",
+                   help="one more row: the first batch without the Triton scans (torchvision's NMS image by image, "
+                        "the matching's rounds in PyTorch)")
     p.add_argument("--profile", action="store_true",
                    help="one more pass of the fast engine at the first batch, profiled: OUT_DIR/profile-host.txt "
                         "(cProfile, by cumulative time) and profile-gpu.txt (torch.profiler, by GPU time)")
@@ -175,7 +177,7 @@ def main() -> None:
                                "map50_95": metrics["metrics/mAP50-95(B)"], "metrics": metrics})
         print(f"ultralytics: {base:.0f} images/s, mAP50-95 {metrics['metrics/mAP50-95(B)']:.4f}", flush=True)
 
-    from launcher.rank.validate import nms
+    from launcher.rank.validate import scans
 
     rows = set(filter(None, args.rows.split(",")))
     unknown = rows - {"graphs-off", "serial", "folded"}
@@ -185,11 +187,11 @@ def main() -> None:
     configs = [(b, not args.no_graphs, True, "", args.fold) for b in args.batch]
     configs += [(first, False, True, "", False)] * ("graphs-off" in rows) + [(first, True, False, "", False)] * (
         "serial" in rows) + [(first, True, True, "", True)] * ("folded" in rows)
-    if args.old_nms_rounds:
-        configs.append((first, True, True, "old", False))
-    shipped = nms.ROUNDS_PER_CHECK, nms.MATRIX_ELEMENTS
+    if args.no_scans:
+        configs.append((first, True, True, "no-scans", False))
+    shipped = scans.usable
     for batch, graphs, pipelined, nms_rounds, folded in configs:
-        nms.ROUNDS_PER_CHECK, nms.MATRIX_ELEMENTS = (1, 2**25) if nms_rounds == "old" else shipped
+        scans.usable = (lambda t: False) if nms_rounds == "no-scans" else shipped
         fast = FastValidator(loader(), hyp, args.out / f"fast{batch}", batch=batch,
                              amp_dtype=torch.float16 if device.type == "cuda" else None,
                              cuda_graphs=graphs, pipelined=pipelined, folded=folded, log=print)
