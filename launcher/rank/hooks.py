@@ -326,9 +326,11 @@ class Evaluate(Hook):
 
 
 class Plots(Hook):
-    """Rank 0: labels.jpg at the start, results.png after every validated epoch (after ResultsCsv wrote its row), in
-    the plotter's thread, with the final validation's plots (runs._validate); the run ends once they are written,
-    after the final weights (this hook comes after Checkpoint)."""
+    """Rank 0: labels.jpg at the start and, after the run's last epoch (the last one, or the early stop's: EarlyStop
+    comes before this hook), results.png from results.csv, once, as Ultralytics' plot_metrics after its final_eval
+    (drawn after every epoch, it took about a second of the CPU each time, beside the training). The plotter's thread
+    draws it with the final validation's plots (runs._validate); the run ends once they are written, after the final
+    weights (this hook comes after Checkpoint), or before, when an integration uploads them (Tracking)."""
 
     def __init__(self, plotter, results_csv: Path, labels: list[dict], names: dict):
         self.plotter, self.results_csv, self.labels, self.names = plotter, results_csv, labels, names
@@ -337,7 +339,7 @@ class Plots(Hook):
         self.plotter.labels(self.labels, self.names)
 
     def after_epoch(self, loop: TrainLoop) -> None:
-        if loop.state.validated:
+        if loop.final_epoch or loop.state.stop:
             self.plotter.results(self.results_csv)
 
     def after_train(self, loop: TrainLoop) -> None:

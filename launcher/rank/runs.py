@@ -18,8 +18,9 @@ and per epoch (after_epoch):
   ResultsCsv      rank 0's row, with this epoch's metrics: written before the checkpoint, which embeds results.csv;
   Tracking        rank 0's Ultralytics integration callbacks (log.integrations), with the epoch's losses and metrics;
   EarlyStop       rank 0 decides on the new fitness, before the checkpoint records its memory;
-  Checkpoint      rank 0's last.pt / best.pt / epochN.pt, written in a thread while the next epoch trains;
-  Plots           rank 0's results.png from the new row, queued to the plotter's thread (train.plots);
+  Checkpoint      rank 0's last.pt / best.pt / epochN.pt, written in a thread while the next epoch trains (the
+                  last epoch's as the final weights);
+  Plots           after the last epoch, rank 0's results.png, held for the plotter's thread (train.plots);
   Progress        the epoch's line, with its mAP;
   InputBoundWarning  once per run, from the meter's window so far;
   AgreeToStop     last: the ranks take rank 0's stop decision, after all of rank 0's work of the epoch.
@@ -28,8 +29,8 @@ epoch's start before closing mosaic, its training end before the validation, the
 after_train work), and Timed wraps Evaluate (each validation, the final one) and Checkpoint (the stripped weights).
 LRSchedule and ModelEpochs act before each epoch (lr, train mode) and LRSchedule before each step
 (warmup). after_train runs in list order: the final validation of best.pt (its plots held for the plotter's
-thread), the integrations' end (after the plots they may upload are drawn), the checkpoints stripped (the final
-weights: here the run's time to a model ends), then the plots drawn and waited for. InputGpuTime
+thread), the integrations' end (after the plots they may upload are drawn), the final weights (a best.pt of an
+earlier epoch stripped: here the run's time to a model ends), then the plots drawn and waited for. InputGpuTime
 (loader.augment_on=gpu) only reads the input's GPU time at its window's start and at the end.
 """
 

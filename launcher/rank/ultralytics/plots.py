@@ -1,8 +1,8 @@
 """Ultralytics' training plots, written by rank 0 into the run folder (`train.plots`, on by default).
 
 * labels.jpg: the training labels' classes, positions and sizes (`plot_labels`), at the start;
-* results.png: the losses, metrics and learning rates of results.csv by epoch (`plot_results`), after every
-  validated epoch;
+* results.png: the losses, metrics and learning rates of results.csv by epoch (`plot_results`), once, after the
+  run's last epoch (as Ultralytics draws it), held with the final validation's plots (`later`);
 * the final validation's curves (PR, F1, P, R) and confusion matrices, and its first batches with labels and
   predictions: Ultralytics' validator writes them when its `plots` argument is on (runs.py turns it on for the
   final validation); the fast validator hands them to `later`, which draws them once the weights are written.
@@ -25,8 +25,8 @@ PLOT_LOCK = threading.Lock()
 
 
 class Plotter:
-    """`labels(...)` and `results(csv)` queue a plot, `later(...)` holds one; `close()` draws what is held and waits
-    for everything. Failures are warnings."""
+    """`labels(...)` queues a plot, `results(csv)` and `later(...)` hold one; `drain()` and `close()` draw what is
+    held and wait for everything. Failures are warnings."""
 
     def __init__(self, run_dir: Path, log):
         self.run_dir, self.log = Path(run_dir), log
@@ -44,7 +44,7 @@ class Plotter:
 
     def results(self, csv: Path) -> None:
         if self.usable:
-            self.now("results.png", _plot_results, csv, self.run_dir)
+            self.later("results.png", _plot_results, csv, self.run_dir)
 
     def now(self, what: str, fn, *args) -> None:
         """`fn(*args)` in the plotter's thread under PLOT_LOCK, after what is queued; a failure is a warning."""
