@@ -339,7 +339,7 @@ class Plots(Hook):
         self.plotter.labels(self.labels, self.names)
 
     def after_epoch(self, loop: TrainLoop) -> None:
-        if loop.final_epoch or loop.state.stop:
+        if loop.ending:
             self.plotter.results(self.results_csv)
 
     def after_train(self, loop: TrainLoop) -> None:
@@ -410,9 +410,8 @@ class Checkpoint(Hook):
         state = loop.state
         best = state.validated and state.fitness_epoch == state.epoch + 1
         periodic = self.save_period > 0 and state.epoch % self.save_period == 0
-        final = loop.final_epoch or state.stop
-        self.checkpointer.save(best=best, epoch_copy=state.epoch if periodic else None, final=final)
-        if final:
+        self.checkpointer.save(best=best, epoch_copy=state.epoch if periodic else None, final=loop.ending)
+        if loop.ending:
             self.final_written = {"last.pt", "best.pt"} if best else {"last.pt"}
 
     def after_train(self, loop: TrainLoop) -> None:

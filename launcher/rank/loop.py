@@ -58,7 +58,7 @@ class TrainLoop:
 
     `step(batch)` takes one optimizer step (rank/step/train_step.py); its `loss_items` are averaged into the state.
     Attributes the hooks read: `state`, `batch` (the last step's), `ni` (steps since the run started), `epochs`,
-    `steps_per_epoch`, `completed`.
+    `steps_per_epoch`, `completed`, `final_epoch`, `ending`.
     """
 
     def __init__(self, step: Callable[[dict], None], inputs: Inputs, state: TrainState, hooks: Sequence[Hook], *,
@@ -76,6 +76,12 @@ class TrainLoop:
     @property
     def final_epoch(self) -> bool:
         return self.state.epoch + 1 >= self.epochs
+
+    @property
+    def ending(self) -> bool:
+        """After this epoch the run ends: its last epoch, or an early stop (rank 0's state.stop, which EarlyStop sets in
+        after_epoch: read it from a later hook)."""
+        return self.final_epoch or self.state.stop
 
     def run(self) -> None:
         state = self.state
