@@ -461,6 +461,52 @@ def test_the_triton_kernels_on_cuda_compute_what_their_pytorch_forms_compute(dty
             assert torch.equal(leaf.grad, want)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_the_channel_concatenation_on_triton_is_torch_cat_and_its_backward_hands_out_packed_slices(dtype):
+    """kernels.channel_cat / channel_split (the training graphs' C2f, SPPF and Concat): torch.cat's values bit for
+    bit, from packed channels_last tensors and from channel slices of one (C2f's halves), in the Triton copies
+    (profiled); the gradients PyTorch's slices, packed channels_last; widths that are no multiple of 16 and NCHW
+    tensors go to torch.cat, with the same values."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from launcher.rank import kernels
+
+    def cl(*shape):
+        return torch.randn(shape, device="cuda").to(dtype).contiguous(memory_format=torch.channels_last)
+
+    for n, h, w, widths in [(2, 40, 40, [32, 32, 32]), (3, 7, 5, [64, 16]), (1, 1, 1, [256, 128, 16]),
+                            (2, 9, 11, [24, 40]), (64, 20, 20, [256, 256, 256, 256])]:
+        whole = cl(n, 2 * widths[0], h, w)
+        head, tail = kernels.channel_split(whole, widths[0])  # C2f's halves: a view, and a packed copy
+        assert torch.equal(head, whole[:, :widths[0]]) and torch.equal(tail, whole[:, widths[0]:])
+        parts = [head, tail, *(cl(n, c, h, w) for c in widths[1:])]
+        leaves = [p.detach().requires_grad_() for p in parts]
+        handed = [None] * len(leaves)  # the gradients as the backward hands them out (before any accumulation)
+        for i, leaf in enumerate(leaves):
+            leaf.register_hook(lambda g, i=i: handed.__setitem__(i, g))
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            out = kernels.channel_cat(leaves)
+            torch.cuda.synchronize()
+        assert torch.equal(out, torch.cat(parts, 1)) and out.is_contiguous(memory_format=torch.channels_last)
+        fits = all(c % 16 == 0 for c in widths)
+        assert fits == ("_copy_rows_kernel" in {e.key for e in prof.key_averages()}), (widths, fits)
+        grad = cl(*out.shape)
+        out.backward(grad)
+        at = 0
+        for leaf, given in zip(leaves, handed):
+            c = leaf.shape[1]
+            assert torch.equal(leaf.grad, grad[:, at:at + c]) and torch.equal(given, leaf.grad)
+            assert given.is_contiguous(memory_format=torch.channels_last) or not fits
+            at += c
+        source = whole.detach().requires_grad_()
+        a, b = kernels.channel_split(source, widths[0])
+        (a.float().sum() * 2 + (b.float() * 3).sum()).backward()
+        want = torch.cat([torch.full_like(a, 2), torch.full_like(b, 3)], 1)
+        assert torch.equal(source.grad, want)
+    nchw = [torch.randn(2, 32, 8, 8, device="cuda", dtype=dtype) for _ in range(2)]
+    assert torch.equal(kernels.cat_channels(nchw), torch.cat(nchw, 1))
+
+
 WARMED_UP_LAUNCHES = """
 import pathlib, sys
 import torch
@@ -484,15 +530,18 @@ elif names == kernels.VALIDATION:
 else:
     leaf = y.detach().requires_grad_()
     kernels.nearest2x(leaf).sum().backward()
+    wide = torch.randn(4, 64, 13, 17, device="cuda", dtype=torch.half).contiguous(memory_format=torch.channels_last)
+    kernels.channel_cat(kernels.channel_split(wide.requires_grad_(), 32)).sum().backward()
 torch.cuda.synchronize()
 print(before, len(list(cache.rglob("*.cubin"))))
 """
 
 
-@pytest.mark.parametrize("names,kernel_count", [("validation", 3), ("training", 2), ("scans", 3)])
+@pytest.mark.parametrize("names,kernel_count", [("validation", 3), ("training", 3), ("scans", 3)])
 def test_the_kernels_warmed_up_on_a_thread_are_the_ones_launched_after(tmp_path, names, kernel_count):
     """kernels.warm_up compiles, without a launch, exactly the specialisations that are then launched (fp16,
-    channels_last): the folded validation forward's, the training graphs' upsampling forward and backward, and the
+    channels_last): the folded validation forward's, the training graphs' upsampling forward and backward and the
+    concatenations' copy, and the
     validation's NMS and matching scans. In a process with an empty Triton cache, the launches after it compile
     nothing more; without it they compile all."""
     import os
@@ -680,10 +729,11 @@ def test_the_captured_whole_step_takes_the_eager_steps_and_never_waits_for_the_g
     _assert_graph_update_is_eager(updates)
 
 
-def test_the_training_graphs_upsample_on_triton_and_take_pytorchs_gradients():
-    """upsampling_kernels=True (rank/step/upsampling.py): the whole step's graph and the network's graph replay the
-    Triton upsampling (forward and backward, as the profiler sees the replay) and give the gradients of the graphs
-    without it, bit for bit (cuDNN deterministic); the modules run PyTorch's forward again after the capture."""
+def test_the_training_graphs_run_the_triton_modules_and_take_pytorchs_gradients():
+    """triton_kernels=True (rank/step/triton_modules.py): the whole step's graph and the network's graph replay the
+    Triton upsampling (forward and backward) and the concatenations' copies, as the profiler sees the replay, and
+    give the gradients of the graphs without them, bit for bit (cuDNN deterministic); the modules run PyTorch's
+    and Ultralytics' forward again after the capture."""
     from torch.profiler import ProfilerActivity, profile
 
     from launcher.rank.data.pipeline import MAX_TARGETS
@@ -699,14 +749,14 @@ def test_the_training_graphs_upsample_on_triton_and_take_pytorchs_gradients():
             opt = torch.optim.SGD(model.parameters(), lr=0.01)
             step = CapturedStep(model, optimizer=opt, scaler=torch.amp.GradScaler("cuda", enabled=False), ema=None,
                                 loss_scale=1.0, grad_clip=0.0, amp_dtype=torch.float16, batch=len(batch["img"]),
-                                imgsz=batch["img"].shape[-1], upsampling_kernels=kernels_on)
+                                imgsz=batch["img"].shape[-1], triton_kernels=kernels_on)
             step.capture({**batch, MAX_TARGETS: 3})
             graph = step.graphs[bucket(3)]
             replay = lambda: graph.replay(graph.img, graph.targets)  # noqa: E731
             grads = step.grads
         else:
             net = GraphedDetector(model, len(batch["img"]), batch["img"].shape[-1], torch.float16,
-                                  input_dtype=torch.float16, channels_last=True, upsampling_kernels=kernels_on)
+                                  input_dtype=torch.float16, channels_last=True, triton_kernels=kernels_on)
             params = list(model.parameters())
 
             def replay():
@@ -734,7 +784,7 @@ def test_the_training_graphs_upsample_on_triton_and_take_pytorchs_gradients():
             assert torch.isfinite(want).all() and torch.equal(got, want), whole
             assert any("upsample_nearest2d" in k for k in pytorch_kernels), pytorch_kernels
             assert not any("upsample_nearest2d" in k for k in triton_kernels), triton_kernels
-            assert {"_upsample2x", "_upsample2x_backward"} <= triton_kernels, triton_kernels
+            assert {"_upsample2x", "_upsample2x_backward", "_copy_rows_kernel"} <= triton_kernels, triton_kernels
     finally:
         torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = deterministic, benchmark
 

@@ -237,35 +237,79 @@ def test_a_batch_without_the_hosts_target_count_is_counted():
     assert _max_targets({"batch_idx": torch.zeros(0)}) == 0
 
 
-def test_the_upsampling_swapped_in_for_a_capture_computes_pytorchs_values_and_is_undone():
-    """rank/step/upsampling.py: inside triton_upsampling the network's nearest 2x upsampling modules (and only they)
-    run kernels.nearest2x, with PyTorch's outputs and gradients (on the CPU its PyTorch forms; the Triton kernels on
-    CUDA: tests/test_gpu.py); after it the modules are as they were, and the network pickles without ddp-launch."""
+def swapped_modules_against_pytorch(interpreted: bool = False) -> None:
+    """rank/step/triton_modules.py: inside triton_modules a yolov8n's nearest 2x upsampling modules run
+    kernels.nearest2x and its C2f, SPPF and Concat blocks rank/ultralytics/blocks.py's forwards (and no other module
+    is swapped), with Ultralytics' outputs and gradients bit for bit, for the network and for its channels_last
+    input; after it the modules are as they were, and the network pickles without ddp-launch. `interpreted` (a
+    process under TRITON_INTERPRET=1): the concatenations and the split run as the Triton copies (counted), the
+    outputs bit for bit, the gradients to float rounding: the backward hands out packed gradients, on which the
+    CPU's SiLU backward takes its vectorised path, which rounds differently (CUDA's does not: tests/test_gpu.py
+    compares the graphs' gradients bit for bit)."""
     import pickle
 
     from launcher.rank import kernels
-    from launcher.rank.step.upsampling import triton_upsampling
+    from launcher.rank.step.triton_modules import triton_modules
 
     model, batch = make_model_and_batch()
-    bilinear = torch.nn.Upsample(scale_factor=2, mode="bilinear")
-    model.model.append(bilinear)  # not nearest: left alone
-    nearest = [m for m in model.modules() if kernels.is_nearest2x(m)]
-    assert len(nearest) == 2  # yolov8's neck
+    model = model.train().to(memory_format=torch.channels_last)
+    bilinear = model.bilinear = torch.nn.Upsample(scale_factor=2, mode="bilinear")  # a module, not nearest: left alone
+    blocks = {name: [m for m in model.modules() if type(m).__name__ == name] for name in ("C2f", "SPPF", "Concat")}
+    assert [len(b) for b in blocks.values()] == [8, 1, 4]  # yolov8's
+    # the Triton copies a step makes: C2f's split (one part forward, two backward) and its 2 + n parts, SPPF's 4 and
+    # Concat's 2, forward and backward
+    expected = (sum(1 + 2 * (2 + len(m.m)) + 2 for m in blocks["C2f"]) + 2 * 4 * len(blocks["SPPF"])
+                + 2 * 2 * len(blocks["Concat"]))
+    copies = []
+    copy_rows = kernels._copy_rows
+
+    def counted(src, dst):
+        copies.append(src.shape)
+        copy_rows(src, dst)
 
     def outputs_and_grads():
         model.zero_grad()
-        x = batch["img"].clone().requires_grad_()
-        out = [m(x) for m in nearest]
-        sum(o.square().sum() for o in out).backward()
-        return out, x.grad
+        x = batch["img"][:2].contiguous(memory_format=torch.channels_last).requires_grad_()
+        out = model(x)  # the training forward
+        leaves = [o for o in (out if isinstance(out, (list, tuple)) else out.values()) if torch.is_tensor(o)]
+        sum(o.square().sum() for o in leaves).backward()
+        return leaves, [p.grad for p in model.parameters() if p.requires_grad], x.grad
 
-    want, want_grad = outputs_and_grads()
-    with triton_upsampling(model) as swapped:
-        assert swapped == 2 and all(m.forward is kernels.nearest2x for m in nearest)
-        assert "forward" not in bilinear.__dict__
-        got, got_grad = outputs_and_grads()
-    assert all(torch.equal(a, b) for a, b in zip(got, want)) and torch.equal(got_grad, want_grad)
-    with triton_upsampling(model, enabled=False) as swapped:
+    want, want_grads, want_input = outputs_and_grads()
+    kernels._copy_rows = counted
+    try:
+        with triton_modules(model) as swapped:
+            assert swapped == 2 + 8 + 1 + 4
+            assert "forward" not in bilinear.__dict__
+            assert {type(m).__name__ for m in model.modules() if "forward" in m.__dict__} == {
+                "Upsample", "C2f", "SPPF", "Concat"}
+            got, got_grads, got_input = outputs_and_grads()
+    finally:
+        kernels._copy_rows = copy_rows
+    assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want))
+    if interpreted:  # the CPU's SiLU backward rounds differently on packed gradients (vectorised) than on strided
+        for a, b in zip([*got_grads, got_input], [*want_grads, want_input]):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * float(b.abs().max()))
+    else:
+        assert all(torch.equal(a, b) for a, b in zip(got_grads, want_grads)) and torch.equal(got_input, want_input)
+    assert len(copies) == (expected if interpreted else 0), (len(copies), expected)  # the CPU: torch.cat and views
+    with triton_modules(model, enabled=False) as swapped:
         assert swapped == 0
     assert not any("forward" in m.__dict__ for m in model.modules())
     assert b"launcher" not in pickle.dumps(model)
+
+
+def test_the_modules_swapped_in_for_a_capture_compute_pytorchs_values_and_are_undone():
+    swapped_modules_against_pytorch()
+
+
+def test_the_swapped_modules_triton_copies_through_the_interpreter_give_pytorchs_values():
+    """The same, with the Triton kernels run by Triton's interpreter on the CPU (what CUDA runs inside the graphs)."""
+    import os
+    import subprocess
+    import sys
+
+    code = "from tests.test_step import swapped_modules_against_pytorch; swapped_modules_against_pytorch(True)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]

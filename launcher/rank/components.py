@@ -104,7 +104,7 @@ class Rank:
         train, loader_cfg = cfg["train"], cfg["loader"]
         amp = train["amp"] if self.device.type == "cuda" else False
         self.amp_dtype = (torch.bfloat16 if amp == "bf16" else torch.float16) if amp else None
-        # the training graphs' Triton kernels (the neck's upsampling: step/upsampling.py), compiled on a thread
+        # the training graphs' Triton kernels (step/triton_modules.py), compiled on a thread
         self.kernels = (kernels.WarmUp(self.device, self.amp_dtype or torch.float32, kernels.TRAINING)
                         if self.device.type == "cuda" and plan.cuda_graphs else None)
 
@@ -190,7 +190,7 @@ class Rank:
             self.prewarm.join()
             self._stamp("prewarm_join")
         if self.kernels is not None:
-            self._upsampling_kernels()  # joined here, so that its wait is timed as its own part
+            self._triton_kernels()  # joined here, so that its wait is timed as its own part
             self._stamp("kernels_join")
         # 6. what the step calls: the whole step captured (one GPU), or the network graphed inside DDP
         self.step = self._captured() if self._captures_step(self.net) else None
@@ -290,7 +290,7 @@ class Rank:
                         taken = CapturedStep(net, optimizer=step.optimizer, scaler=step.scaler, ema=step.ema,
                                              loss_scale=1.0, grad_clip=step.grad_clip, amp_dtype=self.amp_dtype,
                                              batch=batch, imgsz=int(self.hyp.imgsz),
-                                             upsampling_kernels=self._upsampling_kernels(), log=self.log)
+                                             triton_kernels=self._triton_kernels(), log=self.log)
                         taken.capture(images)
                     else:
                         step.model, taken = self._probe_graphs(net, batch, graphs), step
@@ -472,15 +472,15 @@ class Rank:
         on_gpu = self.plan.augment_on == "gpu"
         return (self.input_dtype if on_gpu else torch.float32), on_gpu
 
-    def _upsampling_kernels(self) -> bool:
-        """Whether the graphs run the neck's upsampling on Triton kernels: once their compilation has ended without an
+    def _triton_kernels(self) -> bool:
+        """Whether the graphs run the upsampling and the concatenations on Triton kernels: once their compilation has ended without an
         error (else PyTorch's kernels, said once)."""
         if self.kernels is None:
             return False
         warm = self.kernels.join()
         if warm.error is not None:
             self.log(f"WARNING: the training graphs' Triton kernels did not compile ({warm.error}); PyTorch's "
-                     "upsampling runs instead")
+                     "upsampling and concatenations run instead")
             self.kernels = None
             return False
         return True
@@ -488,7 +488,7 @@ class Rank:
     def _capture(self, net: nn.Module, batch: int) -> GraphedDetector:
         dtype, channels_last = self.step_input
         return GraphedDetector(net, batch, self.hyp.imgsz, self.amp_dtype, input_dtype=dtype,
-                               channels_last=channels_last, upsampling_kernels=self._upsampling_kernels())
+                               channels_last=channels_last, triton_kernels=self._triton_kernels())
 
     def _captures_step(self, net: nn.Module) -> bool:
         """train.graph_scope: the whole step captured where it can be (auto; captured_step.py), else the network."""
@@ -509,7 +509,7 @@ class Rank:
                             loss_scale=lrmod.loss_scale(plan.base_batch, plan.batch_per_rank),
                             grad_clip=float(optim.get("grad_clip", 10.0)), amp_dtype=self.amp_dtype,
                             batch=plan.micro_batch, imgsz=int(self.hyp.imgsz),
-                            upsampling_kernels=self._upsampling_kernels(), log=self.log)
+                            triton_kernels=self._triton_kernels(), log=self.log)
         try:
             step.capture(auto_batch.synthetic_batch(plan.micro_batch, int(self.hyp.imgsz), self.device, dtype=dtype,
                                                     channels_last=channels_last, nc=int(self.data["nc"])))

@@ -14,9 +14,12 @@ Forms: a "+"-joined list, the first part the deterministic switches, then change
   deterministic mode runs as a sort and an index_put): the loss before 2026-12-04's second session; without it the
   shipped dense form (rank/ultralytics/loss.py's dfl_loss);
 - upsample: the neck's nearest 2x upsampling on the Triton kernels, as the shipped graphs capture it
-  (rank/step/upsampling.py);
+  (rank/step/triton_modules.py);
+- concat: the channel concatenations of C2f, SPPF and Concat and C2f's split as Triton copies, the backward handing
+  out packed gradients (rank/ultralytics/blocks.py, swapped in by rank/step/triton_modules.py);
 - pool-nchw: SPPF's max pools on a contiguous copy (PyTorch's channels_last max-pool backward).
-So det+upsample is what ddp-launch trains with, det+gather-dfl what it trained with before.
+So det+upsample+concat is what ddp-launch trains with, det+upsample what it trained with before the thirteenth
+session, det+gather-dfl before the eleventh.
 Each form's gradients are compared with the first form's, and with its own on a second replay of the same batch
 (deterministic: bit for bit).
 
@@ -123,7 +126,7 @@ def form_patches(model, form: str) -> ExitStack:
     from ultralytics.utils.loss import DFLoss
 
     import launcher.rank.ultralytics.loss as loss_module
-    from launcher.rank.step.upsampling import triton_upsampling
+    from launcher.rank.step.triton_modules import triton_modules
 
     stack = ExitStack()
     parts = form.split("+")
@@ -131,7 +134,9 @@ def form_patches(model, form: str) -> ExitStack:
     if "gather-dfl" in parts:
         stack.enter_context(patched(loss_module, "dfl_loss", lambda pred, target, reg_max: DFLoss(reg_max)(pred, target)))
     if "upsample" in parts:
-        stack.enter_context(triton_upsampling(model))
+        stack.enter_context(triton_modules(model, parts=("upsample",)))
+    if "concat" in parts:
+        stack.enter_context(triton_modules(model, parts=("concat",)))
     if "pool-nchw" in parts:
         for m in model.modules():
             if isinstance(m, nn.MaxPool2d):
@@ -227,9 +232,9 @@ def main() -> None:
     ap.add_argument("--nc", type=int, default=80)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--forms", default="det+gather-dfl,det,det+upsample,nodet+gather-dfl,nodet+upsample,"
-                                       "det+upsample+pool-nchw")
-    ap.add_argument("--profile", default="det+upsample", help="forms profiled eagerly, kernels by launching operator")
+    ap.add_argument("--forms", default="det+upsample,det+upsample+concat,det+concat,nodet+upsample+concat")
+    ap.add_argument("--profile", default="det+upsample+concat",
+                    help="forms profiled eagerly, kernels by launching operator")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

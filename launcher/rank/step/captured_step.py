@@ -13,8 +13,8 @@ optimizer, the gradient clip and the GradScaler read them there, and no step zer
 them). Unscaling, clipping, the fused optimizer, the scaler's update and the EMA stay eager: a few multi-tensor
 launches, and the learning rate and momentum they read change every step of the warmup.
 
-With `upsampling_kernels` (set where its kernels compiled: rank/components.py) the graphs run the neck's upsampling
-on Triton kernels (upsampling.py).
+With `triton_kernels` (set where its kernels compiled: rank/components.py) the graphs run the neck's upsampling
+and the blocks' channel concatenations on Triton kernels (triton_modules.py).
 
 A batch of another shape (multi-scale, a short batch) or whose bucket would leave the dense assigner (DENSE_LIMIT)
 runs the same code eagerly. On the CPU everything runs eagerly: the same step, testable in CI.
@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from launcher.rank.data.pipeline import MAX_TARGETS
-from launcher.rank.step.upsampling import triton_upsampling
+from launcher.rank.step.triton_modules import triton_modules
 from launcher.rank.ultralytics.loss import DENSE_LIMIT, PADDED_TARGETS, DetectionLoss
 
 MIN_BUCKET = 8  # the fewest target rows per image a graph is captured for
@@ -70,8 +70,8 @@ class CapturedStep:
     device, as TrainStep's do."""
 
     def __init__(self, net: nn.Module, *, optimizer, scaler, ema, loss_scale: float, grad_clip: float, amp_dtype,
-                 batch: int, imgsz: int, upsampling_kernels: bool = False, log: Callable[[str], None] = print):
-        self.upsampling_kernels = upsampling_kernels
+                 batch: int, imgsz: int, triton_kernels: bool = False, log: Callable[[str], None] = print):
+        self.triton_kernels = triton_kernels
         self.net, self.optimizer, self.scaler, self.ema = net, optimizer, scaler, ema
         self.loss_scale, self.grad_clip, self.amp_dtype, self.log = loss_scale, grad_clip, amp_dtype, log
         self.model = net  # what a caller reads as the step's module (the probe of train.batch_per_device=auto)
@@ -150,7 +150,7 @@ class _Graph:
         self.img, self.targets = img.clone(), targets.clone()
         saved = {k: v.detach().clone() for k, v in step.net.named_buffers()}  # warm-up passes move BN statistics
         try:
-            with triton_upsampling(step.net, step.upsampling_kernels):  # what the replays run (upsampling.py)
+            with triton_modules(step.net, step.triton_kernels):  # what the replays run (triton_modules.py)
                 side = torch.cuda.Stream(step.device)
                 side.wait_stream(torch.cuda.current_stream(step.device))
                 with torch.cuda.stream(side):

@@ -1,0 +1,46 @@
+"""The training graphs' Triton kernels: the modules that PyTorch runs slowly on channels_last tensors, swapped for
+rank/kernels.py's forms while a graph is warmed up and captured.
+
+- The neck's nearest 2x upsampling (`nearest2x`): PyTorch upsamples a channels_last tensor several times slower than
+  the copy it is, and its backward first copies the whole gradient to NCHW.
+- The channel concatenations of Ultralytics' C2f, SPPF and Concat blocks, and C2f's split
+  (rank/ultralytics/blocks.py): PyTorch copies them element by element, and its backward hands strided slices of the
+  gradient to the convolutions, which copy them again.
+Both compute PyTorch's values, and the gradients bit for bit (docs/benchmarks/h200-step/README.md has what each
+took off the step).
+
+A replay calls no Python, so every replay runs the Triton kernels, while the modules themselves stay PyTorch's and
+Ultralytics' for everything else (an eager step, the EMA, the checkpoints, validation). The graph code captures on
+the training thread; nothing else runs the training network meanwhile.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from functools import partial
+
+from torch import nn
+
+from launcher.rank.kernels import is_nearest2x, nearest2x
+from launcher.rank.ultralytics.blocks import concatenating_forwards
+
+PARTS = ("upsample", "concat")
+
+
+@contextmanager
+def triton_modules(net: nn.Module, enabled: bool = True, parts: tuple[str, ...] = PARTS) -> Iterator[int]:
+    """Within it, `net`'s nearest 2x upsampling modules run `nearest2x` ("upsample") and its channel-concatenating
+    blocks the Triton copies ("concat"); yields how many modules were swapped."""
+    swaps = []
+    if enabled and "upsample" in parts:
+        swaps += [(m, nearest2x) for m in net.modules() if is_nearest2x(m)]
+    if enabled and "concat" in parts:
+        swaps += [(m, partial(forward, m)) for m, forward in concatenating_forwards(net)]
+    for m, forward in swaps:
+        m.forward = forward  # an instance attribute, over the class's forward
+    try:
+        yield len(swaps)
+    finally:
+        for m, _ in swaps:
+            del m.forward

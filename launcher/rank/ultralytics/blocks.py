@@ -1,0 +1,53 @@
+"""Ultralytics' channel-concatenating blocks (C2f and the blocks that keep its forward, SPPF, Concat) re-stated on
+rank/kernels.py's `channel_cat` and `channel_split`: the same operations in the same order, each concatenation and
+C2f's split done by Triton copies that leave packed channels_last tensors behind (docs/benchmarks/h200-step/).
+
+The training graphs run them (rank/step/triton_modules.py swaps the forwards in while a graph is captured), so the
+modules themselves, the EMA and the checkpoints stay Ultralytics'. A subclass that overrides one of these forwards is
+left alone: only a forward known to be the one re-stated here is swapped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from ultralytics.nn.modules.block import C2f, SPPF
+from ultralytics.nn.modules.conv import Concat
+
+from launcher.rank.kernels import channel_cat, channel_split
+
+
+def c2f(m: C2f, x: torch.Tensor) -> torch.Tensor:
+    """C2f.forward: cv1's output split in two halves, each bottleneck on the last part, all parts concatenated."""
+    y = list(channel_split(m.cv1(x), m.c))
+    y.extend(block(y[-1]) for block in m.m)
+    return m.cv2(channel_cat(y))
+
+
+def sppf(m: SPPF, x: torch.Tensor) -> torch.Tensor:
+    """SPPF.forward: cv1, then the max pool three times (or `n`), the four concatenated into cv2."""
+    y = [m.cv1(x)]
+    y.extend(m.m(y[-1]) for _ in range(getattr(m, "n", 3)))
+    y = m.cv2(channel_cat(y))
+    return y + x if getattr(m, "add", False) else y
+
+
+def concat(m: Concat, x: list[torch.Tensor]) -> torch.Tensor:
+    """Concat.forward along the channels."""
+    return channel_cat(x)
+
+
+def concatenating_forwards(net: nn.Module) -> list[tuple[nn.Module, Callable]]:
+    """(module, its forward on the Triton copies) for each block of `net` whose forward is re-stated above."""
+    found = []
+    for m in net.modules():
+        forward = type(m).forward
+        if forward is C2f.forward:
+            found.append((m, c2f))
+        elif forward is SPPF.forward:
+            found.append((m, sppf))
+        elif forward is Concat.forward and m.d == 1:
+            found.append((m, concat))
+    return found
