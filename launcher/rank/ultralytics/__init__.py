@@ -21,6 +21,8 @@ Reaches into internals, each in one place:
 - build.py: BaseTrainer.build_optimizer's parameter groups, DetectionTrainer's class weights and model attributes,
   the frozen-layer rule of BaseTrainer._setup_train and init_seeds' switches, each re-stated;
   DetectionValidator._check_max_det called.
+- blocks.py: C2f's, SPPF's and Concat's forward re-stated on Triton copies (swapped in while the training graphs are
+  captured: rank/step/triton_modules.py); only modules whose class keeps one of those forwards.
 - checkpoint.py: BaseTrainer.save_model's checkpoint keys, and strip_optimizer's steps re-stated for the last
   checkpoint of a run, still in memory (stripped).
 - baseline.py: BaseTrainer.read_results_csv and check_amp replaced for the benchmark's baseline cell.
