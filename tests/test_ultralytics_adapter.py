@@ -48,46 +48,51 @@ def test_the_class_weights_are_ultralytics_own():
     np.testing.assert_allclose(model.class_weights.numpy(), theirs / theirs.mean(), rtol=1e-6)
 
 
+SEED_CASES = [(0, 1, True), (1, 2, True), (0, 2, False)]  # (rank, world, deterministic)
 SEED_STATE = """
 import json, os, random, sys
 from types import SimpleNamespace
 import numpy as np, torch
-rank, world, deterministic, ours = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "1", sys.argv[4] == "1"
-if ours:
-    from launcher.rank.ultralytics.build import seed
-    seed(SimpleNamespace(seed=7, deterministic=deterministic), rank, world)
-else:
-    from ultralytics.utils.torch_utils import init_seeds
-    init_seeds(7 + 1 + (rank if world > 1 else -1), deterministic=deterministic)
-print(json.dumps({
-    "draws": [random.random(), float(np.random.rand()), float(torch.rand(1))],
-    "algorithms": [torch.are_deterministic_algorithms_enabled(),
-                   torch.is_deterministic_algorithms_warn_only_enabled()],
-    "cudnn": torch.backends.cudnn.deterministic,
-    "fill": torch.utils.deterministic.fill_uninitialized_memory,
-    "env": [os.environ.get("CUBLAS_WORKSPACE_CONFIG"), os.environ.get("PYTHONHASHSEED")],
-    "inductor_imported": "torch._inductor" in sys.modules,
-}))
+ours, cases = sys.argv[1] == "1", json.loads(sys.argv[2])
+states = []
+for rank, world, deterministic in cases:  # one after another in this process, as the other side does them
+    if ours:
+        from launcher.rank.ultralytics.build import seed
+        seed(SimpleNamespace(seed=7, deterministic=deterministic), rank, world)
+    else:
+        from ultralytics.utils.torch_utils import init_seeds
+        init_seeds(7 + 1 + (rank if world > 1 else -1), deterministic=deterministic)
+    states.append({
+        "draws": [random.random(), float(np.random.rand()), float(torch.rand(1))],
+        "algorithms": [torch.are_deterministic_algorithms_enabled(),
+                       torch.is_deterministic_algorithms_warn_only_enabled()],
+        "cudnn": torch.backends.cudnn.deterministic,
+        "fill": torch.utils.deterministic.fill_uninitialized_memory,
+        "env": [os.environ.get("CUBLAS_WORKSPACE_CONFIG"), os.environ.get("PYTHONHASHSEED")],
+        "inductor_imported": "torch._inductor" in sys.modules,
+    })
+print(json.dumps(states))
 """
 
 
-@pytest.mark.parametrize("rank, world, deterministic", [(0, 1, True), (1, 2, True), (0, 2, False)])
-def test_the_seeds_and_deterministic_switches_are_ultralytics_own_without_importing_inductor(rank, world,
-                                                                                             deterministic):
-    """build.seed re-states init_seeds: the same draws and switches, without the import of torch._inductor that
-    torch.use_deterministic_algorithms makes (1-2 s of every rank's start-up), in a fresh process each."""
+def test_the_seeds_and_deterministic_switches_are_ultralytics_own_without_importing_inductor():
+    """build.seed re-states init_seeds: the same draws and switches, for rank 0 of 1, rank 1 of 2 and without the
+    deterministic switches, without the import of torch._inductor that torch.use_deterministic_algorithms makes (1-2
+    s of every rank's start-up). Each side in a fresh process, the cases one after another in it."""
     import json
     import subprocess
     import sys
 
-    def state(ours: bool) -> dict:
-        args = [str(rank), str(world), str(int(deterministic)), str(int(ours))]
+    def states(ours: bool) -> list[dict]:
+        args = [str(int(ours)), json.dumps(SEED_CASES)]
         out = subprocess.run([sys.executable, "-c", SEED_STATE, *args], capture_output=True, text=True, timeout=300)
         assert out.returncode == 0, out.stderr
         return json.loads(out.stdout.strip().splitlines()[-1])
 
-    ours, theirs = state(True), state(False)
-    assert ours.pop("inductor_imported") is False
-    theirs.pop("inductor_imported")
+    ours, theirs = states(True), states(False)
+    assert [s.pop("inductor_imported") for s in ours] == [False] * len(SEED_CASES)
+    for s in theirs:
+        s.pop("inductor_imported")
     assert ours == theirs
-    assert ours["algorithms"] == [deterministic, deterministic]
+    assert [s["algorithms"] for s in ours] == [[d, d] for _, _, d in SEED_CASES]
+    assert ours[0]["draws"] != ours[1]["draws"]  # another rank, other draws
