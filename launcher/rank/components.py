@@ -473,8 +473,8 @@ class Rank:
         return (self.input_dtype if on_gpu else torch.float32), on_gpu
 
     def _triton_kernels(self) -> bool:
-        """Whether the graphs run the upsampling and the concatenations on Triton kernels: once their compilation has ended without an
-        error (else PyTorch's kernels, said once)."""
+        """Whether the graphs run the upsampling and the concatenations on Triton kernels: once their compilation has
+        ended without an error (else PyTorch's kernels, said once)."""
         if self.kernels is None:
             return False
         warm = self.kernels.join()
