@@ -313,3 +313,19 @@ def test_the_swapped_modules_triton_copies_through_the_interpreter_give_pytorchs
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
                           env={**os.environ, "TRITON_INTERPRET": "1"})
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_only_tensors_stored_pixel_by_pixel_are_copied_as_rows():
+    """kernels.pixel_rows: the row stride the concatenations' copy walks; a layout it does not describe goes to
+    torch.cat (a wrong stride here would copy the wrong pixels)."""
+    from launcher.rank.kernels import pixel_rows
+
+    cl = torch.zeros(2, 48, 5, 7).contiguous(memory_format=torch.channels_last)
+    assert pixel_rows(cl) == 48
+    assert pixel_rows(cl[:, 16:32]) == 48  # a channel slice: its pixels are the parent's rows
+    assert pixel_rows(cl[1:]) == 48  # whole images
+    assert pixel_rows(cl[:, :, 1:]) is None and pixel_rows(cl[:, :, :, 1:]) is None  # cropped: pixels skipped
+    assert pixel_rows(torch.cat([cl, cl])[::2]) is None  # every other of four images
+    assert pixel_rows(torch.zeros(2, 48, 5, 7)) is None  # NCHW
+    assert pixel_rows(torch.zeros(2, 48, 1, 1)) == 48  # NCHW and channels_last are one layout at 1x1
+    assert pixel_rows(cl[0:1, 16:32, 2:3, 3:4]) == 16 and pixel_rows(torch.zeros(2, 3, 4)) is None
