@@ -170,8 +170,9 @@ class _ChannelCat(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        # packed parts: the convolutions' backward, SiLU's and the gradients' sums then read them at full speed
-        parts = split_channels(grad, ctx.sizes, [True] * len(ctx.sizes))
+        # packed parts: the convolutions' backward, SiLU's and the gradients' sums then read them at full speed (a part
+        # no input needs stays an uncopied view, dropped below)
+        parts = split_channels(grad, ctx.sizes, list(ctx.needs_input_grad))
         return tuple(p if need else None for p, need in zip(parts, ctx.needs_input_grad))
 
 
