@@ -171,6 +171,27 @@ def test_workers_send_jpeg_bytes_and_decode_only_what_nvjpeg_cannot(tmp_path):
     assert torch.equal(cpu.payload, decode_on_cpu(Path(files[0]).read_bytes())[0])
 
 
+def test_a_batch_crosses_from_its_worker_as_one_tensor(tmp_path):
+    """A worker hands the training process one shared-memory tensor per batch (each costs the training process a file
+    descriptor received and mapped under its interpreter lock), not one per image; what arrives is what was read."""
+    files = write_images(tmp_path, ["jpg", "png", "rotated", "grey", "corrupt", "jpg"])
+    ds = EncodedTrainDataset(images_of(files, boxes_per_image=3))
+    here = ds.collate_fn([ds[(2, i)] for i in range(len(files))])
+    assert sum(isinstance(v, torch.Tensor) for v in here.__getstate__().values()) == 1  # the packed payloads
+
+    loader = torch.utils.data.DataLoader(ds, batch_sampler=[[(2, i) for i in range(len(files))]], num_workers=1,
+                                         collate_fn=ds.collate_fn)
+    (there,) = list(loader)
+    assert len({p.untyped_storage().data_ptr() for p in there.payloads}) == 1
+    assert there.payloads is there.payloads  # the views made once: the decoder reads them image by image
+    assert [p.shape for p in there.payloads] == [p.shape for p in here.payloads]
+    assert all(torch.equal(a, b) for a, b in zip(there.payloads, here.payloads))
+    assert there.payloads[1].shape == (3, 60, 80) and there.payloads[4].numel() > 0  # decoded here; bytes to try
+    for k in ("cls", "xywh", "counts"):
+        assert torch.equal(getattr(there, k), getattr(here, k))
+    assert (there.epoch, there.indices, there.errors) == (2, list(range(6)), [""] * 6)
+
+
 def test_a_file_nothing_can_decode_is_named_once_and_trains_grey_without_labels(tmp_path):
     files = write_images(tmp_path, ["jpg", "corrupt", "png"])
     ds = EncodedTrainDataset(images_of(files), decode_all=True)

@@ -89,6 +89,13 @@ class Rank:
             torch.cuda.set_device(self.device)
             torch.empty(1, device=self.device)  # the driver and the CUDA context, made here to be timed as their own part
         self._stamp("cuda_init")
+        train, loader_cfg = cfg["train"], cfg["loader"]
+        amp = train["amp"] if self.device.type == "cuda" else False
+        self.amp_dtype = (torch.bfloat16 if amp == "bf16" else torch.float16) if amp else None
+        # the training graphs' Triton kernels (step/triton_modules.py), compiled on a thread from the start: on a fresh
+        # machine (no Triton cache) compiling them takes longer than the set-up's other parts
+        self.kernels = (kernels.WarmUp(self.device, self.amp_dtype or torch.float32, kernels.TRAINING)
+                        if self.device.type == "cuda" and plan.cuda_graphs else None)
         # nvJPEG's start on a thread, joined before any graph capture (prewarm.py)
         decode_batch = (plan.batch_per_rank or 64) if plan.augment_on == "gpu" else 0  # (auto: not measured yet)
         self.prewarm = Prewarm(self.device, decode_batch=decode_batch, log=self.log).start()
@@ -101,12 +108,6 @@ class Rank:
         self._stamp("hyperparameters_and_seeds")
         self.data = build.dataset_info(self.hyp)
         self._stamp("dataset_check")
-        train, loader_cfg = cfg["train"], cfg["loader"]
-        amp = train["amp"] if self.device.type == "cuda" else False
-        self.amp_dtype = (torch.bfloat16 if amp == "bf16" else torch.float16) if amp else None
-        # the training graphs' Triton kernels (step/triton_modules.py), compiled on a thread
-        self.kernels = (kernels.WarmUp(self.device, self.amp_dtype or torch.float32, kernels.TRAINING)
-                        if self.device.type == "cuda" and plan.cuda_graphs else None)
 
         # 1. the node's image cache, before the process group; the batch this GPU takes (train.batch_per_device=auto)
         self.caches = self._image_caches() if train["cache"] == "shared" else {}

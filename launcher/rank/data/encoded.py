@@ -17,6 +17,7 @@ travel to the workers as a few flat arrays.
 from __future__ import annotations
 
 import io
+import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -68,19 +69,66 @@ class EncodedSample(NamedTuple):
 
 @dataclass
 class EncodedBatch:
-    """A batch as the workers hand it over. `payloads[i]` is 1-D (bytes for the GPU decoder) or 3-D (decoded)."""
+    """A batch as the workers hand it over. `payloads[i]` is 1-D (bytes for the GPU decoder) or 3-D (decoded).
+
+    The payloads travel packed in one tensor (`data`, each at `layout[i]`'s offset, of its shape) and the labels as
+    NumPy arrays: a worker hands a tensor to the training process as a shared-memory file, one file descriptor sent
+    over a socket per tensor, which the training process's pin-memory thread receives and maps, holding the
+    interpreter the input threads and the step's launches share. One tensor per batch instead of one per image.
+    """
 
     epoch: int  # the epoch the sampler drew the batch for (a batch never spans two)
     indices: list[int]
-    payloads: list[torch.Tensor]
+    data: torch.Tensor  # (bytes,) uint8: every payload, back to back
+    layout: list[tuple[int, tuple[int, ...]]]  # each payload's (offset in data, shape)
     errors: list[str]
     cls: torch.Tensor  # (K,) float32: the labels of every sample, in sample order
     xywh: torch.Tensor  # (K, 4) float32
     counts: torch.Tensor  # (B,) int64: labels per sample
 
+    @classmethod
+    def of(cls, samples: list[EncodedSample], images: EncodedImages) -> EncodedBatch:
+        labels = [images.labels(s.index) for s in samples]
+        layout, offset = [], 0
+        for s in samples:
+            layout.append((offset, tuple(s.payload.shape)))
+            offset += s.payload.numel()
+        data = torch.empty(offset, dtype=torch.uint8)
+        for s, (start, _) in zip(samples, layout):
+            data[start : start + s.payload.numel()] = s.payload.reshape(-1)
+        return cls(
+            epoch=samples[0].epoch,
+            indices=[s.index for s in samples],
+            data=data,
+            layout=layout,
+            errors=[s.error for s in samples],
+            cls=torch.from_numpy(np.concatenate([c for c, _ in labels])),
+            xywh=torch.from_numpy(np.concatenate([b for _, b in labels])).view(-1, 4),
+            counts=torch.tensor([len(c) for c, _ in labels], dtype=torch.int64),
+        )
+
+    @property
+    def payloads(self) -> list[torch.Tensor]:
+        """Each sample's payload: a view of `data` (made once: the decoder reads them many times)."""
+        if self.__dict__.get("_views") is None:
+            self._views = [self.data[start : start + math.prod(shape)].view(shape) for start, shape in self.layout]
+        return self._views
+
+    def __getstate__(self) -> dict:
+        """Pickled by a worker: the labels as arrays, which travel inside the pickle (no file descriptor each)."""
+        state = {k: v for k, v in self.__dict__.items() if k != "_views"}
+        for k in ("cls", "xywh", "counts"):
+            state[k] = state[k].numpy()
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        for k in ("cls", "xywh", "counts"):
+            state[k] = torch.from_numpy(state[k])
+        self.__dict__.update(state)
+
     def pin_memory(self) -> EncodedBatch:
         """Called by the DataLoader's pin-memory thread: the bytes and decoded images go to the GPU from pinned pages."""
-        self.payloads = [p.pin_memory() for p in self.payloads]
+        self.data, self._views = self.data.pin_memory(), None
         return self
 
 
@@ -112,16 +160,7 @@ class EncodedTrainDataset(Dataset):
         return EncodedSample(epoch, index, image, error)
 
     def collate_fn(self, samples: list[EncodedSample]) -> EncodedBatch:
-        labels = [self.images.labels(s.index) for s in samples]
-        return EncodedBatch(
-            epoch=samples[0].epoch,
-            indices=[s.index for s in samples],
-            payloads=[s.payload for s in samples],
-            errors=[s.error for s in samples],
-            cls=torch.from_numpy(np.concatenate([c for c, _ in labels])),
-            xywh=torch.from_numpy(np.concatenate([b for _, b in labels])).view(-1, 4),
-            counts=torch.tensor([len(c) for c, _ in labels], dtype=torch.int64),
-        )
+        return EncodedBatch.of(samples, self.images)
 
 
 def decode_on_cpu(data) -> tuple[torch.Tensor, str]:
