@@ -36,7 +36,9 @@ def cell(**kw):
 @pytest.mark.parametrize(
     "figures,expected",
     [
-        ({"data_wait": 0.55, "gpu_util": 43.0}, "input-bound: GPU 43 % busy, 55 % of step time waiting for data; raise loader.workers"),
+        ({"data_wait": 0.55, "gpu_util": 43.0}, "input-bound: GPU 43 % busy, 55 % of step time waiting for data; raise loader.workers or set train.cache=ram"),
+        # the GPU input: train.cache=ram would put an auto run back on the CPU pipeline
+        ({"data_wait": 0.3, "gpu_util": 70.0, "input_gpu_ms_per_image": 0.4}, "input-bound: GPU 70 % busy, 30 % of step time waiting for data; set train.cache=shared"),
         ({"pipeline_efficiency": 0.74}, "host-bound: 74 % of the data-free ceiling"),
         ({"gpu_util": 46.0}, "step-bound: GPU 46 % busy"),
         ({"size": 4, "efficiency": 0.8}, "scaling-bound: 80 % efficiency at 4 devices"),

@@ -152,3 +152,24 @@ def test_a_wait_for_data_while_the_gpu_still_runs_queued_steps_is_not_data_wait(
     data_wait, host_wait = queued_steps(wait=0.8, gpu_s=0.5)  # the loader is the bound: 0.3 s idle per 0.8 s step
     assert data_wait == pytest.approx(0.3 / 0.8)
     assert host_wait == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize(("gpu_input", "advice"), [
+    (False, "raise loader.workers (now 4) or set train.cache=ram"),
+    (True, "set train.cache=shared (the files' bytes mapped once per node) or raise loader.workers (now 4); not "
+           "train.cache=ram, which needs the CPU pipeline"),
+])
+def test_an_input_bound_rank_says_once_which_settings_feed_its_pipeline(gpu_input, advice):
+    """train.cache=ram puts a run with loader.augment_on=auto on the CPU pipeline: no advice for the GPU input."""
+    from types import SimpleNamespace
+
+    from launcher.rank.hooks import InputBoundWarning
+
+    lines, wait = [], 0.05
+    meter = SimpleNamespace(summary=lambda: SimpleNamespace(steps_measured=20, data_wait=wait))
+    hook = InputBoundWarning(meter, 4, lines.append, gpu_input=gpu_input)
+    hook.after_epoch(None)  # 5 %: fed
+    wait = 0.25
+    hook.after_epoch(None)
+    hook.after_epoch(None)
+    assert lines == [f"WARNING input-bound: 25 % of step time waiting for data; {advice}"]

@@ -8,6 +8,7 @@ import platform
 from pathlib import Path
 
 from launcher.machine.hardware import detect
+from launcher.plan.describe import input_bound_advice
 
 INPUT_BOUND = 0.10  # data wait above this share of step time: starved
 PIPELINE_OK = 0.90  # end-to-end at or above this share of the data-free ceiling: the pipeline keeps up
@@ -67,8 +68,8 @@ def verdict(c: dict) -> str:
     busy = f"GPU {util:.0f} % busy, " if util is not None else ""
     if wait > INPUT_BOUND:
         return (
-            f"input-bound: {busy}{100 * wait:.0f} % of step time waiting for data; raise loader.workers "
-            f"or set train.cache=ram"
+            f"input-bound: {busy}{100 * wait:.0f} % of step time waiting for data; "
+            f"{input_bound_advice(c.get('input_gpu_ms_per_image') is not None)}"
         )
     if pipe is not None and pipe < PIPELINE_OK:
         return (

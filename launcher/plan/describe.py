@@ -104,3 +104,14 @@ def _input_text(plan: LaunchPlan) -> str:
     if plan.device == "cuda":
         return "GPU: the workers read the files, nvJPEG decodes, one pass augments"
     return "the GPU pipeline's tensor maths, run on the CPU (slow: for tests)"
+
+
+def input_bound_advice(gpu_input: bool, workers: int | None = None) -> str:
+    """The settings to try when a rank waits for data: one text for the rank's warning and ddp-bench's verdict. The
+    GPU input's workers only read file bytes, and train.cache=ram would put a run with loader.augment_on=auto back on
+    the CPU pipeline (checks.py), so it gets the node-shared cache of the files' bytes instead."""
+    now = f" (now {workers})" if workers is not None else ""
+    if gpu_input:
+        return (f"set train.cache=shared (the files' bytes mapped once per node) or raise loader.workers{now}; "
+                "not train.cache=ram, which needs the CPU pipeline")
+    return f"raise loader.workers{now} or set train.cache=ram"

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from launcher.plan.describe import input_bound_advice
 from launcher.rank.dist import Comm
 from launcher.rank.loop import Hook, TrainLoop
 from launcher.rank.metrics import results
@@ -255,8 +256,9 @@ def clock_text(seconds: float) -> str:
 class InputBoundWarning(Hook):
     """One line, once per run, when this rank waits for data more than INPUT_BOUND of its step time."""
 
-    def __init__(self, meter, workers: int, log, monitor=None):
+    def __init__(self, meter, workers: int, log, monitor=None, *, gpu_input: bool = False):
         self.meter, self.workers, self.log, self.monitor = meter, workers, log, monitor
+        self.gpu_input = gpu_input  # loader.augment_on=gpu: other settings help (describe.input_bound_advice)
         self.warned = False
 
     def after_epoch(self, loop: TrainLoop) -> None:
@@ -267,8 +269,8 @@ class InputBoundWarning(Hook):
         busy = ""
         if self.monitor is not None and self.monitor.available:
             busy = f" (GPU {min(g.util_mean for g in self.monitor.stats()):.0f} % busy)"
-        self.log(f"WARNING input-bound: {100 * m.data_wait:.0f} % of step time waiting for data{busy}; raise "
-                 f"loader.workers (now {self.workers}) or set train.cache=ram")
+        self.log(f"WARNING input-bound: {100 * m.data_wait:.0f} % of step time waiting for data{busy}; "
+                 f"{input_bound_advice(self.gpu_input, self.workers)}")
 
 
 class ReadAhead(Hook):
