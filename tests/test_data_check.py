@@ -194,3 +194,27 @@ def test_the_rank_side_names_an_unreadable_file_instead_of_the_missing_heif_plug
                                "train: /d/x.jpg: ignoring corrupt image/label: No module named 'pi_heif'", None, None)
     datasets.LOGGER.filter(record)
     assert record.msg == f"train: /d/x.jpg: ignoring corrupt image/label: {labels.UNIDENTIFIED}"
+
+
+def test_the_split_lists_the_files_ultralytics_lists(tmp_path):
+    """Nested and linked folders, hidden files and folders, suffixes in any case, other files: the plan counts the
+    images Ultralytics' BaseDataset.get_img_files finds (a link back to a parent folder is not followed round)."""
+    from types import SimpleNamespace
+
+    from ultralytics.data.base import BaseDataset
+
+    root, elsewhere = tmp_path / "images", tmp_path / "elsewhere"
+    for folder in (root / "a" / "b", root / ".hidden", elsewhere):
+        folder.mkdir(parents=True)
+    for path in (root / "1.jpg", root / "2.JPG", root / "a" / "3.png", root / "a" / "b" / "4.webp",
+                 root / ".5.jpg", root / ".hidden" / "6.jpg", root / "notes.txt", root / "noext",
+                 elsewhere / "7.jpg"):
+        path.write_bytes(b"x")
+    (root / "linked").symlink_to(elsewhere, target_is_directory=True)
+    (root / "8.jpg").symlink_to(elsewhere / "7.jpg")
+    theirs = BaseDataset.get_img_files(SimpleNamespace(prefix="", fraction=1.0), str(root))
+    assert labels.list_images([str(root)]) == theirs
+    assert [Path(f).name for f in theirs] == ["1.jpg", "2.JPG", "8.jpg", "3.png", "4.webp", "7.jpg"]
+
+    (root / "a" / "b" / "up").symlink_to(root / "a", target_is_directory=True)  # glob would go round it
+    assert labels.list_images([str(root)]) == theirs

@@ -33,6 +33,7 @@ IMG_FORMATS = {"avif", "bmp", "dng", "heic", "heif", "jp2", "jpeg", "jpg", "mpo"
 RULES = "ultralytics 8.4.190 verify_image_label, detect task; ddp-launch check 1"  # in the cache key
 EXAMPLES = 3  # file names shown per reason
 THREADS = min(16, os.cpu_count() or 1)
+CHUNK = 256  # at most this many files per task of the check's thread pool
 
 UNIDENTIFIED = "not an image Pillow can read (random bytes, or an unsupported format)"
 TOO_SMALL = "smaller than 10 px on a side"
@@ -45,18 +46,50 @@ RESTORED = "JPEG without its end marker (Ultralytics rewrites the file when it s
 
 def list_images(entries: list[str]) -> list[str]:
     """The images of a split as Ultralytics' BaseDataset.get_img_files lists them: every file of a folder
-    (recursively, hidden ones left out), or the lines of a .txt list ('./' relative to it); by suffix, sorted."""
+    (recursively, as glob's '**/*.*' finds them: hidden files and folders left out, linked folders followed), or the
+    lines of a .txt list ('./' relative to it); by suffix, sorted."""
     files: list[str] = []
     for entry in entries:
         p = Path(entry)
         if p.is_dir():
-            files += [str(f) for f in p.rglob("*.*") if f.is_file() and not any(part.startswith(".")
-                                                                             for part in f.relative_to(p).parts)]
+            files += _files_under(str(p))
         elif p.is_file():
             parent = str(p.parent) + os.sep
             lines = p.read_text(encoding="utf-8-sig").strip().splitlines()
             files += [x.replace("./", parent, 1) if x.startswith("./") else x for x in lines]
     return sorted(f for f in files if f.rpartition(".")[-1].lower() in IMG_FORMATS)
+
+
+def _files_under(root: str) -> list[str]:
+    """Every file below `root` whose name has a dot, hidden names left out, as glob lists them. os.scandir's entries
+    know their type without a stat per file (a split of a million images is listed in seconds on a slow file
+    system); a linked folder is followed unless it leads back to a folder it is in (glob would loop)."""
+    found: list[str] = []
+    folders = [(root, frozenset([_folder_id(root)]))]
+    while folders:
+        folder, above = folders.pop()
+        try:
+            with os.scandir(folder) as entries:
+                for e in entries:
+                    if e.name.startswith("."):
+                        continue
+                    try:
+                        if e.is_dir():
+                            inside = _folder_id(e.path)
+                            if inside not in above:
+                                folders.append((e.path, above | {inside}))
+                        elif "." in e.name and e.is_file():
+                            found.append(e.path)
+                    except OSError:  # a link that points nowhere, a file gone meanwhile
+                        continue
+        except OSError:
+            continue
+    return found
+
+
+def _folder_id(folder: str) -> tuple[int, int]:
+    st = os.stat(folder)
+    return st.st_dev, st.st_ino
 
 
 def label_file(image: str) -> str:
@@ -240,8 +273,12 @@ def check_split(entries: list[str], nc: int, *, kpt_shape=None, cache_dir: Path 
             return hit[4], hit[5]
         return check_pair(image, labels, nc, nkpt, ndim)
 
+    # in chunks: a future per file cost more than the file's stat on a repeated plan (the verdicts cached); enough of
+    # them that every thread reads headers on a first scan
+    size = max(16, min(CHUNK, -(-len(images) // (4 * THREADS))))
+    chunks = [images[i : i + size] for i in range(0, len(images), size)]
     with ThreadPoolExecutor(THREADS) as pool:
-        verdicts = list(pool.map(verdict, images, chunksize=64))
+        verdicts = [v for chunk in pool.map(lambda c: [verdict(im) for im in c], chunks) for v in chunk]
     result = SplitCheck(images=len(images))
     for image, (dropped, note) in zip(images, verdicts):
         result.labels_found += stamps[image][2] >= 0
