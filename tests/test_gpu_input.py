@@ -192,6 +192,43 @@ def test_a_batch_crosses_from_its_worker_as_one_tensor(tmp_path):
     assert (there.epoch, there.indices, there.errors) == (2, list(range(6)), [""] * 6)
 
 
+def registered_without_torchvision() -> None:
+    """Run in a fresh process: jpeg.load() registers torchvision's image operators without importing torchvision, and
+    a later import of torchvision.io works beside them and decodes alike."""
+    import numpy as np
+
+    from launcher.rank.data import jpeg
+
+    how = jpeg.load()
+    assert "torchvision" not in sys.modules and how.endswith((".so", ".pyd")), how
+    assert hasattr(torch.ops.image, "decode_jpegs_cuda")
+    grey = torch.from_numpy(np.tile(np.arange(64, dtype=np.uint8), (3, 48, 1)))
+    data = jpeg.encode_jpeg(grey)
+    import torchvision.io
+
+    assert torch.equal(torchvision.io.encode_jpeg(grey), data)
+    assert torch.equal(torch.ops.image.decode_jpeg(data, jpeg.RGB, False),
+                       torchvision.io.decode_jpeg(data, mode=torchvision.io.ImageReadMode.RGB))
+    print("registered without torchvision")
+
+
+def test_the_rank_decodes_with_torchvisions_operators_without_importing_torchvision():
+    """`import torchvision.io` took 1.5-6.2 s of a rank's start on the H200 machine; the decode needs its operators
+    only (rank/data/jpeg.py)."""
+    code = "from tests.test_gpu_input import registered_without_torchvision as r; r()"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "registered without torchvision" in out.stdout, out.stdout[-2000:] + out.stderr[-3000:]
+
+
+def test_without_torchvisions_image_extension_the_decode_imports_torchvision(monkeypatch):
+    from launcher.rank.data import jpeg
+
+    monkeypatch.setattr(jpeg, "_loaded", None)
+    monkeypatch.setattr(jpeg, "EXTENSIONS", ("no_such_extension",))
+    assert jpeg.load() == "torchvision.io" and "torchvision.io" in sys.modules
+    assert hasattr(torch.ops.image, "decode_jpegs_cuda")
+
+
 def test_a_file_nothing_can_decode_is_named_once_and_trains_grey_without_labels(tmp_path):
     files = write_images(tmp_path, ["jpg", "corrupt", "png"])
     ds = EncodedTrainDataset(images_of(files), decode_all=True)

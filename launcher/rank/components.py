@@ -99,8 +99,6 @@ class Rank:
         # nvJPEG's start on a thread, joined before any graph capture (prewarm.py)
         decode_batch = (plan.batch_per_rank or 64) if plan.augment_on == "gpu" else 0  # (auto: not measured yet)
         self.prewarm = Prewarm(self.device, decode_batch=decode_batch, log=self.log).start()
-        if self.prewarm.started:
-            self._stamp("torchvision_import")  # start() imported it, on this thread
         self.faults = FaultInjector.from_env(self.rank)
         self.hyp = build.hyperparameters(cfg, plan, folder.path, self.local_rank)
         torch.set_num_threads(plan.threads_per_rank)  # importing Ultralytics changed it

@@ -2,7 +2,7 @@
 
 Per batch, on the stream that prepares it (pipeline.TrainInputs runs step 1 in a thread of its own, the rest in
 another, on a side stream, while the steps before it run):
-  1. decode: the JPEGs in one batched nvJPEG call (torchvision.io.decode_jpeg on CUDA); images the workers decoded
+  1. decode: the JPEGs in one batched nvJPEG call (torchvision's operator: jpeg.py); images the workers decoded
      (non-JPEG files, rotated JPEGs: encoded.py) are copied up; a batch nvJPEG refuses is retried image by image,
      and an image it still refuses is decoded on the CPU. A file nothing can decode is named in the rank's log once
      and trains as a grey image without labels: the run goes on, and says so.
@@ -33,6 +33,7 @@ import torch
 
 from launcher.rank.data.encoded import EncodedBatch, decode_on_cpu
 from launcher.rank.data.gpu_augment import GpuAugment, RawBatch
+from launcher.rank.data.jpeg import decode_jpegs_cuda
 from launcher.rank.data.warp import BORDER, load_into_slots
 
 
@@ -80,17 +81,15 @@ class Decoder:
         return images, failed
 
     def _decode_jpegs(self, data: list[torch.Tensor]) -> list[torch.Tensor | None]:
-        from torchvision.io import ImageReadMode, decode_jpeg
-
         if self.device.type != "cuda":  # a CPU rank's workers decode everything; this serves a stray JPEG
             return [None] * len(data)
         try:
-            return list(decode_jpeg(data, mode=ImageReadMode.RGB, device=self.device))
+            return list(decode_jpegs_cuda(data, self.device))
         except RuntimeError:  # one image nvJPEG refuses fails the whole batch: find it
             out = []
             for d in data:
                 try:
-                    out.append(decode_jpeg(d, mode=ImageReadMode.RGB, device=self.device))
+                    out.append(decode_jpegs_cuda([d], self.device)[0])
                 except RuntimeError:
                     out.append(None)  # the CPU tries next
             return out

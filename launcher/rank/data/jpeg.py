@@ -1,0 +1,74 @@
+"""nvJPEG's batched decode through torchvision's image operators, without importing torchvision.
+
+`import torchvision.io` imports the whole package, and with it torch._dynamo: 1.5 s of a rank's start on the H200
+machine with warm caches, 6.2 s on a fresh one (docs/benchmarks/h200-time-to-model/README.md), all of it on the
+critical path. The decode needs only torchvision's image extension, which registers the torch.ops.image operators
+when it is loaded. `decode_jpegs_cuda` loads it from torchvision's folder and calls the operator that
+torchvision.io.decode_jpeg calls for a list of JPEGs on CUDA.
+
+The reach into torchvision, named: the extension's file (image_stable in torchvision 0.29, image before it) and
+two operators' schemas, `image::decode_jpegs_cuda(Tensor[] encoded_images, int mode, Device device) -> Tensor[]`
+and `image::encode_jpeg(Tensor data, int quality) -> Tensor` (0.19 to 0.29). Where the extension is not found, or does not define the operator, torchvision.io is imported
+instead, and registers the same operators. Loading the extension first does not trouble a later
+`import torchvision`: the library is loaded once per process.
+"""
+
+from __future__ import annotations
+
+import importlib.machinery
+import importlib.util
+import threading
+from pathlib import Path
+
+import torch
+
+RGB = 3  # torchvision.io.ImageReadMode.RGB
+EXTENSIONS = ("image_stable", "image")  # torchvision's image extension, newest name first
+_lock = threading.Lock()
+_loaded: str | None = None  # how the operators were registered: the extension's path, or "torchvision.io"
+
+
+def decode_jpegs_cuda(data: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """JPEG bytes ((n,) uint8 CPU tensors) -> (3, h, w) uint8 RGB images on `device`, in one batched nvJPEG call:
+    torchvision.io.decode_jpeg(data, mode=ImageReadMode.RGB, device=device)."""
+    load()
+    return torch.ops.image.decode_jpegs_cuda(data, RGB, device)
+
+
+def encode_jpeg(image: torch.Tensor, quality: int = 75) -> torch.Tensor:
+    """A (3, h, w) uint8 CPU image as JPEG bytes: torchvision.io.encode_jpeg (its default quality, 4:2:0)."""
+    load()
+    return torch.ops.image.encode_jpeg(image, quality)
+
+
+def load() -> str:
+    """Register torchvision's image operators (once); returns how: the extension's path, or 'torchvision.io'."""
+    global _loaded
+    with _lock:
+        if _loaded is None:
+            path = _extension_path()
+            if path is not None:
+                try:
+                    torch.ops.load_library(path)
+                except OSError:
+                    path = None
+            if path is None or not hasattr(torch.ops.image, "decode_jpegs_cuda"):
+                import torchvision.io  # noqa: F401 - registers the operators, as it does for its own decode_jpeg
+
+                path = "torchvision.io"
+            _loaded = path
+        return _loaded
+
+
+def _extension_path() -> str | None:
+    spec = importlib.util.find_spec("torchvision")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    folder = str(Path(next(iter(spec.submodule_search_locations))))
+    finder = importlib.machinery.FileFinder(
+        folder, (importlib.machinery.ExtensionFileLoader, importlib.machinery.EXTENSION_SUFFIXES))
+    for name in EXTENSIONS:
+        found = finder.find_spec(name)
+        if found is not None and found.origin:
+            return found.origin
+    return None
