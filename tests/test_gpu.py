@@ -197,20 +197,20 @@ def test_nvjpeg_decodes_what_the_cpu_decodes_and_names_what_it_cannot(tmp_path):
 
 
 def test_the_decode_without_torchvisions_import_is_torchvisions_decode(tmp_path):
-    """rank/data/jpeg.py calls the operator torchvision.io.decode_jpeg calls for a batch on CUDA: the same images, bit
-    for bit, and the warm-up's JPEG is torchvision's encode_jpeg."""
+    """rank/data/torchvision_ops.py calls the operator torchvision.io.decode_jpeg calls for a batch on CUDA: the same
+    images, bit for bit, and the warm-up's JPEG is torchvision's encode_jpeg."""
     from torchvision.io import ImageReadMode, decode_jpeg, encode_jpeg
 
-    from launcher.rank.data import jpeg
+    from launcher.rank.data import torchvision_ops
     from tests.test_gpu_input import write_images
 
     files = write_images(tmp_path, ["jpg", "grey", "jpg"])
     data = [torch.frombuffer(bytearray(open(f, "rb").read()), dtype=torch.uint8) for f in files]
-    ours = jpeg.decode_jpegs_cuda(data, torch.device("cuda", 0))
+    ours = torchvision_ops.decode_jpegs_cuda(data, torch.device("cuda", 0))
     theirs = decode_jpeg(data, mode=ImageReadMode.RGB, device="cuda")
     assert all(a.is_cuda and torch.equal(a, b) for a, b in zip(ours, theirs))
     grey = torch.full((3, 48, 64), 114, dtype=torch.uint8)
-    assert torch.equal(jpeg.encode_jpeg(grey), encode_jpeg(grey))
+    assert torch.equal(torchvision_ops.encode_jpeg(grey), encode_jpeg(grey))
 
 
 def test_nvjpeg_warmed_on_a_thread_beside_the_set_up_leaves_the_graph_capture_after_it_valid():

@@ -192,40 +192,47 @@ def test_a_batch_crosses_from_its_worker_as_one_tensor(tmp_path):
     assert (there.epoch, there.indices, there.errors) == (2, list(range(6)), [""] * 6)
 
 
-def registered_without_torchvision() -> None:
-    """Run in a fresh process: jpeg.load() registers torchvision's image operators without importing torchvision, and
-    a later import of torchvision.io works beside them and decodes alike."""
-    import numpy as np
+def registered_without_torchvision(folder: str) -> None:
+    """Run in a fresh process: torchvision_ops registers torchvision's image operators without importing torchvision,
+    and the CPU decoder reads a PNG and a rotated JPEG with them; a later import of torchvision.io works beside them
+    and encodes and decodes alike."""
+    from launcher.rank.data import torchvision_ops
 
-    from launcher.rank.data import jpeg
-
-    how = jpeg.load()
-    assert "torchvision" not in sys.modules and how.endswith((".so", ".pyd")), how
-    assert hasattr(torch.ops.image, "decode_jpegs_cuda")
+    how = torchvision_ops.load()
+    assert hasattr(torch.ops.image, "decode_jpegs_cuda") and how.endswith((".so", ".pyd")), how
+    files = [str(Path(folder) / name) for name in ("im0.png", "im1.jpg")]
+    ours = [decode_on_cpu(Path(f).read_bytes()) for f in files]
     grey = torch.from_numpy(np.tile(np.arange(64, dtype=np.uint8), (3, 48, 1)))
-    data = jpeg.encode_jpeg(grey)
+    data = torchvision_ops.encode_jpeg(grey)
+    assert "torchvision" not in sys.modules
     import torchvision.io
 
+    rgb = torchvision.io.ImageReadMode.RGB
+    for f, (image, error) in zip(files, ours):
+        theirs = torchvision.io.decode_image(torchvision.io.read_file(f), mode=rgb, apply_exif_orientation=True)
+        assert not error and torch.equal(image, theirs), f
+    assert [image.shape for image, _ in ours] == [(3, 60, 80), (3, 80, 60)]  # the JPEG's EXIF rotation applied
     assert torch.equal(torchvision.io.encode_jpeg(grey), data)
-    assert torch.equal(torch.ops.image.decode_jpeg(data, jpeg.RGB, False),
-                       torchvision.io.decode_jpeg(data, mode=torchvision.io.ImageReadMode.RGB))
+    assert torch.equal(torch.ops.image.decode_jpeg(data, torchvision_ops.RGB, False),
+                       torchvision.io.decode_jpeg(data, mode=rgb))
     print("registered without torchvision")
 
 
-def test_the_rank_decodes_with_torchvisions_operators_without_importing_torchvision():
-    """`import torchvision.io` took 1.5-6.2 s of a rank's start on the H200 machine; the decode needs its operators
-    only (rank/data/jpeg.py)."""
-    code = "from tests.test_gpu_input import registered_without_torchvision as r; r()"
+def test_the_rank_decodes_with_torchvisions_operators_without_importing_torchvision(tmp_path):
+    """`import torchvision.io` took 1.5-6.2 s of a rank's start on the H200 machine; the decoders need its operators
+    only (rank/data/torchvision_ops.py)."""
+    write_images(tmp_path, ["png", "rotated"])
+    code = f"from tests.test_gpu_input import registered_without_torchvision as r; r({str(tmp_path)!r})"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and "registered without torchvision" in out.stdout, out.stdout[-2000:] + out.stderr[-3000:]
 
 
 def test_without_torchvisions_image_extension_the_decode_imports_torchvision(monkeypatch):
-    from launcher.rank.data import jpeg
+    from launcher.rank.data import torchvision_ops
 
-    monkeypatch.setattr(jpeg, "_loaded", None)
-    monkeypatch.setattr(jpeg, "EXTENSIONS", ("no_such_extension",))
-    assert jpeg.load() == "torchvision.io" and "torchvision.io" in sys.modules
+    monkeypatch.setattr(torchvision_ops, "_loaded", None)
+    monkeypatch.setattr(torchvision_ops, "EXTENSIONS", ("no_such_extension",))
+    assert torchvision_ops.load() == "torchvision.io" and "torchvision.io" in sys.modules
     assert hasattr(torch.ops.image, "decode_jpegs_cuda")
 
 

@@ -7,9 +7,9 @@ the GIL, so the set-up's Python work goes on beside it. The set-up `join()`s it 
 must see no other thread's CUDA calls (an allocation or a stream made while it records invalidates it). No process
 forks while it runs (the loaders' workers start after the join).
 
-The decode is torchvision's operator, loaded without importing torchvision (data/jpeg.py): the import (it imports
-Dynamo) was Python work on the set-up's critical path, on the thread as much as beside it (it took the GIL from the
-set-up: docs/benchmarks/h200-time-to-model/results-defaults-prewarm/startup-ab.md).
+The decode is torchvision's operator, loaded without importing torchvision (data/torchvision_ops.py): the import
+(it imports Dynamo) was Python work on the set-up's critical path, on the thread as much as beside it (it took the
+GIL from the set-up: docs/benchmarks/h200-time-to-model/results-defaults-prewarm/startup-ab.md).
 A warm-up that fails costs nothing but its time: the first batch initialises nvJPEG instead, and the error is logged.
 """
 
@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from launcher.rank.data import jpeg
+from launcher.rank.data import torchvision_ops
 
 WARM_UP_SHAPE = (3, 480, 640)  # a 640x480 photo's JPEG, 4:2:0: the decoder path the training images take
 
@@ -28,8 +28,8 @@ WARM_UP_SHAPE = (3, 480, 640)  # a 640x480 photo's JPEG, 4:2:0: the decoder path
 def nvjpeg_warm_up(device: torch.device, batch: int) -> None:
     """One batched decode of `batch` images on `device`, the size of the training input's batches."""
     torch.cuda.set_device(device)  # the current device is per thread
-    data = jpeg.encode_jpeg(torch.full(WARM_UP_SHAPE, 114, dtype=torch.uint8))
-    jpeg.decode_jpegs_cuda([data] * batch, device)
+    data = torchvision_ops.encode_jpeg(torch.full(WARM_UP_SHAPE, 114, dtype=torch.uint8))
+    torchvision_ops.decode_jpegs_cuda([data] * batch, device)
     torch.cuda.synchronize(device)
 
 

@@ -1,5 +1,6 @@
 """How long a rank waits before it can decode its first batch: torchvision's image operators loaded alone
-(launcher/rank/data/jpeg.py) against `import torchvision.io`, each in a fresh process after the rank's own imports.
+(launcher/rank/data/torchvision_ops.py) against `import torchvision.io`, each in a fresh process after the rank's own
+imports.
 
     python3 docs/benchmarks/h200-time-to-model/decoder_ready.py ops
     python3 docs/benchmarks/h200-time-to-model/decoder_ready.py torchvision
@@ -18,12 +19,12 @@ t1 = time.perf_counter()
 torch.empty(1, device="cuda")
 t2 = time.perf_counter()
 if sys.argv[1] == "ops":
-    from launcher.rank.data import jpeg
+    from launcher.rank.data import torchvision_ops
 
-    jpeg.load()
-    enc = jpeg.encode_jpeg(torch.full((3, 480, 640), 114, dtype=torch.uint8))
+    torchvision_ops.load()
+    enc = torchvision_ops.encode_jpeg(torch.full((3, 480, 640), 114, dtype=torch.uint8))
     t3 = time.perf_counter()
-    jpeg.decode_jpegs_cuda([enc] * 64, torch.device("cuda", 0))
+    torchvision_ops.decode_jpegs_cuda([enc] * 64, torch.device("cuda", 0))
 else:
     from torchvision.io import decode_jpeg, encode_jpeg
 

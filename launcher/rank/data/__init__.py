@@ -1,2 +1,2 @@
 """A rank's input: the sampler, the DataLoader pipeline with fetch-ahead, core binding, the node-shared image cache,
-and the GPU augmentation with its CPU half (the workers' bytes: encoded.py; nvJPEG's decode: jpeg.py)."""
+and the GPU augmentation with its CPU half (the workers' bytes: encoded.py; the decoders: torchvision_ops.py)."""

@@ -3,8 +3,8 @@
 A loader worker reads the file (or takes its bytes from the node-shared cache, which then holds compressed files)
 and does not decode it, except where the GPU decoder cannot: a file that is not a JPEG (PNG, BMP, WebP, ...), and a
 JPEG whose EXIF orientation is not upright (nvJPEG ignores it; OpenCV, and so Ultralytics, applies it). Those are
-decoded here, by torchvision on the CPU, into the planar RGB the GPU decoder would give. On a CPU rank everything is
-decoded here (`decode_all`): there is no GPU to do it.
+decoded here, by torchvision's decoders on the CPU (torchvision_ops.py), into the planar RGB the GPU decoder would
+give. On a CPU rank everything is decoded here (`decode_all`): there is no GPU to do it.
 
     dataset = EncodedTrainDataset(EncodedImages.of(ultralytics_dataset), decode_all=device.type == "cpu")
     # with train.cache=shared: cache=image_cache.ensure_file_cache(files, ...), the files' bytes mapped
@@ -24,6 +24,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 from torch.utils.data import Dataset
+
+from launcher.rank.data import torchvision_ops
 
 JPEG_MAGIC = b"\xff\xd8\xff"
 EXIF_ORIENTATION = 0x0112
@@ -166,11 +168,9 @@ class EncodedTrainDataset(Dataset):
 def decode_on_cpu(data) -> tuple[torch.Tensor, str]:
     """Any image file's bytes -> (3, h, w) uint8 RGB with its EXIF orientation applied, as OpenCV reads it; an
     empty (3, 0, 0) tensor and the reason when nothing can decode it."""
-    from torchvision.io import ImageReadMode, decode_image
-
     buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     try:
-        return decode_image(buffer, mode=ImageReadMode.RGB, apply_exif_orientation=True), ""
+        return torchvision_ops.decode_image(buffer, apply_exif_orientation=True), ""
     except (RuntimeError, ValueError) as e:  # torchvision's decoders raise RuntimeError on damaged data
         torchvision_error = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     try:  # Pillow reads formats torchvision does not (TIFF, MPO, ...), as Ultralytics' checks do

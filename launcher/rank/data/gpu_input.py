@@ -2,10 +2,10 @@
 
 Per batch, on the stream that prepares it (pipeline.TrainInputs runs step 1 in a thread of its own, the rest in
 another, on a side stream, while the steps before it run):
-  1. decode: the JPEGs in one batched nvJPEG call (torchvision's operator: jpeg.py); images the workers decoded
-     (non-JPEG files, rotated JPEGs: encoded.py) are copied up; a batch nvJPEG refuses is retried image by image,
-     and an image it still refuses is decoded on the CPU. A file nothing can decode is named in the rank's log once
-     and trains as a grey image without labels: the run goes on, and says so.
+  1. decode: the JPEGs in one batched nvJPEG call (torchvision's operator: torchvision_ops.py); images the workers
+     decoded (non-JPEG files, rotated JPEGs: encoded.py) are copied up; a batch nvJPEG refuses is retried image by
+     image, and an image it still refuses is decoded on the CPU. A file nothing can decode is named in the rank's log
+     once and trains as a grey image without labels: the run goes on, and says so.
   2. load: each image resized into a slot of the image buffer (warp.load_into_slots: Ultralytics' load_image), its
      labels stored beside it in the slot's pixels; what the host knows of the batch (slots, sizes, labels) goes up
      in one pinned copy (`upload`).
@@ -33,7 +33,7 @@ import torch
 
 from launcher.rank.data.encoded import EncodedBatch, decode_on_cpu
 from launcher.rank.data.gpu_augment import GpuAugment, RawBatch
-from launcher.rank.data.jpeg import decode_jpegs_cuda
+from launcher.rank.data.torchvision_ops import decode_jpegs_cuda
 from launcher.rank.data.warp import BORDER, load_into_slots
 
 

@@ -1,16 +1,21 @@
-"""nvJPEG's batched decode through torchvision's image operators, without importing torchvision.
+"""torchvision's image operators (nvJPEG's batched decode, the CPU decoders, the JPEG encoder) without importing
+torchvision.
 
 `import torchvision.io` imports the whole package, and with it torch._dynamo: 1.5 s of a rank's start on the H200
 machine with warm caches, 6.2 s on a fresh one (docs/benchmarks/h200-time-to-model/README.md), all of it on the
-critical path. The decode needs only torchvision's image extension, which registers the torch.ops.image operators
-when it is loaded. `decode_jpegs_cuda` loads it from torchvision's folder and calls the operator that
-torchvision.io.decode_jpeg calls for a list of JPEGs on CUDA.
+critical path, and as much again in a loader worker or mid-run wherever a file needs the CPU decoder. They need only
+torchvision's image extension, which registers the torch.ops.image operators when it is loaded: `load` loads it
+from torchvision's folder, and each function here calls the operator that the torchvision.io function it names
+calls.
 
 The reach into torchvision, named: the extension's file (image_stable in torchvision 0.29, image before it) and
-two operators' schemas, `image::decode_jpegs_cuda(Tensor[] encoded_images, int mode, Device device) -> Tensor[]`
-and `image::encode_jpeg(Tensor data, int quality) -> Tensor` (0.19 to 0.29). Where the extension is not found, or does not define the operator, torchvision.io is imported
-instead, and registers the same operators. Loading the extension first does not trouble a later
-`import torchvision`: the library is loaded once per process.
+three operators' schemas (0.19 to 0.29):
+  image::decode_jpegs_cuda(Tensor[] encoded_images, int mode, Device device) -> Tensor[]
+  image::decode_image(Tensor data, int mode, bool apply_exif_orientation) -> Tensor
+  image::encode_jpeg(Tensor data, int quality) -> Tensor
+Where the extension is not found, or does not define them, torchvision.io is imported instead, and registers the
+same operators. Loading the extension first does not trouble a later `import torchvision`: the library is loaded
+once per process.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import torch
 
 RGB = 3  # torchvision.io.ImageReadMode.RGB
 EXTENSIONS = ("image_stable", "image")  # torchvision's image extension, newest name first
+OPERATORS = ("decode_jpegs_cuda", "decode_image", "encode_jpeg")
 _lock = threading.Lock()
 _loaded: str | None = None  # how the operators were registered: the extension's path, or "torchvision.io"
 
@@ -33,6 +39,13 @@ def decode_jpegs_cuda(data: list[torch.Tensor], device: torch.device) -> list[to
     torchvision.io.decode_jpeg(data, mode=ImageReadMode.RGB, device=device)."""
     load()
     return torch.ops.image.decode_jpegs_cuda(data, RGB, device)
+
+
+def decode_image(data: torch.Tensor, apply_exif_orientation: bool = True) -> torch.Tensor:
+    """Any image file's bytes ((n,) uint8 CPU tensor) -> (3, h, w) uint8 RGB on the CPU:
+    torchvision.io.decode_image(data, mode=ImageReadMode.RGB, apply_exif_orientation=...)."""
+    load()
+    return torch.ops.image.decode_image(data, RGB, apply_exif_orientation)
 
 
 def encode_jpeg(image: torch.Tensor, quality: int = 75) -> torch.Tensor:
@@ -52,8 +65,8 @@ def load() -> str:
                     torch.ops.load_library(path)
                 except OSError:
                     path = None
-            if path is None or not hasattr(torch.ops.image, "decode_jpegs_cuda"):
-                import torchvision.io  # noqa: F401 - registers the operators, as it does for its own decode_jpeg
+            if path is None or not all(hasattr(torch.ops.image, op) for op in OPERATORS):
+                import torchvision.io  # noqa: F401 - registers the operators, as it does for its own functions
 
                 path = "torchvision.io"
             _loaded = path
