@@ -107,7 +107,18 @@ def compare_scans_in_interpreter() -> None:
     boxes = torch.cat([xy, xy + 1 + torch.rand(2, 200, 2, generator=g) * 60], -1)
     boxes[:, 1::7] = boxes[:, ::7][:, : boxes[:, 1::7].shape[1]]  # identical boxes (IoU 1)
     alive = torch.rand(2, 200, generator=g) > 0.1
-    assert torch.equal(scans.greedy_nms(boxes, alive, 0.7), nms._torchvision_nms(boxes, alive, 0.7))
+    full = nms._torchvision_nms(boxes, alive, 0.7)
+    assert torch.equal(scans.greedy_nms(boxes, alive, 0.7), full)
+    scans.CANDIDATES = 64  # four tiles: the later ones lose boxes to the earlier ones' survivors
+    assert torch.equal(scans.greedy_nms(boxes, alive, 0.7), full)
+    for limit in (5, 70):  # the first `limit` survivors, not one more (inside the first tile, and after it)
+        assert torch.equal(scans.greedy_nms(boxes, alive, 0.7, limit=limit), full & (full.cumsum(1) <= limit))
+    pred = head_output(3, 3, 200, seed=7)  # image 0: ~600 candidates, ten tiles
+    for max_det in (300, 3):
+        ref = ultralytics_nms.non_max_suppression(pred, 0.001, 0.7, multi_label=True, max_det=max_det)
+        det = batched_nms(pred, 0.001, 0.7, max_det=max_det)
+        assert all(torch.equal(rows(det, i), want) for i, want in enumerate(ref)), max_det
+    scans.CANDIDATES = 2048
     pred = head_output(3, NC, 150, seed=3)
     det = batched_nms(pred, 0.001, 0.7, max_det=300)
     cls, truth, count = _targets(3, seed=3)

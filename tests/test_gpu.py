@@ -576,18 +576,23 @@ def test_the_kernels_warmed_up_on_a_thread_are_the_ones_launched_after(tmp_path,
 
 
 def test_the_scans_on_cuda_keep_and_match_what_the_cpu_forms_do():
-    """Greedy NMS and the matching as Triton programs on CUDA (rank/validate/scans.py), at a weak model's scale (a
-    full chunk of 2048 candidates an image, crowded, identical boxes among them; 300 detections against 40
-    targets), against torchvision's NMS and the PyTorch matching on the CPU: the same answers, bit for bit."""
+    """Greedy NMS and the matching as Triton programs on CUDA (rank/validate/scans.py), at a weak model's scale
+    (5,000 candidates an image, three tiles of the NMS program, crowded, identical boxes among them; 300 detections
+    against 40 targets), against torchvision's NMS and the PyTorch matching on the CPU: the same answers, bit for
+    bit."""
     from launcher.rank.validate import matching, nms, scans
 
     g = torch.Generator().manual_seed(0)
-    xy = torch.rand(6, 2048, 2, generator=g) * 400
-    boxes = torch.cat([xy, xy + 1 + torch.rand(6, 2048, 2, generator=g) * 80], -1)
+    xy = torch.rand(6, 5000, 2, generator=g) * 400  # three tiles an image
+    boxes = torch.cat([xy, xy + 1 + torch.rand(6, 5000, 2, generator=g) * 80], -1)
     boxes[:, 1::9] = boxes[:, ::9][:, : boxes[:, 1::9].shape[1]]
-    alive = torch.rand(6, 2048, generator=g) > 0.05
+    alive = torch.rand(6, 5000, generator=g) > 0.05
     kept = scans.greedy_nms(boxes.cuda(), alive.cuda(), 0.7).cpu()
-    assert torch.equal(kept, nms._torchvision_nms(boxes, alive, 0.7)) and 100 < kept.sum(1).min()
+    full = nms._torchvision_nms(boxes, alive, 0.7)
+    assert torch.equal(kept, full) and 100 < kept.sum(1).min() and full[:, 2048:].any(1).all()
+    first = scans.greedy_nms(boxes.cuda(), alive.cuda(), 0.7, limit=100).cpu()  # the scan stopped at 100 survivors
+    assert torch.equal(first, full & (full.cumsum(1) <= 100))
+    boxes = boxes[:, :2048]
     truth = boxes[:, :40] + torch.rand(6, 40, 4, generator=g) * 10
     iou = matching.box_iou(truth, boxes[:, :300]) * (torch.rand(6, 40, 300, generator=g) > 0.3)
     claimed = scans.claims(iou.cuda(), matching.IOU_THRESHOLDS.cuda()).cpu()

@@ -14,10 +14,11 @@ fp16 scores tie often, and the order decides which of two tied boxes survives). 
 keep the first `max_det`. Not reproduced: Ultralytics' time limit (2 s + 0.05 s per image), after which it drops the
 remaining images of the batch; and, above `max_nms` candidates in an image, which of those tied at the cut are kept
 (Ultralytics' argsort there is unstable).
-Candidates are suppressed CHUNK at a time (the most one Triton program holds): a chunk's candidates first lose to
-the survivors of the chunks before it, then to each other; an image stops once it has max_det survivors, since no
-later candidate can change its first max_det. A weak model (the first epochs) gives every anchor a candidate, tens of
-thousands per image, but its first chunk already holds max_det survivors.
+A weak model (the first epochs) gives every anchor a candidate, tens of thousands per image, most of them suppressed.
+An image's scan stops once it has max_det survivors, since no later candidate can change its first max_det. On CUDA
+the Triton program goes through an image's candidates a tile at a time, each tile losing first to the survivors of
+the tiles before it (scans.py); elsewhere the host does the same CHUNK candidates at a time, torchvision's NMS
+within a chunk.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import torch
 
 from launcher.rank.validate import scans
 
-CHUNK = scans.CANDIDATES  # candidates per image suppressed at once
+CHUNK = 2048  # candidates per image suppressed at once on the host (no Triton)
 MATRIX_ELEMENTS = 2**26  # IoUs of earlier survivors with a chunk's candidates computed at once (temporaries of 256 MiB)
 
 
@@ -94,7 +95,10 @@ def batched_nms(prediction, conf: float, iou: float, *, max_det: int, multi_labe
     cand_score = cand_score.float()
     offset = box + cand_cls[..., None] * (0 if agnostic else max_wh)
 
-    keep = _greedy_in_chunks(offset, cand_valid, iou, max_det)
+    if scans.usable(offset):  # one program per image over all its candidates, stopped at max_det survivors
+        keep = scans.greedy_nms(offset, cand_valid, iou, limit=max_det)
+    else:
+        keep = _greedy_in_chunks(offset, cand_valid, iou, max_det)
     keep &= keep.cumsum(1) <= max_det
     return Detections(*(_first_kept(t, keep, out_k) for t in (box, cand_score, cand_cls)), keep.sum(1))
 
@@ -132,7 +136,7 @@ def _greedy_in_chunks(boxes: torch.Tensor, valid: torch.Tensor, iou: float, max_
                 count = keep[idx, :start].sum(1)
                 alive = alive & ~((box_iou(kept, chunk) > iou) & (torch.arange(max_det, device=idx.device)
                                                                   < count[:, None])[:, :, None]).any(1)
-            keep[idx, start:end] = _greedy(chunk, alive, iou)
+            keep[idx, start:end] = _torchvision_nms(chunk, alive, iou)
     return keep
 
 
@@ -144,12 +148,6 @@ def _first_kept(rows: torch.Tensor, keep: torch.Tensor, n: int) -> torch.Tensor:
     out = torch.zeros((b, n + 1, *rows.shape[2:]), dtype=rows.dtype, device=rows.device)
     out.scatter_(1, slot.view(b, k, *([1] * (rows.dim() - 2))).expand_as(rows), rows)
     return out[:, :n]
-
-
-def _greedy(boxes: torch.Tensor, valid: torch.Tensor, iou: float) -> torch.Tensor:
-    """Greedy NMS of each image's candidates (sorted by descending score), which `valid` may keep: which are kept.
-    On CUDA one Triton program per image (scans.py); elsewhere torchvision's NMS image by image, as Ultralytics."""
-    return scans.greedy_nms(boxes, valid, iou) if scans.usable(boxes) else _torchvision_nms(boxes, valid, iou)
 
 
 def _torchvision_nms(boxes: torch.Tensor, valid: torch.Tensor, iou: float) -> torch.Tensor:
