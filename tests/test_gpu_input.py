@@ -227,6 +227,41 @@ def test_the_rank_decodes_with_torchvisions_operators_without_importing_torchvis
     assert out.returncode == 0 and "registered without torchvision" in out.stdout, out.stdout[-2000:] + out.stderr[-3000:]
 
 
+def deferred_torchvision(folder: str) -> None:
+    """Run in a fresh process, as the rank starts (rank/worker.py): with torchvision's import deferred, building
+    the fast validator (Ultralytics' BaseValidator imports torchvision) and registering the decoders run none of
+    torchvision's code; the first read of one of its names imports it, and it works."""
+    from launcher.rank.data import torchvision_ops
+
+    assert torchvision_ops.defer_package_import()
+    from launcher.rank.ultralytics.fast_validation import FastValidator
+
+    FastValidator(None, {}, Path(folder), batch=8, amp_dtype=None)
+    torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.01)  # registers operators: reads every module's __file__
+    torchvision_ops.load()
+    image, error = decode_on_cpu((Path(folder) / "im0.png").read_bytes())
+    assert not error and image.shape == (3, 60, 80)
+    assert not any(name.startswith("torchvision.") for name in sys.modules), sorted(sys.modules)
+    assert not torchvision_ops.defer_package_import()  # once per process
+    import torchvision
+
+    boxes = torch.tensor([[0.0, 0, 10, 10], [1, 1, 10, 10], [20, 20, 30, 30]])
+    assert torchvision.ops.nms(boxes, torch.tensor([0.9, 0.8, 0.7]), 0.5).tolist() == [0, 2]
+    import torchvision.io
+
+    assert torch.equal(torchvision.io.decode_image(torchvision.io.read_file(str(Path(folder) / "im0.png")),
+                                                   mode=torchvision.io.ImageReadMode.RGB), image)
+    print("deferred")
+
+
+def test_the_rank_defers_torchvisions_import_until_a_name_of_it_is_read(tmp_path):
+    """Ultralytics' validator imported torchvision, which a rank on CUDA never uses (rank/data/torchvision_ops.py)."""
+    write_images(tmp_path, ["png"])
+    code = f"from tests.test_gpu_input import deferred_torchvision as d; d({str(tmp_path)!r})"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "deferred" in out.stdout, out.stdout[-2000:] + out.stderr[-3000:]
+
+
 def test_without_torchvisions_image_extension_the_decode_imports_torchvision(monkeypatch):
     from launcher.rank.data import torchvision_ops
 

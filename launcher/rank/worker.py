@@ -76,6 +76,9 @@ def main(argv: list[str] | None = None) -> int:
 
     @record  # a failure's traceback reaches torchrun's error report, naming this rank
     def _run() -> None:
+        from launcher.rank.data import torchvision_ops
+
+        torchvision_ops.defer_package_import()  # Ultralytics' validator imports it; a rank on CUDA never uses it
         from launcher.rank import runs  # imports Ultralytics: only now, with the environment in place
 
         if cfg.get("bench", {}).get("cell"):

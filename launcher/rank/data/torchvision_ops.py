@@ -16,13 +16,22 @@ three operators' schemas (0.19 to 0.29):
 Where the extension is not found, or does not define them, torchvision.io is imported instead, and registers the
 same operators. Loading the extension first does not trouble a later `import torchvision`: the library is loaded
 once per process.
+
+The rank also defers torchvision's own import (`defer_package_import`, rank/worker.py): Ultralytics'
+BaseValidator.__init__ imports torchvision (engine/validator.py: "so torchvision import time not recorded in
+postprocess time"), and nothing else a detection rank on CUDA runs uses it. Deferred, the package's code runs when
+one of its names is first read (the CPU validation's NMS, Ultralytics' own validator's), and not at all where none
+is. What that saves is torchvision's own modules; the torch._dynamo they import is imported anyway, by the first call
+of the optimizer (docs/benchmarks/h200-time-to-model/README.md).
 """
 
 from __future__ import annotations
 
 import importlib.machinery
 import importlib.util
+import sys
 import threading
+import types
 from pathlib import Path
 
 import torch
@@ -73,8 +82,58 @@ def load() -> str:
         return _loaded
 
 
+def defer_package_import() -> bool:
+    """Defer `import torchvision` in this process: its module is placed in sys.modules now, and runs its code at the
+    first read of one of its names (DeferredModule). False, and nothing done, where torchvision is imported already or
+    is not installed."""
+    if "torchvision" in sys.modules:
+        return False
+    spec = _package_spec()
+    if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+        return False
+    module = importlib.util.module_from_spec(spec)
+    module.__class__ = DeferredModule
+    sys.modules["torchvision"] = module
+    return True
+
+
+class DeferredModule(types.ModuleType):
+    """A package whose code has not run yet. An `import` statement reads only __spec__ of a module in sys.modules, and
+    leaves it so (importlib.util.LazyLoader's modules run at that read); any other name (`torchvision.ops`, the
+    __path__ that a submodule's import reads) runs the package's code first, once, while other threads wait."""
+
+    def __getattribute__(self, name: str):
+        if name in _READ_WITHOUT_RUNNING:
+            return types.ModuleType.__getattribute__(self, name)
+        with _running:  # re-entered by the package's own code while it runs (its `from torchvision import ...`)
+            if type(self) is DeferredModule and self.__name__ not in _runs:
+                _runs.add(self.__name__)
+                try:
+                    self.__spec__.loader.exec_module(self)
+                except BaseException:
+                    sys.modules.pop(self.__name__, None)  # as a failed import leaves it: the next import tries again
+                    raise
+                finally:
+                    _runs.discard(self.__name__)
+                self.__class__ = types.ModuleType
+        return types.ModuleType.__getattribute__(self, name)
+
+
+# what an import statement reads (__spec__), and inspect.getmodule of every module in sys.modules (__file__: torch's
+# custom operators call it as they register, the first optimizer's among them)
+_READ_WITHOUT_RUNNING = frozenset({"__spec__", "__name__", "__class__", "__loader__", "__file__", "__cached__",
+                                   "__package__"})
+_running = threading.RLock()
+_runs: set[str] = set()  # the deferred packages whose code is running
+
+
+def _package_spec():
+    """torchvision's spec from the import path, never from sys.modules (a deferred module there runs when read)."""
+    return importlib.machinery.PathFinder.find_spec("torchvision")
+
+
 def _extension_path() -> str | None:
-    spec = importlib.util.find_spec("torchvision")
+    spec = _package_spec()
     if spec is None or not spec.submodule_search_locations:
         return None
     folder = str(Path(next(iter(spec.submodule_search_locations))))
