@@ -326,6 +326,26 @@ def test_the_fast_validator_gives_what_detection_validator_gives_on_a_real_model
     print(want, got)
 
 
+def test_the_first_validation_says_where_its_pass_went_batch_by_batch(val_split, tmp_path):
+    """The run's first pass captures graphs and starts kernels that the later ones reuse; its log line splits it by
+    batch, so that a slow first validation shows whether one batch or every batch was slow. Said once a run."""
+    ema = SimpleNamespace(ema=a_model_that_finds_objects())
+    hyp = get_cfg(overrides={"imgsz": 64, "plots": False})
+    data = {"val": str(val_split / "images" / "val"), "names": dict(enumerate(CLASSES)), "nc": NC, "channels": 3}
+    logged: list[str] = []
+    fast = FastValidator(datasets.val_loader(hyp, data, 4, 32, 0, torch.device("cpu")), hyp, tmp_path, batch=4,
+                         amp_dtype=None, cuda_graphs=False, log=logged.append)
+    kwargs = dict(device=torch.device("cpu"), data=data, amp=False, epoch=0, epochs=1,
+                  loss_items={k: torch.zeros(()) for k in ("box_loss", "cls_loss", "dfl_loss")})
+    for _ in range(2):
+        fast.validate(ema, Comm(), **kwargs)
+    lines = [line for line in logged if "batch by batch" in line]
+    assert len(lines) == 1, logged
+    batches = -(-len(fast.split) // 4)
+    figures = lines[0].split(": ", 2)[2].removesuffix(" s to its end").replace(" s, then", ",").split(", ")
+    assert len(figures) == batches + 1 and all(float(x) >= 0 for x in figures), lines[0]
+
+
 def test_a_split_read_ahead_during_training_validates_as_one_read_at_the_first_validation(val_split, tmp_path):
     """FastValidator.read_ahead (after the first step): the loader's workers are running, and a thread reads the
     split into host memory, before any validation; the first validation's metrics are those of a validator that read the split only

@@ -535,11 +535,18 @@ if warm:
 before = len(list(cache.rglob("*.cubin")))
 y = torch.randn(4, 80, 13, 17, device="cuda", dtype=torch.half).contiguous(memory_format=torch.channels_last)
 if names == kernels.SCANS:
-    from launcher.rank.validate import matching, scans
+    from launcher.rank.validate import matching, nms, scans
     boxes = torch.rand(3, 500, 4, device="cuda").cumsum(-1)
     scans.greedy_nms(boxes, torch.ones(3, 500, dtype=torch.bool, device="cuda"), 0.7)
     for targets in (5, 17):  # up to 16 and up to 32 targets an image
         scans.claims(torch.rand(3, targets, 300, device="cuda"), matching.IOU_THRESHOLDS.cuda())
+    # and as a validation calls them: NMS of a head's fp16 output, then the matching of its detections to targets
+    pred = torch.rand(2, 7, 4000, device="cuda")
+    pred[:, :4] = pred[:, :4] * torch.tensor([600.0, 440.0, 80.0, 60.0], device="cuda")[:, None] + 20
+    det = nms.batched_nms(pred.half(), 0.001, 0.7, max_det=300, nc=3)
+    truth = torch.tensor([[[100.0, 100, 200, 180], [300, 50, 420, 200]]], device="cuda").repeat(2, 1, 1)
+    matching.true_positives(det.boxes, det.cls, det.valid(), truth, torch.zeros(2, 2, device="cuda"),
+                            torch.ones(2, 2, dtype=torch.bool, device="cuda"))
 elif names == kernels.VALIDATION:
     for silu in (True, False):
         kernels.bias_act_(y, torch.randn(80, device="cuda", dtype=torch.half), silu)
@@ -558,9 +565,9 @@ print(before, len(list(cache.rglob("*.cubin"))))
 def test_the_kernels_warmed_up_on_a_thread_are_the_ones_launched_after(tmp_path, names, kernel_count):
     """kernels.warm_up compiles, without a launch, exactly the specialisations that are then launched (fp16,
     channels_last): the folded validation forward's, the training graphs' upsampling forward and backward and the
-    concatenations' copy, and the
-    validation's NMS and matching scans. In a process with an empty Triton cache, the launches after it compile
-    nothing more; without it they compile all."""
+    concatenations' copy, and the validation's NMS and matching scans (called directly, and by batched_nms and
+    true_positives as a validation calls them). In a process with an empty Triton cache, the launches after it
+    compile nothing more; without it they compile all."""
     import os
     import subprocess
     import sys

@@ -175,18 +175,30 @@ class FastValidator:
                 if comm.rank == 0 and len(plotted) < PLOTTED_BATCHES:
                     plotted.append((vb, det))
 
+        first = "pass_s" not in self.timing  # the run's first pass: it pays for what the later ones reuse
+        ends: list[float] = []  # each batch's end on the host (its post-processing reads the host once)
+
+        def on_batch() -> None:
+            self.on_batch()
+            ends.append(time.perf_counter())
+
         started = time.perf_counter()
         with torch.inference_mode(), torch.autocast(device.type, enabled=False):
             result = run_pass(self.split, self.forward, batch=self.batch, nc=v.nc, nms=nms_settings(v.args, v.end2end),
-                              single_cls=bool(v.args.single_cls), on_batch=self.on_batch, each_batch=each_batch,
+                              single_cls=bool(v.args.single_cls), on_batch=on_batch, each_batch=each_batch,
                               loss_fn=lambda targets, preds: self._loss(model, targets, preds), stream=self.stream)
         if confusion:  # one copy to the host
             v.confusion_matrix.matrix += torch.stack(confusion).sum(0).cpu().numpy()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        elapsed = time.perf_counter() - started
+        finished = time.perf_counter()
+        elapsed = finished - started
         self.timing.update(pass_s=elapsed, images_per_s=result.images / elapsed if elapsed else 0.0)
         self.log(f"validation: {result.images} images in {elapsed:.2f} s ({self.timing['images_per_s']:.0f} images/s)")
+        if first and ends:  # where a slow first pass went: its first batch (the graph's capture), or every batch
+            steps = [b - a for a, b in zip([started, *ends], [*ends, finished])]
+            self.log(f"validation: the first pass batch by batch: {', '.join(f'{x:.3f}' for x in steps[:-1])} s, then "
+                     f"{steps[-1]:.3f} s to its end")
         loss = {k: (v_.cpu() / max(result.batches, 1)).float() for k, v_ in result.loss.items()}
         mine = {"stats": result.stats, "loss": loss, "images": result.images,
                 "matrix": v.confusion_matrix.matrix if plots else None}
