@@ -582,6 +582,50 @@ def test_the_kernels_warmed_up_on_a_thread_are_the_ones_launched_after(tmp_path,
     assert counts == {"warm": (kernel_count, kernel_count), "cold": (0, kernel_count)}, counts
 
 
+INPUT_LAUNCHES = """
+import pathlib, sys
+import torch
+from launcher.rank.data.encoded import EncodedTrainDataset
+from launcher.rank.data.gpu_augment import GpuAugment
+from launcher.rank.data.gpu_input import Decoder, GpuInput
+from tests.test_gpu_input import images_of, write_images
+cache, warm, form = pathlib.Path(sys.argv[1]), sys.argv[2] == "warm", sys.argv[3]
+files = write_images(cache.parent, ["jpg"] * 8, size=(96, 72))
+ds = EncodedTrainDataset(images_of(files), decode_all=False)
+hyp = {"mixup": 0.5} if form == "mixed" else {}
+dtype = torch.float16 if form == "fp16" else None  # the AMP step's channels_last input, or Ultralytics' uint8 batch
+gi = GpuInput(GpuAugment(64, hyp, out_dtype=dtype), Decoder(torch.device("cuda"), files), capacity=16,
+              device=torch.device("cuda"))
+if warm:
+    gi.warm_up()
+before = len(list(cache.rglob("*.cubin")))
+for k in range(3):
+    gi(ds.collate_fn([ds[(0, i)] for i in range(8)]), torch.Generator(device="cuda").manual_seed(k))
+torch.cuda.synchronize()
+print(before, len(list(cache.rglob("*.cubin"))))
+"""
+
+
+@pytest.mark.parametrize("form,kernel_count", [("fp16", 2), ("uint8", 2), ("mixed", 3)])
+def test_the_gpu_inputs_kernels_warmed_up_are_the_ones_its_batches_launch(tmp_path, form, kernel_count):
+    """GpuInput.warm_up compiles, without a launch, the load and render kernels that its batches then launch: into
+    the AMP step's fp16 channels_last input, into Ultralytics' uint8 batch, and with MixUp's second render. In a
+    process with an empty Triton cache, the batches after it compile nothing more; without it they compile all."""
+    import os
+    import subprocess
+    import sys
+
+    counts = {}
+    for mode in ("warm", "cold"):
+        cache = tmp_path / mode / "triton"
+        cache.parent.mkdir()
+        done = subprocess.run([sys.executable, "-c", INPUT_LAUNCHES, str(cache), mode, form], capture_output=True,
+                              text=True, env={**os.environ, "TRITON_CACHE_DIR": str(cache)}, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        counts[mode] = tuple(int(n) for n in done.stdout.split()[-2:])
+    assert counts == {"warm": (kernel_count, kernel_count), "cold": (0, kernel_count)}, counts
+
+
 def test_the_scans_on_cuda_keep_and_match_what_the_cpu_forms_do():
     """Greedy NMS and the matching as Triton programs on CUDA (rank/validate/scans.py), at a weak model's scale
     (5,000 candidates an image, three tiles of the NMS program, crowded, identical boxes among them; 300 detections

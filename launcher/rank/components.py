@@ -1,7 +1,8 @@
 """What a rank builds before its first step, in the order it must be built (each line says why it stands there):
 
-0. nvJPEG's warm-up, and the compilation of the training graphs' Triton kernels (kernels.py), each on a thread beside
-   everything up to 5 (prewarm.py), joined before any graph is captured;
+0. nvJPEG's warm-up, and the compilation of the training graphs' Triton kernels (kernels.py), then of the GPU input's
+   (once 4 has built it), each on a thread beside everything up to 5 (prewarm.py), joined before any graph is
+   captured;
 1. the node-shared image cache, before the process group (its build may outlast dist.timeout_s: nobody waits for it
    in a timed barrier);
    with train.batch_per_device=auto, this GPU's largest batch, measured before the process group too (the loss's
@@ -96,6 +97,7 @@ class Rank:
         # machine (no Triton cache) compiling them takes longer than the set-up's other parts
         self.kernels = (kernels.WarmUp(self.device, self.amp_dtype or torch.float32, kernels.TRAINING)
                         if self.device.type == "cuda" and plan.cuda_graphs else None)
+        self.input_kernels: kernels.WarmUp | None = None  # the GPU input's, once its pipeline is built (4.)
         # nvJPEG's start on a thread, joined before any graph capture (prewarm.py)
         decode_batch = (plan.batch_per_rank or 64) if plan.augment_on == "gpu" else 0  # (auto: not measured yet)
         self.prewarm = Prewarm(self.device, decode_batch=decode_batch, log=self.log).start()
@@ -146,6 +148,8 @@ class Rank:
         self.cores = self._bind_cores()
         self.close_at = mosaic_closes_at(int(train["epochs"]), int(train["close_mosaic"]))
         self.train_dataset, self.gpu_input = self._train_dataset()
+        if self.kernels is not None and self.gpu_input is not None:  # the first batch's kernels, after the graphs'
+            self.input_kernels = self.kernels.then(self.gpu_input.warm_up)
         self.generator = torch.Generator(device=self.device) if self.gpu_input else None  # the augmentation's draws
         self.sampler = EpochBatchSampler(
             len(self.train_dataset), plan.batch_per_rank, num_replicas=self.comm.world_size if plan.mode == "ddp" else 1,
@@ -190,6 +194,7 @@ class Rank:
             self._stamp("prewarm_join")
         if self.kernels is not None:
             self._triton_kernels()  # joined here, so that its wait is timed as its own part
+            self._input_kernels()
             self._stamp("kernels_join")
         # 6. what the step calls: the whole step captured (one GPU), or the network graphed inside DDP
         self.step = self._captured() if self._captures_step(self.net) else None
@@ -483,6 +488,13 @@ class Rank:
             self.kernels = None
             return False
         return True
+
+    def _input_kernels(self) -> None:
+        """The GPU input's kernels, compiled before the first batch launches them (else it compiles them itself)."""
+        warm, self.input_kernels = self.input_kernels, None
+        if warm is not None and warm.join().error is not None:
+            self.log(f"WARNING: the GPU input's Triton kernels did not compile ahead ({warm.error}); the first batch "
+                     "compiles them")
 
     def _capture(self, net: nn.Module, batch: int) -> GraphedDetector:
         dtype, channels_last = self.step_input

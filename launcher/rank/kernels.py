@@ -32,6 +32,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -251,20 +252,21 @@ def warm_up(device: torch.device, dtype: torch.dtype, names: tuple[str, ...] = V
 
 
 class WarmUp:
-    """`warm_up` on a thread of its own, started now; `join()` waits for it and returns how long it took, or the
-    error it met (then the first launch compiles instead: nothing is lost but time)."""
+    """`warm_up` (or `work`) on a thread of its own, started now; `join()` waits for it and returns how long it
+    took, or the error it met (then the first launch compiles instead: nothing is lost but time)."""
 
-    def __init__(self, device: torch.device, dtype: torch.dtype, names: tuple[str, ...] = VALIDATION):
+    def __init__(self, device: torch.device | None = None, dtype: torch.dtype | None = None,
+                 names: tuple[str, ...] = VALIDATION, *, work: Callable[[], None] | None = None):
         self.seconds: float | None = None
         self.error: str | None = None
-        self.thread = threading.Thread(target=self._run, args=(device, dtype, names), name="triton-warm-up",
-                                       daemon=True)
+        work = work or (lambda: warm_up(device, dtype, names))
+        self.thread = threading.Thread(target=self._run, args=(work,), name="triton-warm-up", daemon=True)
         self.thread.start()
 
-    def _run(self, device, dtype, names) -> None:
+    def _run(self, work) -> None:
         started = time.perf_counter()
         try:
-            warm_up(device, dtype, names)
+            work()
         except Exception as e:  # noqa: BLE001 - reported by join()
             self.error = f"{type(e).__name__}: {e}"
         self.seconds = time.perf_counter() - started
@@ -272,6 +274,10 @@ class WarmUp:
     def join(self) -> WarmUp:
         self.thread.join()
         return self
+
+    def then(self, work: Callable[[], None]) -> WarmUp:
+        """`work` on a thread once this warm-up has ended, whatever its outcome: one compilation at a time."""
+        return WarmUp(work=lambda: (self.join(), work()))
 
 
 if triton is not None:

@@ -1,7 +1,8 @@
 """launcher=local: torchrun on this machine (one node, or one node of a multi-node job started by hand on each).
 
 The launcher writes RUN_DIR/torchrun.sh (the exact command), runs it with rank 0's log on the console (every rank's
-with dist.debug=true), and reports the outcome. With mode=auto and dist.fallback=dp, a DDP run whose process group
+with dist.debug=true), and reports the outcome. Where the ranks keep their bytecode in the cache and this machine has
+not compiled it yet, its compilation starts beside torchrun (launch/bytecode.py). With mode=auto and dist.fallback=dp, a DDP run whose process group
 never came up is started again as one DataParallel process.
 """
 
@@ -10,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from launcher.inputs.data import resolve_data
-from launcher.launch import torchrun
+from launcher.launch import bytecode, torchrun
 from launcher.launch.logs import say
 from launcher.launch.outcome import report
 from launcher.machine import hardware
@@ -22,6 +23,9 @@ from launcher.run_folder import RunFolder
 
 class LocalEnvironment:
     name = "local"
+
+    def __init__(self) -> None:
+        self._compiling = None  # the bytecode's compilation started by this launch, until it ends
 
     def planning_config(self, cfg: dict) -> dict:
         return cfg
@@ -59,10 +63,22 @@ class LocalEnvironment:
         """Start torchrun for a planned run folder, stream rank 0 (or every rank), and report the outcome."""
         first_rank = plan.node_rank * plan.nproc_per_node
         shown = range(first_rank, first_rank + plan.nproc_per_node) if cfg["dist"]["debug"] else [first_rank]
+        self._compile_bytecode(plan)
         say(f"\nstarting {plan.nproc_per_node} rank(s); logs in {folder.logs}\n")
         cmd = torchrun.local_command(plan, folder.path)
         code, signum = torchrun.run_torchrun(cmd, plan.env, [folder.rank_log(r) for r in shown], prefix=len(shown) > 1)
         return report(folder, code, signum, plan.node_rank)
+
+    def _compile_bytecode(self, plan: LaunchPlan) -> None:
+        """The ranks' bytecode folder (paths.bytecode), compiled beside torchrun's start where it is still empty or
+        stale; once per machine. A folder the user set through PYTHONPYCACHEPREFIX is theirs: not touched."""
+        folder = plan.env.get("PYTHONPYCACHEPREFIX")
+        if not folder or (self._compiling is not None and self._compiling.poll() is None):
+            return
+        self._compiling = bytecode.start_ahead(Path(folder), plan.cpus_per_node, torchrun.parent_death_signal())
+        if self._compiling is not None:
+            say(f"compiling the ranks' bytecode into {folder} beside their start, in "
+                f"{bytecode.workers_for(plan.cpus_per_node)} process(es): once per machine")
 
     def _dp_fallback(self, cfg: dict, plan: LaunchPlan, folder: RunFolder) -> LaunchPlan | None:
         """The DataParallel plan to retry with: mode=auto, dist.fallback=dp, and a rank reported that its process

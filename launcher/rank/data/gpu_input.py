@@ -34,7 +34,7 @@ import torch
 from launcher.rank.data.encoded import EncodedBatch, decode_on_cpu
 from launcher.rank.data.gpu_augment import GpuAugment, RawBatch
 from launcher.rank.data.torchvision_ops import decode_jpegs_cuda
-from launcher.rank.data.warp import BORDER, load_into_slots
+from launcher.rank.data.warp import BORDER, load_into_slots, warm_up
 
 
 def buffer_capacity(images: int, batch: int) -> int:
@@ -153,6 +153,13 @@ class GpuInput:
     @property
     def capacity(self) -> int:
         return len(self.slots)
+
+    def warm_up(self) -> None:
+        """The Triton kernels of a batch's load and render compiled ahead, as they will be launched (warp.warm_up):
+        on a thread of the set-up (rank/components.py), else the first batch compiles them."""
+        augment = self.augment
+        warm_up(self.device, self.slots.shape[1], augment.out_dtype or torch.uint8,
+                channels_last=augment.out_dtype is not None, hsv=any(augment.hsv_gains), mixes=augment.mixes > 0)
 
     def mosaic(self, epoch: int) -> bool:
         """Whether a batch of `epoch` gets mosaic partners (none from epoch close_at on: Ultralytics' close_mosaic)."""

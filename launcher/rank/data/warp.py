@@ -128,6 +128,28 @@ def render(slots: torch.Tensor, tiles: torch.Tensor, centre: torch.Tensor, inver
     _render_torch(slots, tiles, centre, inverse, gains, swap, out, scale=scale, bgr_slots=bgr_slots)
 
 
+def warm_up(device: torch.device, side: int, out_dtype: torch.dtype, *, channels_last: bool, hsv: bool,
+            mixes: bool) -> None:
+    """The kernels a training batch launches, compiled (or loaded from Triton's cache) without a launch: the load into
+    slots of `side` pixels, and the render into (B, 3, side, side) `out_dtype` images (channels_last or not; with
+    `hsv`), plus, with `mixes`, the uint8 render without HSV that mixed samples get. Triton specialises the integer
+    arguments (a multiple of 16, or 1) and not the batch size, so the strides of one image stand for any batch.
+    For a thread beside the set-up (rank/kernels.py's WarmUp); a kernel it misses compiles at its first launch."""
+    if not triton_usable(device) or device.type != "cuda":
+        return
+    torch.cuda.set_device(device)  # Triton compiles for the thread's current device
+    k = _kernels()
+    k.load.warmup(torch.uint8, torch.int64, torch.uint8, side, BLOCK=BLOCK, grid=(1,))
+    image, planar = 3 * side * side, (3 * side * side, side * side, side, 1)
+    variants = [(out_dtype, (image, 1, 3 * side, 3) if channels_last else planar, hsv)]
+    if mixes:
+        variants.append((torch.uint8, planar, False))
+    for dtype, strides, with_hsv in variants:
+        k.render.warmup(torch.uint8, torch.int32, torch.int32, torch.float32, torch.float32, torch.int32, dtype, side,
+                        *strides, 1.0, HSV=with_hsv, BGR_SLOTS=False, ROUND_OUT=not dtype.is_floating_point,
+                        BLOCK=BLOCK, grid=(1,))
+
+
 PIXELS_PER_PASS = 2**22  # the twin's output pixels per pass: bounds its temporaries (~100 bytes per pixel)
 
 
