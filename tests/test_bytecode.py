@@ -49,12 +49,39 @@ def test_bytecode_compiled_ahead_is_what_a_fresh_interpreter_imports(tmp_path, m
     _write_keeping_time(pkg / "sub" / "mod.py", "VALUE = 'b'\n")
     env = {**os.environ, "PYTHONPYCACHEPREFIX": str(folder), "PYTHONDONTWRITEBYTECODE": "1",
            "PYTHONPATH": str(tmp_path / "src")}
-    out = subprocess.run([sys.executable, "-c", "import aheadpkg, aheadpkg.sub.mod as m; print(aheadpkg.VALUE, m.VALUE)"],
-                         env=env, capture_output=True, text=True, check=True).stdout
+    code = "import aheadpkg, aheadpkg.sub.mod as m; print(aheadpkg.VALUE, m.VALUE)"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
     assert out.split() == ["1", "a"]  # the compiled files, not the sources
 
     (pkg / "__init__.py").write_text("VALUE = 3\n")  # the package installed again: compiled again at the next launch
     assert bytecode.pending(folder, [pkg])
+
+
+def test_the_imports_are_compiled_in_the_order_an_interpreter_reaches_them_and_then_everything_else(tmp_path):
+    files = {
+        "lib/json/__init__.py": "",  # a standard library of its own
+        "lib/json/decoder.py": "",
+        "lib/textwrap.py": "",
+        "app/__init__.py": "import app.core\nfrom . import util, missing_attr\nfrom .sub.leaf import thing  # a note\n",
+        "app/core.py": "import json, textwrap as tw\n\ndef later():\n    import app.late\n",
+        "app/util.py": "from .sub import (\n    leaf2,\n)\n",
+        "app/sub/__init__.py": "from .. import core\n",
+        "app/sub/leaf.py": "",
+        "app/sub/leaf2.py": "",
+        "app/late.py": "",
+        "app/unused.py": "",
+        "other.py": "import app.unused\n",
+    }
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    roots = [tmp_path / "lib", tmp_path / "app", tmp_path / "other.py"]
+    order = [str(p.relative_to(tmp_path)) for p in bytecode.import_order(("app",), roots, stdlib=tmp_path / "lib")]
+    assert order[:7] == ["app/__init__.py", "app/core.py", "lib/json/__init__.py", "lib/textwrap.py", "app/util.py",
+                         "app/sub/__init__.py", "app/sub/leaf.py"]
+    # then the rest, each once: what only a function, or a line the statement continues on, imports; what nothing does
+    assert sorted(order[7:]) == sorted(["lib/json/decoder.py", "app/late.py", "app/unused.py", "app/sub/leaf2.py",
+                                        "other.py"])
 
 
 def test_compiling_ahead_refuses_a_folder_the_interpreter_would_not_read(tmp_path):

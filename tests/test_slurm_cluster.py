@@ -145,7 +145,8 @@ EPOCHS = 2
 def finished_run(tmp_path_factory, cluster, cache_dir):
     tmp_path = tmp_path_factory.mktemp("slurm-run")
     start = time.time()
-    job_id, run_dir = submit(tmp_path, cluster, EPOCHS)
+    # the ranks' bytecode in a folder of its own, as where torch's install holds none: the node compiles it ahead
+    job_id, run_dir = submit(tmp_path, cluster, EPOCHS, (f"paths.bytecode={tmp_path / 'bytecode'}",))
     state = wait_for_job(job_id, cluster, run_dir / "slurm.out", timeout=600)
     print(f"slurm job {job_id}: {state} in {time.time() - start:.0f} s")
     return job_id, run_dir, state
@@ -161,6 +162,7 @@ def test_a_submitted_two_rank_run_trains_to_the_end(finished_run, cluster):
     assert (summary["epochs_completed"], summary["world_size"], summary["backend"]) == (EPOCHS, 2, "gloo")
     assert "SLURM_RESTART_COUNT=0" in log and f"done: {EPOCHS} epoch(s) on 2 rank(s)" in log  # rank 0 and the result
     assert completed_epochs((run_dir / "logs" / "rank0.log").read_text()) == [1, 2]
+    assert f"compiling the ranks' bytecode into {run_dir.parent / 'bytecode'} beside their start" in log
 
 
 def test_a_finished_run_submitted_again_is_done_not_an_error(finished_run, cluster):

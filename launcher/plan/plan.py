@@ -172,8 +172,9 @@ def make_plan(
     bytecode = bytecode_environment(setting, cache, hw.bytecode_kept)
     if bytecode and setting == "auto":
         notes.append("torch's install holds no compiled bytecode for this Python, and none is written beside it: the "
-                     f"ranks keep theirs in {bytecode['PYTHONPYCACHEPREFIX']}, so that runs after the first import "
-                     "without compiling (paths.bytecode=null: compile at every start)")
+                     f"ranks keep theirs in {bytecode['PYTHONPYCACHEPREFIX']}, compiled there beside the first run's "
+                     "start, so that the runs after it import without compiling (paths.bytecode=null: compile at "
+                     "every start)")
     env = {
         **offline_environment(cache),
         **interpreter_environment(bytecode),

@@ -2,8 +2,8 @@
 
 The launcher writes RUN_DIR/torchrun.sh (the exact command), runs it with rank 0's log on the console (every rank's
 with dist.debug=true), and reports the outcome. Where the ranks keep their bytecode in the cache and this machine has
-not compiled it yet, its compilation starts beside torchrun (launch/bytecode.py). With mode=auto and dist.fallback=dp, a DDP run whose process group
-never came up is started again as one DataParallel process.
+not compiled it yet, its compilation starts beside torchrun (launch/bytecode.py). With mode=auto and
+dist.fallback=dp, a DDP run whose process group never came up is started again as one DataParallel process.
 """
 
 from __future__ import annotations
@@ -72,13 +72,12 @@ class LocalEnvironment:
     def _compile_bytecode(self, plan: LaunchPlan) -> None:
         """The ranks' bytecode folder (paths.bytecode), compiled beside torchrun's start where it is still empty or
         stale; once per machine. A folder the user set through PYTHONPYCACHEPREFIX is theirs: not touched."""
-        folder = plan.env.get("PYTHONPYCACHEPREFIX")
-        if not folder or (self._compiling is not None and self._compiling.poll() is None):
-            return
-        self._compiling = bytecode.start_ahead(Path(folder), plan.cpus_per_node, torchrun.parent_death_signal())
-        if self._compiling is not None:
-            say(f"compiling the ranks' bytecode into {folder} beside their start, in "
-                f"{bytecode.workers_for(plan.cpus_per_node)} process(es): once per machine")
+        if self._compiling is not None and self._compiling.poll() is None:
+            return  # still compiling for the launch before (the DataParallel fallback)
+        started = bytecode.start_for(plan.env, plan.cpus_per_node, torchrun.parent_death_signal())
+        self._compiling, line = started or (None, None)
+        if line:
+            say(line)
 
     def _dp_fallback(self, cfg: dict, plan: LaunchPlan, folder: RunFolder) -> LaunchPlan | None:
         """The DataParallel plan to retry with: mode=auto, dist.fallback=dp, and a rank reported that its process

@@ -10,6 +10,9 @@ decides what the job does when torchrun ends (`decide`, pure):
   again and the ranks resume from the checkpoint;
 * otherwise torchrun's exit code.
 
+Where the ranks keep their bytecode in the cache (paths.bytecode) and this node has not compiled it yet, its
+compilation starts beside torchrun, as in a local launch (launch/bytecode.py).
+
 Signal path: SLURM delivers `--signal` (and `scancel --signal`) to every process of the job step, torchrun and the
 ranks included, and torchrun dies of SIGUSR1 (it has no handler). So this launcher starts torchrun with SIGUSR1
 ignored, a disposition that survives exec and passes down to the ranks; the launcher alone acts on it and forwards
@@ -26,9 +29,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from launcher.launch import torchrun
+from launcher.launch import bytecode, torchrun
 from launcher.launch.logs import say as _say
 from launcher.launch.outcome import report
+from launcher.machine.hardware import usable_cpu_count
 from launcher.plan.plan import LaunchPlan
 from launcher.problems import PlanError
 from launcher.run_folder import RunFolder
@@ -139,6 +143,9 @@ def main(argv: list[str] | None = None) -> int:
     # launcher's own handler. NOTE: a USR1 in the instant between the two is lost; SLURM's warning comes once.
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     logs = [folder.rank_log(0)] if node_id == 0 else []  # the job log follows rank 0, wherever it runs
+    compiling = bytecode.start_for(plan.env, usable_cpu_count(), torchrun.parent_death_signal())
+    if compiling is not None:
+        say(compiling[1])
     code, signum = torchrun.run_torchrun(cmd, {}, logs, prefix=False)
 
     action, exit_code = decide(code, signum, folder.finished(), node_id, bool(cfg["slurm"]["requeue"]))

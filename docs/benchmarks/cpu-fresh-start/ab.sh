@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# ab.sh OLD_COMMIT [ROUNDS]: a tiny CPU run's start-up with an empty bytecode folder, the build at
+# OLD_COMMIT and this checkout alternately, ROUNDS rounds (default 3); then each once more with its folder compiled.
+# Prints the time from the command to the first step and the timeline's parts (summary.json). Run from the checkout,
+# with the project installed (README).
+set -euo pipefail
+old=$1; rounds=${2:-3}
+here=$(git rev-parse --show-toplevel); work=$(mktemp -d /tmp/fresh-start-XXXX)
+git -C "$here" worktree add -q "$work/old" "$old"
+trap 'git -C "$here" worktree remove --force "$work/old"' EXIT
+python=$(command -v python)
+
+one() {  # one NAME ROOT BYTECODE_FOLDER
+  local out=$work/$1
+  (cd "$2" && PYTHONPATH=$2 "$python" -m launcher.cli gpus=0 train.epochs=1 train.imgsz=64 \
+    data.synthetic.train_images=64 data.synthetic.val_images=16 paths.cache="$work/cache" paths.bytecode="$3" \
+    hydra.run.dir="$out" > "$work/$1.log" 2>&1)
+  "$python" - "$out/summary.json" "$1" <<'PY'
+import json, sys
+t = json.load(open(sys.argv[1]))["timeline"]
+s, setup = t["stamps"], {p["part"]: p["end"] for p in t["setup"]}
+parts = ["launcher_start", "torchrun_start", "rank_start", "imports_done", "components_built", "first_step"]
+print(f"{sys.argv[2]:10s} to the first step {s['first_step'] - s['launcher_start']:5.2f} s:",
+      " ".join(f"{b} {s[b] - s[a]:.2f}" for a, b in zip(parts, parts[1:])),
+      f"(of which the optimizer's build, Dynamo's import: {setup['optimizer_ema_loss'] - setup['val_data']:.2f})")
+PY
+}
+
+one prime "$here" "$work/bytecode-prime" > /dev/null  # the dataset, generated once
+for r in $(seq 1 "$rounds"); do
+  one "old-$r" "$work/old" "$work/bytecode-old-$r"
+  one "new-$r" "$here" "$work/bytecode-new-$r"
+done
+one old-warm "$work/old" "$work/bytecode-old-1"
+one new-warm "$here" "$work/bytecode-new-1"
