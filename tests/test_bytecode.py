@@ -116,6 +116,7 @@ def test_the_packages_compiled_ahead_hold_what_torchrun_and_a_rank_import():
     listing = subprocess.run(
         [sys.executable, "-c",
          "import json, sys, torch.distributed.run, launcher.rank.worker, launcher.rank.runs, torch._dynamo\n"
+         "import omegaconf, matplotlib.pyplot  # the rank's config read (RunFolder.load), the plots\n"
          "print(json.dumps(sorted({m.__file__ for m in list(sys.modules.values())\n"
          "                         if (getattr(m, '__file__', None) or '').endswith('.py')})))"],
         capture_output=True, text=True, check=True).stdout

@@ -38,14 +38,18 @@ from typing import Iterator
 
 # The top-level packages whose modules torchrun and a rank import (what the crawl does not reach follows in this
 # order). tests/test_bytecode.py checks that, with the standard library, they hold nearly all of them.
-# The plots at a run's end import matplotlib; torchvision's code runs on the CPU only (rank/data/torchvision_ops.py).
-RANK_PACKAGES = ("torch", "numpy", "typing_extensions", "sympy", "mpmath", "launcher", "ultralytics", "triton",
-                 "cuda", "yaml", "PIL", "cv2", "tqdm", "psutil", "pynvml", "torchgen", "torchvision", "matplotlib")
+# The rank reads its config with omegaconf (antlr4); Ultralytics imports matplotlib (pyparsing, dateutil, ...), and
+# its plots at a run's end polars; torchvision's code runs on the CPU only (rank/data/torchvision_ops.py).
+RANK_PACKAGES = ("torch", "numpy", "typing_extensions", "sympy", "mpmath", "launcher", "omegaconf", "antlr4", "yaml",
+                 "ultralytics", "triton", "cuda", "PIL", "cv2", "tqdm", "psutil", "pynvml", "torchgen", "torchvision",
+                 "matplotlib", "pyparsing", "dateutil", "kiwisolver", "cycler", "packaging", "fontTools",
+                 "mpl_toolkits", "polars")
 # Standard-library folders no rank imports (tests, GUIs, tools); their files would only cost time.
 STDLIB_SKIPPED = {"site-packages", "dist-packages", "test", "tests", "idlelib", "tkinter", "turtledemo", "lib2to3",
                   "ensurepip", "__pycache__", "__phello__"}
-# What torchrun and a rank import first, in that order: their imports are compiled first, in the order they are reached.
-ENTRIES = ("torch.distributed.run", "launcher.rank.worker", "launcher.rank.runs", "torch._dynamo")
+# What torchrun and a rank import, in that order (the rank: its module, omegaconf to read its config, its run, then
+# Dynamo at the optimizer's first call): their imports are compiled first, in the order they are reached.
+ENTRIES = ("torch.distributed.run", "launcher.rank.worker", "omegaconf", "launcher.rank.runs", "torch._dynamo")
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 STAMP = "compiled-ahead.json"
 NICE = 10  # below torchrun's and the ranks' own imports, which are on the critical path
