@@ -26,9 +26,9 @@ import importlib.util
 import json
 import multiprocessing
 import os
-import signal
 import py_compile
 import re
+import signal
 import subprocess
 import sys
 import sysconfig
