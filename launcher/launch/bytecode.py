@@ -21,7 +21,6 @@ foreground.
 from __future__ import annotations
 
 import compileall
-import ctypes
 import importlib.util
 import json
 import multiprocessing
@@ -35,6 +34,8 @@ import sysconfig
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Iterator
+
+from launcher.launch import torchrun
 
 # The top-level packages whose modules torchrun and a rank import (what the crawl does not reach follows in this
 # order). tests/test_bytecode.py checks that, with the standard library, they hold nearly all of them.
@@ -214,14 +215,6 @@ def start_for(env: dict[str, str], cpus: int, preexec_fn=None) -> tuple[subproce
                   "process(es): once per machine")
 
 
-def _die_with_parent() -> None:
-    """A pool worker stops when the compiling process does, however it stops (Linux prctl; elsewhere it finishes)."""
-    try:
-        ctypes.CDLL(None).prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-
 def _compile(path: str) -> bool:
     # timestamp-checked, as an import writes it; an up-to-date file is left as it is
     return bool(compileall.compile_file(path, quiet=2, invalidation_mode=py_compile.PycInvalidationMode.TIMESTAMP))
@@ -237,8 +230,9 @@ def compile_ahead(folder: Path, workers: int, roots: list[Path] | None = None,
     roots = source_roots() if roots is None else roots
     ordered = (str(f) for f in import_order(entries, roots))
     if workers > 1:  # each file handed out as the crawl reaches it: the workers start at once, in import order
+        # a worker stops when this process does, however it stops (the launcher's own parent-death request)
         with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"),
-                                 initializer=_die_with_parent) as pool:
+                                 initializer=torchrun.parent_death_signal(signal.SIGKILL)) as pool:
             failed = sum(not f.result() for f in [pool.submit(_compile, f) for f in ordered])
     else:
         failed = sum(not _compile(f) for f in ordered)
