@@ -162,7 +162,7 @@ def test_the_training_arguments_follow_the_measured_batch(tmp_path):
     """Before the batch is measured the ranks' Ultralytics arguments hold its defaults; set_batch gives them the
     measured plan's batch, lr0 and warmup, on the object the network and its loss already hold."""
     from launcher.machine.hardware import Gpu, Hardware
-    from launcher.plan import make_plan
+    from launcher.plan.plan import make_plan
     from launcher.plan.plan import with_batch
     from launcher.rank.ultralytics import build
     from tests.conftest import compose_config

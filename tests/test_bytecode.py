@@ -12,8 +12,9 @@ from pathlib import Path
 
 from launcher.launch import bytecode
 from launcher.launch.environments.local import LocalEnvironment
+from launcher.launch.warm_torchrun import startup_environment
 from launcher.machine.hardware import Hardware
-from launcher.plan import make_plan
+from launcher.plan.plan import make_plan
 from tests.conftest import compose_config
 
 
@@ -110,6 +111,24 @@ def test_a_launch_compiles_the_ranks_bytecode_in_the_cache_once_per_machine(tmp_
     untouched = LocalEnvironment()
     untouched._compile_bytecode(kept)
     assert untouched._compiling is None and not (tmp_path / "other" / "bytecode").exists()
+
+
+def test_the_compilation_started_beside_the_warm_torchrun_is_the_one_the_launch_reports(tmp_path, monkeypatch):
+    """ddp-launch starts compiling before Hydra composes, into the folder it guesses (as for the warm torchrun's
+    PYTHON* variables); once the plan names the same folder, the launch reports that compilation and starts none."""
+    monkeypatch.setattr("launcher.machine.hardware.bytecode_kept", lambda: False)  # the H200 machine's install
+    guessed = startup_environment([f"paths.cache={tmp_path}"])
+    plan, _ = make_plan(compose_config(["gpus=0", f"paths.cache={tmp_path}"]),
+                        Hardware(gpus=(), cpu_count=3, bytecode_kept=False))
+    assert guessed["PYTHONPYCACHEPREFIX"] == plan.env["PYTHONPYCACHEPREFIX"]
+    early, line = bytecode.start_for(guessed, 3)
+    try:
+        launch = LocalEnvironment()
+        launch._compile_bytecode(plan)
+        assert launch._compiling is early and "compiling the ranks' bytecode" in line
+    finally:
+        early.kill()
+        early.wait()
 
 
 def test_the_packages_compiled_ahead_hold_what_torchrun_and_a_rank_import():

@@ -422,7 +422,7 @@ def test_the_shared_cache_holds_the_files_bytes(tmp_path):
 # --- the plan -----------------------------------------------------------------------------------------------------------
 def _plan(overrides: list[str], gpus: int = 1, cpus: int = 16):
     from launcher.machine.hardware import Gpu, Hardware
-    from launcher.plan import make_plan
+    from launcher.plan.plan import make_plan
     from tests.conftest import compose_config
 
     hw = Hardware(gpus=tuple(Gpu(i, "NVIDIA H200", 141.0) for i in range(gpus)), cpu_count=cpus, nccl_available=True)

@@ -11,7 +11,9 @@ import pytest
 from launcher.plan import lr
 from launcher.inputs.data import DatasetInfo
 from launcher.machine.hardware import Gpu, Hardware
-from launcher.plan import check_plan, describe, make_plan
+from launcher.plan.checks import check_plan
+from launcher.plan.describe import describe
+from launcher.plan.plan import make_plan
 from tests.conftest import compose_config
 
 CPU_BOX = Hardware(gpus=(), cpu_count=2)

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from launcher.launch.environments import slurm
-from launcher.plan import make_plan
+from launcher.plan.plan import make_plan
 from tests.conftest import TINY, compose_config, ddp_launch
 from tests.test_readme import readme_commands
 

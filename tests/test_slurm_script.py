@@ -19,7 +19,7 @@ import pytest
 
 from launcher.launch.environments import slurm
 from launcher.launch.environments import slurm_job as job
-from launcher.plan import make_plan
+from launcher.plan.plan import make_plan
 from launcher.problems import PlanError
 from tests.conftest import REPO, compose_config, ddp_launch
 

@@ -45,10 +45,11 @@ def test_an_unneeded_warm_torchrun_exits_and_info_commands_start_none(monkeypatc
     warm.discard()
     assert proc.poll() is not None and warm.proc is None
     assert wanted(["model=yolov8s", "gpus=2"]) and not wanted(["dry_run=true"]) and not wanted(["--cfg", "job"])
+    assert not wanted(["launcher=slurm", "nnodes=2"])  # its torchrun runs in the job
     monkeypatch.delenv("DDP_LAUNCH_WARM_START", raising=False)
-    assert not enabled()  # opt-in (warm_torchrun.py says why)
-    monkeypatch.setenv("DDP_LAUNCH_WARM_START", "1")
-    assert enabled()
+    assert enabled()  # the default
+    monkeypatch.setenv("DDP_LAUNCH_WARM_START", "0")
+    assert not enabled()
 
 
 def test_a_warm_torchrun_started_with_other_python_variables_than_the_plans_is_not_used(tmp_path):

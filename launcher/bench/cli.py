@@ -27,8 +27,10 @@ from launcher.launch import torchrun
 from launcher.launch.logs import LogStreamer, say
 from launcher.launch.ultralytics_home import prepare_ultralytics_home
 from launcher.machine import hardware
-from launcher.plan import check_plan, describe, make_plan
+from launcher.plan.checks import check_plan
+from launcher.plan.describe import describe
 from launcher.plan.environment import offline_environment
+from launcher.plan.plan import make_plan
 from launcher.problems import PlanError, Problem, config_problems
 from launcher.run_folder import RunFolder
 

@@ -35,7 +35,7 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Iterator
 
-from launcher.launch import torchrun
+from launcher.launch.parent_death import parent_death_signal
 
 # The top-level packages whose modules torchrun and a rank import (what the crawl does not reach follows in this
 # order). tests/test_bytecode.py checks that, with the standard library, they hold nearly all of them.
@@ -189,18 +189,26 @@ def workers_for(cpus: int) -> int:
     return max(1, min(cpus - 1, 32))
 
 
+_compiling: dict[Path, subprocess.Popen] = {}  # this launcher's compilations, by folder
+
+
 def start_ahead(folder: Path, cpus: int, preexec_fn=None) -> subprocess.Popen | None:
-    """Start compiling into `folder` (PYTHONPYCACHEPREFIX) in the background; None when its bytecode is there
-    already. The launcher does not wait for it: the imports use whatever is compiled when they get there."""
-    folder = Path(folder)
+    """Start compiling into `folder` (PYTHONPYCACHEPREFIX) in the background; the compilation this launcher started
+    earlier into the same folder while it still runs (ddp-launch starts it beside the warm torchrun, before the plan);
+    None when the folder's bytecode is there already. Nothing waits for it: the imports use what is there."""
+    folder = Path(folder).absolute()
+    running = _compiling.get(folder)
+    if running is not None and running.poll() is None:
+        return running
     if not pending(folder):
         return None
     folder.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONPYCACHEPREFIX": str(folder)}
     env.pop("PYTHONDONTWRITEBYTECODE", None)
-    return subprocess.Popen([sys.executable, "-m", __name__, str(folder), str(workers_for(cpus))], env=env,
-                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True, preexec_fn=preexec_fn)
+    _compiling[folder] = subprocess.Popen(
+        [sys.executable, "-m", __name__, str(folder), str(workers_for(cpus))], env=env, stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, preexec_fn=preexec_fn)
+    return _compiling[folder]
 
 
 def start_for(env: dict[str, str], cpus: int, preexec_fn=None) -> tuple[subprocess.Popen, str] | None:
@@ -232,7 +240,7 @@ def compile_ahead(folder: Path, workers: int, roots: list[Path] | None = None,
     if workers > 1:  # each file handed out as the crawl reaches it: the workers start at once, in import order
         # a worker stops when this process does, however it stops (the launcher's own parent-death request)
         with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"),
-                                 initializer=torchrun.parent_death_signal(signal.SIGKILL)) as pool:
+                                 initializer=parent_death_signal(signal.SIGKILL)) as pool:
             failed = sum(not f.result() for f in [pool.submit(_compile, f) for f in ordered])
     else:
         failed = sum(not _compile(f) for f in ordered)

@@ -17,7 +17,9 @@ from launcher.launch.logs import say
 from launcher.launch.outcome import say_finished
 from launcher.launch.ultralytics_home import prepare_ultralytics_home
 from launcher.machine.ports import port_is_free
-from launcher.plan import check_plan, describe, make_plan
+from launcher.plan.checks import check_plan
+from launcher.plan.describe import describe
+from launcher.plan.plan import make_plan
 from launcher.problems import PlanError, Problem, config_problems
 from launcher.run_folder import RunFolder, writable
 

@@ -10,7 +10,6 @@ torchrun, which stops the ranks as on Ctrl-C), and the rank logs streamed to the
 
 from __future__ import annotations
 
-import ctypes
 import os
 import shlex
 import shutil
@@ -23,6 +22,7 @@ import time
 from pathlib import Path
 
 from launcher.launch.logs import LogStreamer, QuietStop, say
+from launcher.launch.parent_death import parent_death_signal
 from launcher.launch.warm_torchrun import warm
 from launcher.plan.environment import TORCHRUN_STARTED
 from launcher.plan.plan import LaunchPlan
@@ -30,7 +30,6 @@ from launcher.plan.plan import LaunchPlan
 WORKER_MODULE = "launcher.rank.worker"
 # HUP: the terminal closed or the ssh session dropped; USR1: SLURM's advance warning of the time limit
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1)
-PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 def rendezvous_args(plan: LaunchPlan) -> list[str]:
@@ -69,34 +68,6 @@ def format_command(cmd: list[str], env: dict[str, str]) -> str:
     return (f"env \\\n{exports} \\\n  " if env else "") + " ".join(shlex.quote(c) for c in cmd)
 
 
-# What torchrun gets when the launcher dies without a word: the SIGTERM of a Ctrl-C, so that it stops the ranks as
-# on one (and its rendezvous store lives until they have). The kernel sends it each time the child's parent *thread*
-# dies, and a launcher killed outright loses its threads one by one (the child is re-parented to the next): torchrun
-# gets it two or three times (seen with perf's signal tracepoints). The second restarts its shutdown once (its
-# run()'s finally), which signals every rank again and waits for them; a third ends torchrun without waiting, and a
-# rank left alone stops itself on seeing it gone (signals.stop_when_orphaned). Every rank stops at the same step.
-PARENT_DEATH_SIGNAL = signal.SIGTERM
-
-
-def parent_death_signal(signum: int = PARENT_DEATH_SIGNAL):
-    """A preexec_fn that has the child sent `signum` when this process dies, however it dies (Linux prctl); None
-    where there is no prctl. libc's prctl is looked up here, before the fork: the child only calls it."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-    parent = os.getpid()
-
-    def preexec() -> None:
-        prctl(PR_SET_PDEATHSIG, int(signum), 0, 0, 0)
-        if os.getppid() != parent:  # the launcher died before the request took effect
-            os.kill(os.getpid(), signum)
-
-    return preexec
-
-
 def run_torchrun(
     cmd: list[str], env: dict[str, str], log_files: list[Path], prefix: bool, keep=None
 ) -> tuple[int, int | None]:
@@ -104,7 +75,7 @@ def run_torchrun(
 
     SIGINT, SIGTERM, SIGHUP and SIGUSR1 are forwarded to torchrun as SIGTERM, once; torchrun passes it to every rank,
     which checkpoints and exits, and kills what is left after its shutdown timeout. torchrun gets the same SIGTERM
-    from the kernel if the launcher dies without a word (PARENT_DEATH_SIGNAL). torchrun's stderr reaches the console
+    from the kernel if the launcher dies without a word (parent_death.PARENT_DEATH_SIGNAL). torchrun's stderr reaches the console
     without the traceback it prints when it is stopped (logs.QuietStop); torchrun is the warm one that `ddp-launch` started
     before planning, when there is one (warm_torchrun.py); its per-attempt folders (by default an empty
     /tmp/torchelastic_* left by every launch) go to a private temporary folder, removed when torchrun ends.

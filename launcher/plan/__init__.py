@@ -3,9 +3,3 @@
 plan.py decides, checks.py words the problems, lr.py holds the batch-size and warmup rules, environment.py the
 ranks' environment variables, describe.py the plan as printed.
 """
-
-from launcher.plan.checks import check_plan
-from launcher.plan.describe import describe
-from launcher.plan.plan import LaunchPlan, Rendezvous, make_plan
-
-__all__ = ["LaunchPlan", "Rendezvous", "check_plan", "describe", "make_plan"]

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# ab.sh OLD_COMMIT [ROUNDS]: a tiny CPU run's start-up with an empty bytecode folder, the build at
-# OLD_COMMIT and this checkout alternately, ROUNDS rounds (default 3); then each once more with its folder compiled.
+# ab.sh OLD_COMMIT [ROUNDS] [COMPILED_ROUNDS]: a tiny CPU run's start-up with an empty bytecode folder, the build at
+# OLD_COMMIT and this checkout alternately, ROUNDS rounds (default 3); then COMPILED_ROUNDS more (default 1) with
+# each build's folder compiled.
 # Prints the time from the command to the first step and the timeline's parts (summary.json). Run from the checkout,
 # with the project installed (README).
 set -euo pipefail
-old=$1; rounds=${2:-3}
+old=$1; rounds=${2:-3}; compiled=${3:-1}
 here=$(git rev-parse --show-toplevel); work=$(mktemp -d /tmp/fresh-start-XXXX)
 git -C "$here" worktree add -q "$work/old" "$old"
 trap 'git -C "$here" worktree remove --force "$work/old"' EXIT
@@ -31,5 +32,7 @@ for r in $(seq 1 "$rounds"); do
   one "old-$r" "$work/old" "$work/bytecode-old-$r"
   one "new-$r" "$here" "$work/bytecode-new-$r"
 done
-one old-warm "$work/old" "$work/bytecode-old-1"
-one new-warm "$here" "$work/bytecode-new-1"
+for r in $(seq 1 "$compiled"); do
+  one "old-compiled-$r" "$work/old" "$work/bytecode-old-1"
+  one "new-compiled-$r" "$here" "$work/bytecode-new-1"
+done

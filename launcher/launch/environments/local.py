@@ -12,11 +12,12 @@ from pathlib import Path
 
 from launcher.inputs.data import resolve_data
 from launcher.launch import bytecode, torchrun
+from launcher.launch.parent_death import parent_death_signal
 from launcher.launch.logs import say
 from launcher.launch.outcome import report
 from launcher.machine import hardware
-from launcher.plan import check_plan, make_plan
-from launcher.plan.plan import LaunchPlan
+from launcher.plan.checks import check_plan
+from launcher.plan.plan import LaunchPlan, make_plan
 from launcher.problems import Problem
 from launcher.run_folder import RunFolder
 
@@ -74,7 +75,7 @@ class LocalEnvironment:
         stale; once per machine. A folder the user set through PYTHONPYCACHEPREFIX is theirs: not touched."""
         if self._compiling is not None and self._compiling.poll() is None:
             return  # still compiling for the launch before (the DataParallel fallback)
-        started = bytecode.start_for(plan.env, plan.cpus_per_node, torchrun.parent_death_signal())
+        started = bytecode.start_for(plan.env, plan.cpus_per_node, parent_death_signal())
         self._compiling, line = started or (None, None)
         if line:
             say(line)

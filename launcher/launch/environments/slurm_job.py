@@ -31,6 +31,7 @@ from pathlib import Path
 
 from launcher.launch import bytecode, torchrun
 from launcher.launch.logs import say as _say
+from launcher.launch.parent_death import parent_death_signal
 from launcher.launch.outcome import report
 from launcher.machine.hardware import usable_cpu_count
 from launcher.plan.plan import LaunchPlan
@@ -143,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     # launcher's own handler. NOTE: a USR1 in the instant between the two is lost; SLURM's warning comes once.
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     logs = [folder.rank_log(0)] if node_id == 0 else []  # the job log follows rank 0, wherever it runs
-    compiling = bytecode.start_for(plan.env, usable_cpu_count(), torchrun.parent_death_signal())
+    compiling = bytecode.start_for(plan.env, usable_cpu_count(), parent_death_signal())
     if compiling is not None:
         say(compiling[1])
     code, signum = torchrun.run_torchrun(cmd, {}, logs, prefix=False)
