@@ -18,6 +18,7 @@ STARTED = time.time()  # the command's start, before the imports: where rank 0's
 
 from launcher.launch import bytecode, warm_torchrun
 from launcher.launch.parent_death import parent_death_signal
+from launcher.machine.hardware import usable_cpu_count
 from launcher.plan.environment import LAUNCH_STARTED
 
 
@@ -28,7 +29,7 @@ def start_ahead(argv: list[str]) -> None:
         return
     startup = warm_torchrun.startup_environment(argv)
     warm_torchrun.warm.start(startup, parent_death_signal())
-    bytecode.start_for(startup, len(os.sched_getaffinity(0)), parent_death_signal())
+    bytecode.start_for(startup, usable_cpu_count(), parent_death_signal())
 
 
 def command_line_overrides(cfg) -> dict:

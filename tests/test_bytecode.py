@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -126,9 +127,13 @@ def test_the_compilation_started_beside_the_warm_torchrun_is_the_one_the_launch_
         launch = LocalEnvironment()
         launch._compile_bytecode(plan)
         assert launch._compiling is early and "compiling the ranks' bytecode" in line
+        # a plan that names another folder (the guess was wrong): the early compilation stops, the plan's starts
+        other, _ = bytecode.start_for({"PYTHONPYCACHEPREFIX": str(tmp_path / "planned")}, 3)
+        assert early.wait(timeout=30) == -signal.SIGTERM and other.poll() is None
     finally:
-        early.kill()
-        early.wait()
+        for proc in bytecode._compiling.values():
+            proc.kill()
+            proc.wait()
 
 
 def test_the_packages_compiled_ahead_hold_what_torchrun_and_a_rank_import():

@@ -68,6 +68,18 @@ def start_and_wait_for(run_dir: Path, epochs: int, line: str, env: dict | None =
     return proc
 
 
+def what_happened(run_dir: Path, out: str = "") -> str:
+    """For a failed assertion: the launcher's last lines, each rank log's, summary.json, and what is still running
+    (the launcher-signal tests failed now and then in 2026-12-01..03, and their output was not kept)."""
+    parts = [f"launcher:\n{out[-2500:]}"] if out else []
+    for log in sorted((run_dir / "logs").glob("rank*.log")):
+        parts.append(f"{log.name}:\n{log.read_text(errors='replace')[-2500:]}")
+    summary_file = run_dir / "summary.json"
+    parts.append(f"summary.json: {summary_file.read_text()[:1500] if summary_file.exists() else 'none'}")
+    parts.append(f"still running: {leftovers(run_dir)}")
+    return "\n\n".join(parts)
+
+
 def temporaries(run_dir: Path) -> list[Path]:
     return list((run_dir / "weights").glob(".*tmp-*"))
 
@@ -173,13 +185,13 @@ def test_a_signal_to_the_launcher_checkpoints_exits_128_plus_it_and_the_run_resu
     log = run / "logs" / "rank0.log"
     proc.send_signal(signum)
     out, _ = proc.communicate(timeout=120)
-    assert proc.returncode == 128 + signum, out[-3000:]
-    assert f"got {signal.Signals(signum).name}" in out and f"Continue with: ddp-launch resume={run}" in out
+    assert proc.returncode == 128 + signum, what_happened(run, out)
+    assert f"got {signal.Signals(signum).name}" in out and f"Continue with: ddp-launch resume={run}" in out, out[-3000:]
     assert "Traceback" not in out and "SignalException" not in out, out[-3000:]
-    assert "Received 15 death signal, shutting down workers" in out  # torchrun's own lines still pass
+    assert "Received 15 death signal, shutting down workers" in out, out[-3000:]  # torchrun's own lines still pass
     assert not list(tmp.glob("torchelastic_*")) and not list(tmp.glob("ddp-launch-torchrun-*"))
-    assert summary(run)["status"] == "stopped"
-    assert not leftovers(run) and not temporaries(run)
+    assert summary(run)["status"] == "stopped", what_happened(run, out)
+    assert not leftovers(run) and not temporaries(run), what_happened(run, out)
     state = torch.load(run / "weights" / "last.pt", map_location="cpu", weights_only=False)["ddp_launch_state"]
     epoch, step = state["train"]["position"]  # after the step that was logged (or, past the epoch's end, in the next)
     assert (epoch, step) > (1, 2) and step >= 1  # a stop is agreed after a step, never at an epoch's end
@@ -211,11 +223,11 @@ def test_a_closed_terminal_sighup_stops_like_sigterm_and_the_run_resumes_countin
     proc = start_and_wait_for(run, epochs, f"epoch 1/{epochs} step 2/4")
     proc.send_signal(signal.SIGHUP)
     proc.stdout.close()  # the terminal is gone: every later line the launcher and torchrun print fails
-    assert proc.wait(timeout=120) == 129
+    assert proc.wait(timeout=120) == 129, what_happened(run)
     s = summary(run)
-    assert s["status"] == "stopped" and "stopped by SIGHUP" in s["detail"], s
-    assert not gone_within(run, 30)
-    assert "checkpoint saved at epoch" in (run / "logs" / "rank0.log").read_text()
+    assert s["status"] == "stopped" and "stopped by SIGHUP" in s["detail"], what_happened(run)
+    assert not gone_within(run, 30), what_happened(run)
+    assert "checkpoint saved at epoch" in (run / "logs" / "rank0.log").read_text(), what_happened(run)
     r = ddp_launch([f"resume={run}"], cwd=tmp_path, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert summary(run)["epochs_completed"] == epochs
@@ -231,7 +243,7 @@ def test_a_launcher_killed_outright_stops_the_ranks_together_with_a_checkpoint(t
     proc = start_and_wait_for(run, 3, "epoch 1/3 step 2/4")
     proc.kill()
     proc.wait(timeout=30)
-    assert not gone_within(run, 30)
+    assert not gone_within(run, 30), what_happened(run)
     logs = [(run / "logs" / f"rank{rank}.log").read_text() for rank in (0, 1)]
     context = "\n\n".join(text[-2500:] for text in logs)
     stops = [re.findall(r"\[signal\] stopping after (epoch \d+ step \d+): SIGTERM reached", log) for log in logs]

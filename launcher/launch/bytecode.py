@@ -194,12 +194,16 @@ _compiling: dict[Path, subprocess.Popen] = {}  # this launcher's compilations, b
 
 def start_ahead(folder: Path, cpus: int, preexec_fn=None) -> subprocess.Popen | None:
     """Start compiling into `folder` (PYTHONPYCACHEPREFIX) in the background; the compilation this launcher started
-    earlier into the same folder while it still runs (ddp-launch starts it beside the warm torchrun, before the plan);
-    None when the folder's bytecode is there already. Nothing waits for it: the imports use what is there."""
+    earlier into the same folder while it still runs (ddp-launch starts it beside the warm torchrun, before the plan;
+    one into another folder is stopped); None when the folder's bytecode is there already. Nothing waits for it: the
+    imports use what is there."""
     folder = Path(folder).absolute()
     running = _compiling.get(folder)
     if running is not None and running.poll() is None:
         return running
+    for other, proc in _compiling.items():
+        if other != folder and proc.poll() is None:
+            proc.terminate()  # into a folder the plan did not confirm (cli.start_ahead's guess): its cores go here
     if not pending(folder):
         return None
     folder.mkdir(parents=True, exist_ok=True)
