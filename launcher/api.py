@@ -41,13 +41,19 @@ def train(overrides: list[str] | None = None, *, run_dir: str | Path | None = No
     """Plan and run one training, as `ddp-launch OVERRIDES` does. Returns the run's summary.json as a dict, or with
     `dry_run=true` the plan. Raises launcher.problems.PlanError when the plan is refused (its message says what to
     change) and RunFailed when the run ends without finishing."""
+    from launcher.cli import start_ahead
     from launcher.launch import start
+    from launcher.launch.warm_torchrun import warm
 
-    cfg, folder = _compose("config", overrides or [], run_dir)
-    planned = {}
-    if cfg.get("resume"):
-        raise ValueError("resume= is a command-line action: run `ddp-launch resume=RUN_DIR`")
-    code = start.start(cfg, folder, Path(os.getcwd()), on_plan=lambda plan: planned.update(plan.to_dict()))
+    start_ahead(list(overrides or []))  # torchrun's imports overlap the composing and planning, as in ddp-launch
+    try:
+        cfg, folder = _compose("config", overrides or [], run_dir)
+        planned = {}
+        if cfg.get("resume"):
+            raise ValueError("resume= is a command-line action: run `ddp-launch resume=RUN_DIR`")
+        code = start.start(cfg, folder, Path(os.getcwd()), on_plan=lambda plan: planned.update(plan.to_dict()))
+    finally:
+        warm.discard()  # not taken: a refused plan, a dry run
     if cfg.get("dry_run"):
         return planned
     if code != 0:

@@ -8,6 +8,7 @@ import re
 import pytest
 
 from launcher import api
+from launcher.launch import warm_torchrun
 from launcher.problems import PlanError
 from tests.conftest import REPO
 
@@ -18,8 +19,17 @@ SNIPPET = re.findall(r"```python\n(.*?)```", (REPO / "README.md").read_text(), r
 def test_the_readme_snippet_returns_the_plan_and_the_summary(tmp_path, cache_dir, monkeypatch, capsys):
     assert len(SNIPPET) == 1 and "from launcher import train" in SNIPPET[0]
     monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("DDP_LAUNCH_WARM_START", raising=False)
+    taken, real_take = [], warm_torchrun.WarmTorchrun.take
+
+    def take(self, *args):
+        taken.append(real_take(self, *args))
+        return taken[-1]
+
+    monkeypatch.setattr(warm_torchrun.WarmTorchrun, "take", take)
     scope: dict = {}
     exec(compile(SNIPPET[0], "README.md", "exec"), scope)  # noqa: S102 - the README's own code, as a user runs it
+    assert len(taken) == 1 and taken[0] is not None  # the run's torchrun started before the config was composed
     plan, summary = scope["plan"], scope["summary"]
     assert plan["mode"] == "single" and plan["device"] == "cpu" and plan["global_batch"] == 16
     assert summary["status"] == "finished" and summary["epochs_completed"] == 1
@@ -29,9 +39,18 @@ def test_the_readme_snippet_returns_the_plan_and_the_summary(tmp_path, cache_dir
 
 def test_a_refused_plan_raises_with_the_commands_message(tmp_path, cache_dir, monkeypatch):
     monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("DDP_LAUNCH_WARM_START", raising=False)
+    started, real_start = [], warm_torchrun.WarmTorchrun.start
+
+    def start(self, *args):
+        real_start(self, *args)
+        started.append(self.proc)
+
+    monkeypatch.setattr(warm_torchrun.WarmTorchrun, "start", start)
     with pytest.raises(PlanError, match="train.imgsz=65: must be a multiple of 32"):
         api.train(["train.imgsz=65"])
     assert not (tmp_path / "runs").exists()  # refused before anything was written
+    assert len(started) == 1 and started[0].poll() is not None  # the torchrun started ahead is gone
     with pytest.raises(ValueError, match="ddp-launch resume=RUN_DIR"):
         api.train(["resume=/some/run"])
 

@@ -33,15 +33,27 @@ def launch(run_dir: Path, *args: str, fault: str | None = None, timeout: int = 6
     return ddp_launch([*BASE, f"hydra.run.dir={run_dir}", *args], cwd=run_dir.parent, timeout=timeout, env=env)
 
 
+# The launcher's descendants once its run trains (start_and_wait_for): the warm torchrun's command line does not hold
+# the run folder (it started before the plan), so leftovers() finds it through this.
+FAMILIES: dict[Path, list[psutil.Process]] = {}
+
+
 def leftovers(run_dir: Path) -> list[str]:
-    """Processes still running for this run (ranks, torchrun, DataLoader workers all carry the run folder), other
-    than this one. (Not "any command line without 'pytest'": the run folders are under pytest's own temporary
-    folder, so that filter found nothing, and a test read the logs before the ranks had written them.)"""
+    """Processes still running for this run (ranks, torchrun, DataLoader workers all carry the run folder, and those
+    start_and_wait_for saw under the launcher), other than this one. (Not "any command line without 'pytest'": the
+    run folders are under pytest's own temporary folder, so that filter found nothing, and a test read the logs
+    before the ranks had written them.)"""
     found = []
     for p in psutil.process_iter(["cmdline", "status"]):
         cmd = " ".join(p.info["cmdline"] or [])
         if str(run_dir) in cmd and p.pid != os.getpid() and p.info["status"] != psutil.STATUS_ZOMBIE:
             found.append(cmd)
+    for p in FAMILIES.get(run_dir, []):
+        try:
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE and str(run_dir) not in " ".join(p.cmdline()):
+                found.append(" ".join(p.cmdline()))
+        except psutil.Error:  # gone meanwhile
+            pass
     return found
 
 
@@ -65,6 +77,7 @@ def start_and_wait_for(run_dir: Path, epochs: int, line: str, env: dict | None =
     while time.monotonic() < deadline and not (log.exists() and line in log.read_text()):
         time.sleep(0.1)
     assert log.exists(), "the run did not start"
+    FAMILIES[run_dir] = psutil.Process(proc.pid).children(recursive=True)
     return proc
 
 

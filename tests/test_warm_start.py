@@ -4,11 +4,16 @@ and environment a fresh one would have been given, and go away when no torchrun 
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
+import time
+from pathlib import Path
 
+import psutil
 import pytest
 
 from launcher.launch.warm_torchrun import WarmTorchrun, enabled, startup_environment, wanted
+from tests.conftest import TINY
 
 
 def test_the_warm_torchrun_runs_the_command_with_exactly_the_environment_given(tmp_path):
@@ -80,3 +85,22 @@ def test_the_warm_torchruns_python_variables_are_the_plans_on_a_machine_whose_to
         guessed = startup_environment(["gpus=1", *overrides])
     planned = {k: v for k, v in plan.env.items() if k.startswith("PYTHON")}
     assert {k: v for k, v in guessed.items() if v} == {k: v for k, v in planned.items() if v}
+
+
+@pytest.mark.slow
+def test_a_launch_runs_its_ranks_under_the_torchrun_it_started_before_planning(tmp_path, cache_dir):
+    """By default the torchrun that starts the ranks is the one ddp-launch started first thing (its imports overlapped
+    the planning), and the run trains to its end through it."""
+    run = tmp_path / "run"
+    exe = Path(sys.executable).parent / "ddp-launch"
+    env = {k: v for k, v in os.environ.items() if k != "DDP_LAUNCH_WARM_START"}
+    proc = subprocess.Popen([str(exe) if exe.exists() else "ddp-launch", "gpus=0", "train.epochs=1", *TINY,
+                             f"hydra.run.dir={run}"], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    log, deadline = run / "logs" / "rank0.log", time.monotonic() + 300
+    while not log.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    children = [" ".join(c.cmdline()) for c in psutil.Process(proc.pid).children()] if proc.poll() is None else []
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out[-3000:]
+    assert any("-m launcher.launch.warm_torchrun" in c for c in children), children
