@@ -79,7 +79,8 @@ def main() -> None:
 
     conf = Path(conf_dir())
     if print_help_if_asked(sys.argv[1:], "ddp-launch", "train Ultralytics YOLO on every GPU and node, through torchrun",
-                           groups={g: GROUPS[g] for g in ("model", "data", "launcher", "experiment")}, files=[(conf / "config.yaml", "")]):
+                           groups={g: GROUPS[g] for g in ("model", "data", "launcher", "experiment")},
+                           files=[(conf / "config.yaml", "")]):
         return
     compose_and_launch()
 
