@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # ab.sh OLD_COMMIT [ROUNDS] [COMPILED_ROUNDS]: a tiny CPU run's start-up with an empty bytecode folder, the build at
 # OLD_COMMIT and this checkout alternately, ROUNDS rounds (default 3); then COMPILED_ROUNDS more (default 1) with
-# each build's folder compiled.
+# each build's folder compiled. RUN_ARGS replaces the run's overrides (the tiny CPU run below), e.g. on the GPU
+# machine: RUN_ARGS="gpus=1 data=shapes train.epochs=1" bash ab.sh OLD_COMMIT 3 3
 # Prints the time from the command to the first step and the timeline's parts (summary.json). Run from the checkout,
 # with the project installed (README).
 set -euo pipefail
@@ -10,11 +11,11 @@ here=$(git rev-parse --show-toplevel); work=$(mktemp -d /tmp/fresh-start-XXXX)
 git -C "$here" worktree add -q "$work/old" "$old"
 trap 'git -C "$here" worktree remove --force "$work/old"' EXIT
 python=$(command -v python)
+read -r -a args <<< "${RUN_ARGS:-gpus=0 train.epochs=1 train.imgsz=64 data.synthetic.train_images=64 data.synthetic.val_images=16}"
 
 one() {  # one NAME ROOT BYTECODE_FOLDER
   local out=$work/$1
-  (cd "$2" && PYTHONPATH=$2 "$python" -m launcher.cli gpus=0 train.epochs=1 train.imgsz=64 \
-    data.synthetic.train_images=64 data.synthetic.val_images=16 paths.cache="$work/cache" paths.bytecode="$3" \
+  (cd "$2" && PYTHONPATH=$2 "$python" -m launcher.cli "${args[@]}" paths.cache="$work/cache" paths.bytecode="$3" \
     hydra.run.dir="$out" > "$work/$1.log" 2>&1)
   "$python" - "$out/summary.json" "$1" <<'PY'
 import json, sys
