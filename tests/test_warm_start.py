@@ -72,7 +72,8 @@ def test_a_warm_torchrun_started_with_other_python_variables_than_the_plans_is_n
                                        ["paths.bytecode=null"]], ids=["defaults", "cache", "folder", "off"])
 def test_the_warm_torchruns_python_variables_are_the_plans_on_a_machine_whose_torch_keeps_no_bytecode(overrides):
     """The guess made before Hydra composes equals what the plan sets (the H200 machine's case: torch's install
-    holds no bytecode, so the plan keeps it under the cache), so the warm torchrun is the one used."""
+    holds no bytecode, so the plan keeps it under the cache), so the warm torchrun is the one used; and so do the
+    offline settings it starts with (tqdm, which it imports, reads TQDM_MININTERVAL as it loads)."""
     from dataclasses import replace
     from unittest import mock
 
@@ -84,17 +85,22 @@ def test_the_warm_torchruns_python_variables_are_the_plans_on_a_machine_whose_to
     with mock.patch("launcher.machine.hardware.bytecode_kept", return_value=False):
         guessed = startup_environment(["gpus=1", *overrides])
     planned = {k: v for k, v in plan.env.items() if k.startswith("PYTHON")}
-    assert {k: v for k, v in guessed.items() if v} == {k: v for k, v in planned.items() if v}
+    assert {k: v for k, v in guessed.items() if v and k.startswith("PYTHON")} == {k: v for k, v in planned.items() if v}
+    assert {k: v for k, v in guessed.items() if not k.startswith("PYTHON")} == {  # the offline settings: rank_fork.py
+        k: plan.env[k] for k in guessed if not k.startswith("PYTHON")}
 
 
 @pytest.mark.slow
-def test_a_launch_runs_its_ranks_under_the_torchrun_it_started_before_planning(tmp_path, cache_dir):
+@pytest.mark.parametrize("extra", [[], ["dist.torch_debug=INFO"]], ids=["forked-ranks", "fresh-interpreters"])
+def test_a_launch_runs_its_ranks_under_the_torchrun_it_started_before_planning(extra, tmp_path, cache_dir):
     """By default the torchrun that starts the ranks is the one ddp-launch started first thing (its imports overlapped
-    the planning), and the run trains to its end through it."""
+    the planning), and the run trains to its end through it, its ranks forked from it with torch imported
+    (launch/rank_fork.py); a toggle that torch reads as it loads (TORCH_DISTRIBUTED_DEBUG here) has it start fresh
+    interpreters instead, and say why."""
     run = tmp_path / "run"
     exe = Path(sys.executable).parent / "ddp-launch"
-    env = {k: v for k, v in os.environ.items() if k != "DDP_LAUNCH_WARM_START"}
-    proc = subprocess.Popen([str(exe) if exe.exists() else "ddp-launch", "gpus=0", "train.epochs=1", *TINY,
+    env = {k: v for k, v in os.environ.items() if k not in ("DDP_LAUNCH_WARM_START", "DDP_LAUNCH_FORK_RANKS")}
+    proc = subprocess.Popen([str(exe) if exe.exists() else "ddp-launch", "gpus=0", "train.epochs=1", *TINY, *extra,
                              f"hydra.run.dir={run}"], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     log, deadline = run / "logs" / "rank0.log", time.monotonic() + 300
@@ -104,3 +110,8 @@ def test_a_launch_runs_its_ranks_under_the_torchrun_it_started_before_planning(t
     out, _ = proc.communicate(timeout=600)
     assert proc.returncode == 0, out[-3000:]
     assert any("-m launcher.launch.warm_torchrun" in c for c in children), children
+    header = log.read_text().splitlines()[0]
+    if extra:
+        assert "forked" not in header and "fresh interpreters: " in out and "TORCH_DISTRIBUTED_DEBUG" in out, out[-3000:]
+    else:
+        assert "forked from torchrun" in header and "fresh interpreters" not in out, (header, out[-3000:])

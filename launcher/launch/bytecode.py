@@ -48,9 +48,10 @@ RANK_PACKAGES = ("torch", "numpy", "typing_extensions", "sympy", "mpmath", "laun
 # Standard-library folders no rank imports (tests, GUIs, tools); their files would only cost time.
 STDLIB_SKIPPED = {"site-packages", "dist-packages", "test", "tests", "idlelib", "tkinter", "turtledemo", "lib2to3",
                   "ensurepip", "__pycache__", "__phello__"}
-# What torchrun and a rank import, in that order (the rank: its module, omegaconf to read its config, its run, then
-# Dynamo at the optimizer's first call): their imports are compiled first, in the order they are reached.
-ENTRIES = ("torch.distributed.run", "launcher.rank.worker", "omegaconf", "launcher.rank.runs", "torch._dynamo")
+# What torchrun and a rank import, in that order (the warm torchrun: torchrun, then Dynamo and the rank's module for
+# the ranks it forks, rank_fork.py; the rank: omegaconf to read its config, its run): their imports are compiled
+# first, in the order they are reached.
+ENTRIES = ("torch.distributed.run", "torch._dynamo", "launcher.rank.worker", "omegaconf", "launcher.rank.runs")
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 STAMP = "compiled-ahead.json"
 NICE = 10  # below torchrun's and the ranks' own imports, which are on the critical path

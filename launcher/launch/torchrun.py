@@ -23,11 +23,11 @@ from pathlib import Path
 
 from launcher.launch.logs import LogStreamer, QuietStop, say
 from launcher.launch.parent_death import parent_death_signal
+from launcher.launch.rank_fork import WORKER_MODULE
 from launcher.launch.warm_torchrun import warm
 from launcher.plan.environment import TORCHRUN_STARTED
 from launcher.plan.plan import LaunchPlan
 
-WORKER_MODULE = "launcher.rank.worker"
 # HUP: the terminal closed or the ssh session dropped; USR1: SLURM's advance warning of the time limit
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1)
 

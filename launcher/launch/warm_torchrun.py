@@ -7,6 +7,9 @@ for the command line and environment that run_torchrun would have given a fresh 
 launch that needs no torchrun (a dry run, a refused plan, a SLURM submission) closes its stdin, and it exits without
 a word; a launcher that dies takes it along (the parent-death signal, as for any torchrun it starts).
 
+While it waits, it also imports what the ranks would import first, and has torchrun fork them from it rather than
+start fresh interpreters, where nothing a rank can see differs (rank_fork.py; otherwise it says why, on stderr).
+
 One difference from a torchrun started afresh: the ranks' stdin is /dev/null, not the launcher's terminal (so a
 `breakpoint()` in a rank cannot be typed into). What Python reads from the environment as it starts (PYTHON*: the
 bytecode folder above all, without which torch's import compiles it again, seconds) cannot be handed over later, so
@@ -41,17 +44,20 @@ INFO_FLAGS = ("--help", "-h", "--hydra-help", "--cfg", "-c", "--info", "-i", "--
 
 
 def startup_environment(argv: list[str]) -> dict[str, str]:
-    """The PYTHON* variables the plan's environment will set (environment.interpreter_environment),
-    guessed before Hydra composes, from conf/config.yaml's defaults and the command line's `paths.cache=` and
-    `paths.bytecode=` (an experiment that sets them makes the guess wrong, and take() start a fresh torchrun)."""
+    """The PYTHON* variables the plan's environment will set (environment.interpreter_environment), and its offline
+    settings (TQDM_MININTERVAL is read as tqdm loads, which torchrun imports: rank_fork.py), guessed before Hydra
+    composes, from conf/config.yaml's defaults and the command line's `paths.cache=` and `paths.bytecode=` (an
+    experiment that sets them makes the guess wrong, and take() start a fresh torchrun)."""
     from launcher.machine.hardware import bytecode_kept  # the launcher's modules: not in the warm torchrun's own start
-    from launcher.plan.environment import bytecode_environment, default_cache, interpreter_environment
+    from launcher.plan.environment import (bytecode_environment, default_cache, interpreter_environment,
+                                           offline_environment)
 
     given = dict(a.split("=", 1) for a in argv if a.startswith(("paths.cache=", "paths.bytecode=")))
     cache = Path(given.get("paths.cache") or default_cache()).expanduser()
     setting = given.get("paths.bytecode", "auto")
     setting = {"null": None, "false": False}.get(setting.lower(), setting)  # as Hydra reads them
-    return interpreter_environment(bytecode_environment(setting, cache, bytecode_kept()))
+    return {**offline_environment(cache), **interpreter_environment(bytecode_environment(setting, cache,
+                                                                                          bytecode_kept()))}
 
 
 def _python_startup(env: dict[str, str]) -> dict[str, str]:
@@ -125,8 +131,14 @@ warm = WarmTorchrun()  # the launcher's one warm torchrun (cli.main starts it; r
 
 
 def _agent() -> None:
+    imported_with = dict(os.environ)  # what torch, numpy and tqdm read as they load (rank_fork.refusal)
     import torch.distributed.run as torchrun  # the slow part, while the launcher plans
 
+    from launcher.launch import rank_fork
+
+    if rank_fork.enabled():
+        rank_fork.preload()  # what each rank would import next: they are forked with it (rank_fork.py)
+    signals = rank_fork.saved_signals()  # before torchrun installs its handlers: the ranks get these back
     line = sys.stdin.readline()
     if not line:
         return  # the launcher needed no torchrun
@@ -138,7 +150,31 @@ def _agent() -> None:
     os.environ.clear()
     os.environ.update(job["env"])  # before torchrun parses its arguments: PET_* variables are its defaults
     sys.argv = ["torchrun", *job["argv"]]
+    why_not = rank_fork.refusal(imported_with, job["env"], job["argv"])
+    if why_not is None:
+        _fork_ranks(torchrun, signals)
+    elif rank_fork.enabled(job["env"]):
+        print(f"ddp-launch: the ranks start as fresh interpreters: {why_not}", file=sys.stderr, flush=True)
     torchrun.main(job["argv"])
+
+
+def _fork_ranks(torchrun, signals: dict) -> None:
+    """Have torchrun start the ranks as a function, forked from this process, rather than as `python -m
+    launcher.rank.worker RUN_DIR`: torchrun's config_from_args (which turns its arguments into the agent's config
+    and the rank command) is wrapped here, in this process only, so that the rest of its run() stays its own."""
+    from launcher.launch import rank_fork
+
+    make_config, forked = torchrun.config_from_args, rank_fork.rank_entry()
+
+    def rank(run_dir: str) -> None:  # a named function: torchrun reports a failed rank by its qualified name
+        forked(run_dir, signals)
+
+    def config_from_args(args):
+        config, _cmd, cmd_args = make_config(args)
+        config.start_method = "fork"
+        return config, rank, list(args.training_script_args)
+
+    torchrun.config_from_args = config_from_args
 
 
 if __name__ == "__main__":

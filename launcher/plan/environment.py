@@ -16,6 +16,7 @@ TORCH_DEBUG_LEVELS = ("OFF", "INFO", "DETAIL")
 # set by the launcher process as it runs, never stored in the plan (a resumed run starts again).
 LAUNCH_STARTED = "DDP_LAUNCH_STARTED"
 TORCHRUN_STARTED = "DDP_LAUNCH_TORCHRUN_STARTED"
+FORK_RANKS = "DDP_LAUNCH_FORK_RANKS"  # 0: torchrun starts fresh interpreters, never forks (launch/rank_fork.py)
 
 
 def ultralytics_home(cache_dir: Path) -> Path:

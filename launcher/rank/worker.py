@@ -1,4 +1,5 @@
-"""The per-rank entry point: `python -m launcher.rank.worker RUN_DIR`, started by torchrun once per rank.
+"""The per-rank entry point: `python -m launcher.rank.worker RUN_DIR`, started by torchrun once per rank; or `forked`,
+the same run in a process forked from the warm torchrun, which has imported torch already (rank/forked_start.py).
 
 It does not run Hydra: it reads the config the launcher resolved (RUN_DIR/config.yaml) and the plan
 (RUN_DIR/plan.json), sends its own stdout and stderr to RUN_DIR/logs/rank<R>.log, and trains. The rank, world size
@@ -51,7 +52,8 @@ class PlainTextFile(io.TextIOWrapper):
         return len(s)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, started: float | None = None, how: str = "") -> int:
+    """The rank's run; `started`: when its process started (this module's import, in a fresh interpreter)."""
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
         print("usage: python -m launcher.rank.worker RUN_DIR (started by ddp-launch through torchrun)", file=sys.stderr)
@@ -64,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"==== rank {rank}/{os.environ.get('WORLD_SIZE', '1')} local_rank {os.environ.get('LOCAL_RANK', '0')} "
         f"pid {os.getpid()} attempt {attempt} rendezvous {os.environ.get('MASTER_ADDR', '-')}:"
-        f"{os.environ.get('MASTER_PORT', '-')} {time.strftime('%Y-%m-%d %H:%M:%S')} ====",
+        f"{os.environ.get('MASTER_PORT', '-')} {time.strftime('%Y-%m-%d %H:%M:%S')}{how} ====",
         flush=True,
     )
     if folder.finished():
@@ -84,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         if cfg.get("bench", {}).get("cell"):
             runs.bench_cell(cfg, plan, folder)
         else:
-            runs.train(cfg, plan, folder, stamps={"rank_start": STARTED, "imports_done": time.time()})
+            runs.train(cfg, plan, folder, stamps={"rank_start": started or STARTED, "imports_done": time.time()})
 
     try:
         _run()
@@ -96,6 +98,33 @@ def main(argv: list[str] | None = None) -> int:
         folder.record_exception(rank, e, phase="init" if isinstance(e, DistributedInitError) else "train")
         raise
     return 0
+
+
+def run(argv: list[str] | None = None, started: float | None = None, how: str = "") -> int:
+    """main's exit status, as a process would exit with it."""
+    try:
+        return main(argv, started, how)
+    except SystemExit as stop:
+        return exit_code(stop)
+    except BaseException:
+        traceback.print_exc()  # the failure is already in the run folder (main) and torchrun's error file (@record)
+        return 1
+
+
+def forked(run_dir: str, signals: dict) -> None:
+    """The rank's entry as a function torchrun calls in a process forked from the warm torchrun: returning is
+    success (torchrun collects the return value, then the process leaves as `leave` does, once multiprocessing's
+    clean-up is done and before it would wait for threads); any other status ends the process at once."""
+    started = time.time()
+    from multiprocessing.util import Finalize
+
+    from launcher.rank.forked_start import become_rank
+
+    become_rank(signals, run_dir, int(os.environ.get("RANK", "0")))
+    status = run([run_dir], started, how=" forked from torchrun")
+    if status:
+        leave(status)
+    Finalize(None, leave, args=(0,), exitpriority=-(2**30))  # the last of the exit's finalizers
 
 
 def leave(code: int):
@@ -121,11 +150,4 @@ def exit_code(stop: SystemExit) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        status = main()
-    except SystemExit as stop:
-        status = exit_code(stop)
-    except BaseException:
-        traceback.print_exc()  # the failure is already in the run folder (main) and torchrun's error file (@record)
-        status = 1
-    leave(status)
+    leave(run())

@@ -1,0 +1,91 @@
+"""Ranks forked from the warm torchrun, which has already imported torch and Dynamo, instead of fresh interpreters.
+
+A rank started by torchrun as `python -m launcher.rank.worker` imports torch again (1.1 s on a 2-core CPU machine,
+2.6-3.6 s on the H200 machine's slow file system), and its optimizer's first call imports Dynamo (0.9 s; 1.2-1.8 s).
+The warm torchrun (warm_torchrun.py) has time to spare while the launcher plans: it imports both, and then has
+torchrun start the ranks as a function (`--start-method fork`, torch.distributed.elastic's MultiprocessContext)
+that runs the same worker.main. Each rank begins with those modules in memory, copy-on-write.
+
+Only where that changes nothing a rank can see (`refusal` says why not, and torchrun then starts fresh interpreters,
+as it always did):
+- Every environment variable the rank gets, other than those read only after the fork (`AFTER_FORK`), holds the
+  value the warm torchrun had when it imported: what torch, numpy or tqdm read as they load cannot be handed over.
+  The thread counts are the exception: the rank applies them (torch's intra-op pool, numpy's OpenBLAS).
+- The CUDA driver is not loaded in the warm torchrun: a process forked after CUDA started cannot use the GPU.
+- The command is the plain rank entry of torchrun_command: `--module launcher.rank.worker RUN_DIR`.
+
+What a fresh interpreter would have, a forked rank is given first thing (rank/forked_start.py); its /proc/PID/cmdline
+stays the warm torchrun's. The warm torchrun reaches the rank's entry (worker.forked) by the module name torchrun
+would run, as torchrun does: the launch and rank rooms do not import each other. DDP_LAUNCH_FORK_RANKS=0 turns it
+off.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import signal
+from collections.abc import Mapping
+
+from launcher.machine.libraries import cuda_driver_loaded, mapped, openblas_loaded, openblas_setter
+from launcher.plan.environment import FORK_RANKS
+
+WORKER_MODULE = "launcher.rank.worker"  # the rank's entry: `--module` of torchrun's command line, `forked` in it
+# Read after the fork, by torchrun's argument parser, the rank, Ultralytics, matplotlib, gloo or NCCL; or applied
+# to the rank's libraries as it starts (the thread counts). Anything else must match the warm torchrun's imports.
+AFTER_FORK = frozenset({
+    "OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS",
+    "MASTER_ADDR", "MASTER_PORT", "GLOO_SOCKET_IFNAME", "MPLCONFIGDIR", "MPLBACKEND", "HF_HUB_OFFLINE",
+    "CUDA_VISIBLE_DEVICES",  # read when a rank first touches CUDA, which the warm torchrun never does (refusal)
+})
+AFTER_FORK_PREFIXES = ("DDP_LAUNCH_", "PET_", "TORCHELASTIC_", "YOLO_", "NCCL_", "TORCH_NCCL_")
+# Dispositions torchrun's agent changes before it starts the ranks (its signals_to_handle, and the launcher's USR1).
+SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
+PRELOADED = ("torch._dynamo", WORKER_MODULE)  # what the warm torchrun imports beyond torchrun, for the ranks
+
+
+def enabled(env: Mapping[str, str] = os.environ) -> bool:
+    return env.get(FORK_RANKS, "1") != "0"
+
+
+def preload() -> None:
+    """In the warm torchrun, after torchrun's own imports: what every rank would import next."""
+    for name in PRELOADED:
+        importlib.import_module(name)
+
+
+def rank_entry():
+    """The function torchrun calls in each forked rank: worker.forked(run_dir, signals)."""
+    return importlib.import_module(WORKER_MODULE).forked
+
+
+def environment_differences(imported_with: Mapping[str, str], rank_env: Mapping[str, str]) -> list[str]:
+    """The variables a forked rank would see with another value than the warm torchrun imported with, which a fresh
+    interpreter would read at its start (sorted)."""
+    keys = set(imported_with) | set(rank_env)
+    return sorted(k for k in keys if imported_with.get(k) != rank_env.get(k)
+                  and k not in AFTER_FORK and not k.startswith(AFTER_FORK_PREFIXES))
+
+
+def refusal(imported_with: Mapping[str, str], rank_env: Mapping[str, str], argv: list[str],
+            maps: str | None = None) -> str | None:
+    """Why the ranks of torchrun command line `argv` (its arguments) cannot be forked from the warm torchrun that
+    imported with `imported_with` (its environment then); None when they can. `maps`: /proc/self/maps' text."""
+    if not enabled(rank_env):
+        return f"{FORK_RANKS}=0"
+    if argv[-3:-1] != ["--module", WORKER_MODULE]:
+        return "the command is not the rank entry point"
+    differ = environment_differences(imported_with, rank_env)
+    if differ:
+        return "the ranks' environment differs from the warm torchrun's in " + ", ".join(differ[:5])
+    maps = mapped() if maps is None else maps
+    if cuda_driver_loaded(maps):
+        return "the CUDA driver is loaded in the warm torchrun"
+    if openblas_loaded(maps) and rank_env.get("OPENBLAS_NUM_THREADS") and openblas_setter(maps) is None:
+        return "numpy's OpenBLAS has no thread-count setter to apply OPENBLAS_NUM_THREADS with"
+    return None
+
+
+def saved_signals() -> dict[int, object]:
+    """The dispositions to hand to the ranks: taken in the warm torchrun before torchrun's agent installs its own."""
+    return {s: signal.getsignal(s) for s in SIGNALS}

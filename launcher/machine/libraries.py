@@ -1,0 +1,49 @@
+"""What a process has loaded, read from /proc/self/maps: the CUDA driver (a process forked after it started cannot
+use the GPU), and numpy's OpenBLAS (its thread count is read once, as it loads, and set only through its own call).
+Used on both sides of a rank forked from the warm torchrun (launch/rank_fork.py, rank/forked_start.py)."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from collections.abc import Callable
+
+OPENBLAS_SETTERS = ("openblas_set_num_threads", "openblas_set_num_threads64_", "scipy_openblas_set_num_threads",
+                    "scipy_openblas_set_num_threads64_")  # the names numpy's and scipy's builds export
+
+
+def mapped() -> str:
+    """This process's /proc/self/maps ("" where there is none)."""
+    try:
+        with open("/proc/self/maps") as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+def _paths(maps: str) -> set[str]:
+    return {line.split()[-1] for line in maps.splitlines() if "/" in line}
+
+
+def cuda_driver_loaded(maps: str) -> bool:
+    """libcuda.so is mapped once the CUDA runtime has started (torch's first CUDA call, or cudaGetDeviceCount behind
+    torch.cuda.is_available()); the NVML queries of torch.cuda.device_count() do not map it."""
+    return any(os.path.basename(p).startswith("libcuda.so") for p in _paths(maps))
+
+
+def openblas_loaded(maps: str) -> bool:
+    return any("openblas" in os.path.basename(p).lower() for p in _paths(maps))
+
+
+def openblas_setter(maps: str) -> Callable[[int], None] | None:
+    """The thread-count setter of the OpenBLAS this process has loaded (numpy's), or None."""
+    for path in sorted(p for p in _paths(maps) if "openblas" in os.path.basename(p).lower()):
+        try:
+            lib = ctypes.CDLL(path, mode=getattr(os, "RTLD_NOLOAD", 0))
+        except OSError:
+            continue
+        for name in OPENBLAS_SETTERS:
+            setter = getattr(lib, name, None)
+            if setter is not None:
+                return lambda n, f=setter: f(ctypes.c_int(n))
+    return None
