@@ -1,8 +1,8 @@
 """Ranks forked from the warm torchrun, which has already imported torch and Dynamo, instead of fresh interpreters.
 
-A rank started by torchrun as `python -m launcher.rank.worker` imports torch again (1.1 s on a 2-core CPU machine,
-2.6-3.6 s on the H200 machine's slow file system), and its optimizer's first call imports Dynamo (0.9 s; 1.2-1.8 s).
-The warm torchrun (warm_torchrun.py) has time to spare while the launcher plans: it imports both, and then has
+A rank started by torchrun as `python -m launcher.rank.worker` imports torch again, and its optimizer's first call
+imports Dynamo: seconds, on the start-up's critical path (docs/benchmarks/cpu-fresh-start/ has the figures). The
+warm torchrun (warm_torchrun.py) has time to spare while the launcher plans: it imports both, and then has
 torchrun start the ranks as a function (`--start-method fork`, torch.distributed.elastic's MultiprocessContext)
 that runs the same worker.main. Each rank begins with those modules in memory, copy-on-write.
 
