@@ -152,25 +152,24 @@ def _agent() -> None:
     sys.argv = ["torchrun", *job["argv"]]
     why_not = rank_fork.refusal(imported_with, job["env"], job["argv"])
     if why_not is None:
-        _fork_ranks(torchrun, signals)
+        _fork_ranks(torchrun, rank_fork.rank_entry(), signals)
     elif rank_fork.enabled(job["env"]):
         print(f"ddp-launch: the ranks start as fresh interpreters: {why_not}", file=sys.stderr, flush=True)
     torchrun.main(job["argv"])
 
 
-def _fork_ranks(torchrun, signals: dict) -> None:
+def _fork_ranks(torchrun, forked, signals: dict) -> None:
     """Have torchrun start the ranks as a function, forked from this process, rather than as `python -m
     launcher.rank.worker RUN_DIR`: torchrun's config_from_args (which turns its arguments into the agent's config
-    and the rank command) is wrapped here, in this process only, so that the rest of its run() stays its own."""
-    from launcher.launch import rank_fork
-
-    make_config, forked = torchrun.config_from_args, rank_fork.rank_entry()
+    and the rank command) is wrapped here, in this process only, so that the rest of its run() stays its own.
+    `forked`: the rank's entry, worker.forked."""
+    make_config = torchrun.config_from_args
 
     def rank(run_dir: str) -> None:  # a named function: torchrun reports a failed rank by its qualified name
         forked(run_dir, signals)
 
     def config_from_args(args):
-        config, _cmd, cmd_args = make_config(args)
+        config, _cmd, _cmd_args = make_config(args)
         config.start_method = "fork"
         return config, rank, list(args.training_script_args)
 

@@ -24,7 +24,8 @@ def become_rank(signals: Mapping[int, object], run_dir: str, rank: int) -> None:
     """First thing in a rank just forked from the warm torchrun."""
     for s, handler in signals.items():
         signal.signal(s, handler if handler is not None else signal.SIG_DFL)
-    if cuda_driver_loaded(mapped()):  # torchrun's agent started CUDA after the warm torchrun looked (rank_fork.py)
+    maps = mapped()
+    if cuda_driver_loaded(maps):  # torchrun's agent started CUDA after the warm torchrun looked (rank_fork.py)
         raise SystemExit(f"ddp-launch: this rank was forked after CUDA started in torchrun and cannot use the GPU; "
                          f"run again with {FORK_RANKS}=0 (and report it: launch/rank_fork.py)")
     os.setsid()
@@ -33,7 +34,7 @@ def become_rank(signals: Mapping[int, object], run_dir: str, rank: int) -> None:
     if sys.path:
         sys.path[0] = os.getcwd()
     _set_process_name(f"ddp-rank{rank}")
-    _apply_thread_counts(os.environ)
+    _apply_thread_counts(os.environ, maps)
 
 
 def _close_inherited_sockets() -> None:
@@ -54,7 +55,7 @@ def _set_process_name(name: str) -> None:
         pass
 
 
-def _apply_thread_counts(env: Mapping[str, str]) -> None:
+def _apply_thread_counts(env: Mapping[str, str], maps: str) -> None:
     """torch.set_num_threads sets OpenMP's and MKL's count, OpenBLAS's setter its own (the warm torchrun refuses
     to fork where numpy's OpenBLAS has none)."""
     import torch
@@ -63,6 +64,6 @@ def _apply_thread_counts(env: Mapping[str, str]) -> None:
     if threads and threads.isdigit() and int(threads) > 0:
         torch.set_num_threads(int(threads))
     blas = env.get("OPENBLAS_NUM_THREADS")
-    setter = openblas_setter(mapped()) if blas and blas.isdigit() and int(blas) > 0 else None
+    setter = openblas_setter(maps) if blas and blas.isdigit() and int(blas) > 0 else None
     if setter is not None:
         setter(int(blas))

@@ -12,9 +12,9 @@ from pathlib import Path
 
 from launcher.inputs.data import resolve_data
 from launcher.launch import bytecode, torchrun
-from launcher.launch.parent_death import parent_death_signal
 from launcher.launch.logs import say
 from launcher.launch.outcome import report
+from launcher.launch.parent_death import parent_death_signal
 from launcher.machine import hardware
 from launcher.plan.checks import check_plan
 from launcher.plan.plan import LaunchPlan, make_plan

@@ -31,8 +31,8 @@ from pathlib import Path
 
 from launcher.launch import bytecode, torchrun
 from launcher.launch.logs import say as _say
-from launcher.launch.parent_death import parent_death_signal
 from launcher.launch.outcome import report
+from launcher.launch.parent_death import parent_death_signal
 from launcher.machine.hardware import usable_cpu_count
 from launcher.plan.plan import LaunchPlan
 from launcher.problems import PlanError
