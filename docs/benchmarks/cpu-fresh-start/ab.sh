@@ -15,17 +15,9 @@ read -r -a args <<< "${RUN_ARGS:-gpus=0 train.epochs=1 train.imgsz=64 data.synth
 
 one() {  # one NAME ROOT BYTECODE_FOLDER
   local out=$work/$1
-  (cd "$2" && PYTHONPATH=$2 "$python" -m launcher.cli "${args[@]}" paths.cache="$work/cache" paths.bytecode="$3" \
-    hydra.run.dir="$out" > "$work/$1.log" 2>&1)
-  "$python" - "$out/summary.json" "$1" <<'PY'
-import json, sys
-t = json.load(open(sys.argv[1]))["timeline"]
-s, setup = t["stamps"], {p["part"]: p["end"] for p in t["setup"]}
-parts = ["launcher_start", "torchrun_start", "rank_start", "imports_done", "components_built", "first_step"]
-print(f"{sys.argv[2]:10s} to the first step {s['first_step'] - s['launcher_start']:5.2f} s:",
-      " ".join(f"{b} {s[b] - s[a]:.2f}" for a, b in zip(parts, parts[1:])),
-      f"(of which the optimizer's build, Dynamo's import: {setup['optimizer_ema_loss'] - setup['val_data']:.2f})")
-PY
+  (cd "$2" && PYTHONPATH="$2${PYTHONPATH:+:$PYTHONPATH}" "$python" -m launcher.cli "${args[@]}" \
+    paths.cache="$work/cache" paths.bytecode="$3" hydra.run.dir="$out" > "$work/$1.log" 2>&1)
+  "$python" "$here/docs/benchmarks/cpu-fresh-start/first_step.py" "$out/summary.json" "$1"
 }
 
 one prime "$here" "$work/bytecode-prime" > /dev/null  # the dataset, generated once
