@@ -944,3 +944,36 @@ def test_a_checkpoint_of_device_state_reaches_the_host_equal(tmp_path):
         assert v.device.type == "cpu" and v.is_contiguous()
         assert torch.equal(v, ema.ema.state_dict()[name].to("cpu", v.dtype)) and (v.dtype == torch.half) == v.is_floating_point()
     assert snapshot["scaler"]["scale"] == 65536.0
+
+
+FORK_AFTER_THE_WARM_TORCHRUNS_IMPORTS = r"""
+import json, os
+import torch.distributed.run
+from launcher.launch import rank_fork
+from launcher.machine.libraries import cuda_driver_started, mapped
+rank_fork.preload()
+with rank_fork.cuda_asked_by_nvml():  # as the warm torchrun builds torchrun's config, which asks for CUDA
+    torch.distributed.launcher.api.LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=1)
+before = cuda_driver_started(mapped())
+pid = os.fork()
+if pid == 0:
+    import torch
+    os._exit(0 if torch.ones(4, device="cuda").sum().item() == 4 else 1)
+_, status = os.waitpid(pid, 0)
+import torch
+torch.ones(1, device="cuda")
+print(json.dumps({"started_before": before, "child": status, "started_after": cuda_driver_started(mapped())}))
+"""
+
+
+def test_the_warm_torchruns_imports_leave_the_cuda_driver_unstarted_and_a_fork_of_it_uses_the_gpu():
+    """torch's import maps libcuda.so (cuBLASLt loads it) without starting it, and torchrun's config asks for CUDA
+    through NVML: the ranks forked from the warm torchrun (launch/rank_fork.py) train on the GPU, and the probe tells
+    a started driver from a mapped one."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", FORK_AFTER_THE_WARM_TORCHRUNS_IMPORTS], capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert json.loads(out.stdout.splitlines()[-1]) == {"started_before": False, "child": 0, "started_after": True}

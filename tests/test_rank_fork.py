@@ -63,7 +63,7 @@ def test_no_fork_after_the_cuda_driver_started_or_for_another_command_or_when_sw
     nvml = CPU_MAPS + "7f02-7f03 r-xp 0 08:01 2 /usr/lib/x86_64-linux-gnu/libnvidia-ml.so.550.54.15\n"
     assert refusal(imported, rank_env, argv, maps=nvml) is None  # device_count()'s NVML query leaves CUDA alone
     driver = nvml + "7f04-7f05 r-xp 0 08:01 3 /usr/lib/x86_64-linux-gnu/libcuda.so.550.54.15\n"
-    assert "CUDA driver" in refusal(imported, rank_env, argv, maps=driver)
+    assert "CUDA driver" in refusal(imported, rank_env, argv, maps=driver)  # here no libcuda.so answers: started
     assert "rank entry" in refusal(imported, rank_env, [*argv[:-3], "--no-python", "sh", "-c", "true"], maps=CPU_MAPS)
     assert "=0" in refusal(imported, {**rank_env, "DDP_LAUNCH_FORK_RANKS": "0"}, argv, maps=CPU_MAPS)
 
@@ -143,3 +143,71 @@ def test_a_forked_rank_ends_with_its_status_though_a_thread_of_it_runs_on(status
     assert result.is_failed() == bool(status)
     if status:
         assert result.failures[0].exitcode == status
+
+
+class _FakeDriver:
+    """A libcuda.so as ctypes sees it: cuDeviceGetCount's answer (3 before cuInit) is all the probe asks."""
+
+    def __init__(self, answer):
+        self.answer = answer
+
+    def cuDeviceGetCount(self, count):
+        return self.answer
+
+
+def test_a_driver_mapped_but_never_started_lets_the_ranks_fork_and_one_started_or_unreadable_does_not(
+        tmp_path, monkeypatch):
+    """Importing torch (a CUDA build) maps libcuda.so without starting it: forks of that use the GPU (checked on the
+    H200 machine, tests/test_gpu.py). Only a driver that answers as started, or cannot be asked, refuses."""
+    from launcher.machine import libraries
+
+    imported, rank_env, argv = _imported_and_rank_environments(["gpus=1"], GPU_BOX, tmp_path)
+    driver = CPU_MAPS + "7f04-7f05 r-xp 0 08:01 3 /usr/local/nvidia/lib64/libcuda.so.580.159.04\n"
+    asked = []
+
+    def loaded(answer):
+        def cdll(name, mode=0):
+            asked.append((name, mode))
+            return _FakeDriver(answer)
+        return cdll
+
+    monkeypatch.setattr(libraries.ctypes, "CDLL", loaded(libraries.CUDA_ERROR_NOT_INITIALIZED))
+    assert refusal(imported, rank_env, argv, maps=driver) is None
+    assert asked[0] == ("/usr/local/nvidia/lib64/libcuda.so.580.159.04", os.RTLD_NOLOAD)  # never loads another
+    monkeypatch.setattr(libraries.ctypes, "CDLL", loaded(0))
+    assert "CUDA driver was started" in refusal(imported, rank_env, argv, maps=driver)
+
+    def unreadable(name, mode=0):
+        raise OSError(name)
+
+    monkeypatch.setattr(libraries.ctypes, "CDLL", unreadable)
+    assert "CUDA driver was started" in refusal(imported, rank_env, argv, maps=driver)
+    assert not libraries.cuda_driver_started(CPU_MAPS)
+
+
+def test_torchruns_config_asks_for_cuda_through_nvml_and_a_driver_started_anyway_keeps_fresh_interpreters(
+        monkeypatch, capsys):
+    """torchrun's LaunchConfig asks torch.accelerator.is_available(): by cudaGetDeviceCount that starts CUDA, and
+    torch then refuses CUDA to every fork ("Cannot re-initialize CUDA in forked subprocess", seen on the H200)."""
+    from types import SimpleNamespace
+
+    from launcher.launch import rank_fork, warm_torchrun
+
+    seen = []
+
+    def make_config(args):
+        seen.append(os.environ.get(rank_fork.NVML_CUDA_CHECK))
+        return SimpleNamespace(start_method="spawn"), "python", ["-m", "launcher.rank.worker", "/runs/x"]
+
+    torchrun = SimpleNamespace(config_from_args=make_config)
+    monkeypatch.delenv(rank_fork.NVML_CUDA_CHECK, raising=False)
+    warm_torchrun._fork_ranks(torchrun, lambda run_dir, signals: None, {})
+    args = SimpleNamespace(training_script_args=["/runs/x"])
+    config, entry, entry_args = torchrun.config_from_args(args)
+    assert seen == ["1"] and rank_fork.NVML_CUDA_CHECK not in os.environ  # set only while the config is built
+    assert config.start_method == "fork" and entry.__name__ == "rank" and entry_args == ["/runs/x"]
+
+    monkeypatch.setattr(rank_fork, "cuda_driver_started", lambda maps: True)  # no NVML: torch's check started CUDA
+    config, entry, _ = torchrun.config_from_args(args)
+    assert config.start_method == "spawn" and entry == "python"
+    assert "fresh interpreters: torchrun started the CUDA driver" in capsys.readouterr().err

@@ -11,7 +11,10 @@ as it always did):
 - Every environment variable the rank gets, other than those read only after the fork (`AFTER_FORK`), holds the
   value the warm torchrun had when it imported: what torch, numpy or tqdm read as they load cannot be handed over.
   The thread counts are the exception: the rank applies them (torch's intra-op pool, numpy's OpenBLAS).
-- The CUDA driver is not loaded in the warm torchrun: a process forked after CUDA started cannot use the GPU.
+- The CUDA driver was not started in the warm torchrun, up to the fork: a process forked after cuInit cannot use the
+  GPU, and torch refuses CUDA to forks of a process that asked torch.cuda.is_available() by the CUDA runtime. The
+  driver is mapped there (a CUDA build of torch maps it as it loads), which is harmless; torchrun's launch config asks
+  whether CUDA is there, which the warm torchrun has NVML answer (`cuda_asked_by_nvml`).
 - The command is the plain rank entry of torchrun_command: `--module launcher.rank.worker RUN_DIR`.
 
 What a fresh interpreter would have, a forked rank is given first thing (rank/forked_start.py); its /proc/PID/cmdline
@@ -22,12 +25,13 @@ off.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import signal
 from collections.abc import Mapping
 
-from launcher.machine.libraries import cuda_driver_loaded, mapped, openblas_loaded, openblas_setter
+from launcher.machine.libraries import cuda_driver_started, mapped, openblas_loaded, openblas_setter
 from launcher.plan.environment import FORK_RANKS
 
 WORKER_MODULE = "launcher.rank.worker"  # the rank's entry: `--module` of torchrun's command line, `forked` in it
@@ -41,7 +45,9 @@ AFTER_FORK = frozenset({
 AFTER_FORK_PREFIXES = ("DDP_LAUNCH_", "PET_", "TORCHELASTIC_", "YOLO_", "NCCL_", "TORCH_NCCL_")
 # Dispositions torchrun's agent changes before it starts the ranks (its signals_to_handle, and the launcher's USR1).
 SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
-PRELOADED = ("torch._dynamo", WORKER_MODULE)  # what the warm torchrun imports beyond torchrun, for the ranks
+PRELOADED = ("torch._dynamo", WORKER_MODULE)
+# torch.cuda.is_available() answered by NVML's count: no cuInit, and torch leaves the process's forks able to use CUDA
+NVML_CUDA_CHECK = "PYTORCH_NVML_BASED_CUDA_CHECK"  # what the warm torchrun imports beyond torchrun, for the ranks
 
 
 def enabled(env: Mapping[str, str] = os.environ) -> bool:
@@ -79,11 +85,32 @@ def refusal(imported_with: Mapping[str, str], rank_env: Mapping[str, str], argv:
     if differ:
         return "the ranks' environment differs from the warm torchrun's in " + ", ".join(differ[:5])
     maps = mapped() if maps is None else maps
-    if cuda_driver_loaded(maps):
-        return "the CUDA driver is loaded in the warm torchrun"
+    if cuda_driver_started(maps):
+        return "the CUDA driver was started in the warm torchrun"
     if openblas_loaded(maps) and rank_env.get("OPENBLAS_NUM_THREADS") and openblas_setter(maps) is None:
         return "numpy's OpenBLAS has no thread-count setter to apply OPENBLAS_NUM_THREADS with"
     return None
+
+
+@contextlib.contextmanager
+def cuda_asked_by_nvml():
+    """While torchrun builds its launch config: it asks torch.accelerator.is_available(), which otherwise starts the
+    CUDA driver (cudaGetDeviceCount), and torch then refuses CUDA to every fork of this process."""
+    before = os.environ.get(NVML_CUDA_CHECK)
+    os.environ[NVML_CUDA_CHECK] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(NVML_CUDA_CHECK, None)
+        else:
+            os.environ[NVML_CUDA_CHECK] = before
+
+
+def cuda_started_since() -> str | None:
+    """Why the ranks cannot be forked after all, once torchrun's agent has run up to the fork (NVML missing, say, so
+    that torch's check started CUDA): None when they can."""
+    return "torchrun started the CUDA driver (no NVML to ask)" if cuda_driver_started(mapped()) else None
 
 
 def saved_signals() -> dict[int, object]:

@@ -163,13 +163,20 @@ def _fork_ranks(torchrun, forked, signals: dict) -> None:
     launcher.rank.worker RUN_DIR`: torchrun's config_from_args (which turns its arguments into the agent's config
     and the rank command) is wrapped here, in this process only, so that the rest of its run() stays its own.
     `forked`: the rank's entry, worker.forked."""
+    from launcher.launch import rank_fork
+
     make_config = torchrun.config_from_args
 
     def rank(run_dir: str) -> None:  # a named function: torchrun reports a failed rank by its qualified name
         forked(run_dir, signals)
 
     def config_from_args(args):
-        config, _cmd, _cmd_args = make_config(args)
+        with rank_fork.cuda_asked_by_nvml():  # the config asks whether CUDA is there, without starting it
+            config, cmd, cmd_args = make_config(args)
+        why_not = rank_fork.cuda_started_since()
+        if why_not:
+            print(f"ddp-launch: the ranks start as fresh interpreters: {why_not}", file=sys.stderr, flush=True)
+            return config, cmd, cmd_args
         config.start_method = "fork"
         return config, rank, list(args.training_script_args)
 

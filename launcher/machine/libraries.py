@@ -1,6 +1,7 @@
 """What a process has loaded, read from /proc/self/maps: the CUDA driver (a process forked after it started cannot
-use the GPU), and numpy's OpenBLAS (its thread count is read once, as it loads, and set only through its own call).
-Used on both sides of a rank forked from the warm torchrun (launch/rank_fork.py, rank/forked_start.py)."""
+use the GPU; one forked while it is only mapped can), and numpy's OpenBLAS (its thread count is read once, as it
+loads, and set only through its own call). Used on both sides of a rank forked from the warm torchrun
+(launch/rank_fork.py, rank/forked_start.py)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import ctypes
 import os
 from collections.abc import Callable
 
+CUDA_ERROR_NOT_INITIALIZED = 3  # cuda.h: every driver call's answer before cuInit
 OPENBLAS_SETTERS = ("openblas_set_num_threads", "openblas_set_num_threads64_", "scipy_openblas_set_num_threads",
                     "scipy_openblas_set_num_threads64_")  # the names numpy's and scipy's builds export
 
@@ -25,10 +27,22 @@ def _paths(maps: str) -> set[str]:
     return {line.split()[-1] for line in maps.splitlines() if "/" in line}
 
 
-def cuda_driver_loaded(maps: str) -> bool:
-    """libcuda.so is mapped once the CUDA runtime has started (torch's first CUDA call, or cudaGetDeviceCount behind
-    torch.cuda.is_available()); the NVML queries of torch.cuda.device_count() do not map it."""
-    return any(os.path.basename(p).startswith("libcuda.so") for p in _paths(maps))
+def cuda_driver_started(maps: str) -> bool:
+    """Whether this process has started the CUDA driver (cuInit: torch's first CUDA call, or cudaGetDeviceCount
+    behind torch.cuda.is_available()). Mapped is not started: importing a CUDA build of torch maps libcuda.so
+    (cuBLASLt loads it) and calls nothing in it. Until cuInit, cuDeviceGetCount answers CUDA_ERROR_NOT_INITIALIZED
+    and starts nothing; a driver that cannot be asked counts as started."""
+    drivers = sorted(p for p in _paths(maps) if os.path.basename(p).startswith("libcuda.so"))
+    if not drivers:
+        return False
+    for name in (*drivers, "libcuda.so.1"):
+        try:
+            lib = ctypes.CDLL(name, mode=getattr(os, "RTLD_NOLOAD", 0))  # the loaded one, never another
+        except OSError:
+            continue
+        count = ctypes.c_int()
+        return lib.cuDeviceGetCount(ctypes.byref(count)) != CUDA_ERROR_NOT_INITIALIZED
+    return True
 
 
 def openblas_loaded(maps: str) -> bool:

@@ -14,7 +14,7 @@ import stat
 import sys
 from collections.abc import Mapping
 
-from launcher.machine.libraries import cuda_driver_loaded, mapped, openblas_setter
+from launcher.machine.libraries import cuda_driver_started, mapped, openblas_setter
 from launcher.plan.environment import FORK_RANKS
 
 PR_SET_NAME = 15  # linux/prctl.h: the name ps -o comm and top show (15 bytes)
@@ -25,7 +25,7 @@ def become_rank(signals: Mapping[int, object], run_dir: str, rank: int) -> None:
     for s, handler in signals.items():
         signal.signal(s, handler if handler is not None else signal.SIG_DFL)
     maps = mapped()
-    if cuda_driver_loaded(maps):  # torchrun's agent started CUDA after the warm torchrun looked (rank_fork.py)
+    if cuda_driver_started(maps):  # torchrun's agent started CUDA after the warm torchrun looked (rank_fork.py)
         raise SystemExit(f"ddp-launch: this rank was forked after CUDA started in torchrun and cannot use the GPU; "
                          f"run again with {FORK_RANKS}=0 (and report it: launch/rank_fork.py)")
     os.setsid()
