@@ -29,13 +29,14 @@ folded validation's (FastValidator.read_ahead).
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
+
+from launcher.rank.triton_use import runs_on
 
 try:  # compiled at the first launch; without Triton only the PyTorch forms run
     import triton
@@ -54,9 +55,7 @@ SCANS = ("scans",)  # the validation's NMS and matching (rank/validate/scans.py)
 
 
 def _on_triton(t: torch.Tensor) -> bool:
-    """CUDA tensors, or any under Triton's interpreter (TRITON_INTERPRET=1: the CPU tests of the kernels)."""
-    return (triton is not None and (t.is_cuda or bool(os.environ.get("TRITON_INTERPRET")))
-            and t.dtype in TRITON_DTYPES and t.numel() <= MAX_ELEMENTS)
+    return triton is not None and runs_on(t.device) and t.dtype in TRITON_DTYPES and t.numel() <= MAX_ELEMENTS
 
 
 def bias_act_(y: torch.Tensor, bias: torch.Tensor, silu: bool) -> torch.Tensor:

@@ -19,9 +19,9 @@ tensors too, which is how the CPU test suite checks them.
 
 from __future__ import annotations
 
-import os
-
 import torch
+
+from launcher.rank.triton_use import runs_on
 
 BORDER = 114.0  # Ultralytics' pad value: the mosaic canvas and the warp's border
 BLOCK = 512  # output pixels per Triton program
@@ -29,10 +29,8 @@ COORD_LIMIT = 1.0e6  # canvas coordinates are clamped here first: a near-singula
 
 
 def triton_usable(device: torch.device) -> bool:
-    """Whether `render` and `load_into_slots` run as Triton kernels on tensors of `device`."""
-    if device.type != "cuda" and not os.environ.get("TRITON_INTERPRET"):
-        return False
-    return _kernels() is not None
+    """Whether `render` and `load_into_slots` run as Triton kernels on tensors of `device` (triton_use.py)."""
+    return _kernels() is not None and runs_on(device)
 
 
 # --- the shared maths, on tensors -----------------------------------------------------------------------------------

@@ -19,9 +19,9 @@ interpreter, where the tests check them on the CPU); elsewhere the callers keep 
 
 from __future__ import annotations
 
-import os
-
 import torch
+
+from launcher.rank.triton_use import runs_on
 
 try:
     import triton
@@ -35,8 +35,8 @@ NO_FUSION = {"enable_fp_fusion": False}  # a*b + c rounded twice, as PyTorch's s
 
 
 def usable(t: torch.Tensor) -> bool:
-    """Whether the scans run as Triton programs on tensors like `t`: CUDA, or Triton's interpreter on the CPU."""
-    return triton is not None and (t.is_cuda or bool(os.environ.get("TRITON_INTERPRET")))
+    """Whether the scans run as Triton programs on tensors like `t` (triton_use.py)."""
+    return triton is not None and runs_on(t.device)
 
 
 def greedy_nms(boxes: torch.Tensor, alive: torch.Tensor, iou: float, limit: int | None = None) -> torch.Tensor:
