@@ -45,9 +45,9 @@ AFTER_FORK = frozenset({
 AFTER_FORK_PREFIXES = ("DDP_LAUNCH_", "PET_", "TORCHELASTIC_", "YOLO_", "NCCL_", "TORCH_NCCL_")
 # Dispositions torchrun's agent changes before it starts the ranks (its signals_to_handle, and the launcher's USR1).
 SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
-PRELOADED = ("torch._dynamo", WORKER_MODULE)
+PRELOADED = ("torch._dynamo", WORKER_MODULE)  # what the warm torchrun imports beyond torchrun, for the ranks
 # torch.cuda.is_available() answered by NVML's count: no cuInit, and torch leaves the process's forks able to use CUDA
-NVML_CUDA_CHECK = "PYTORCH_NVML_BASED_CUDA_CHECK"  # what the warm torchrun imports beyond torchrun, for the ranks
+NVML_CUDA_CHECK = "PYTORCH_NVML_BASED_CUDA_CHECK"
 
 
 def enabled(env: Mapping[str, str] = os.environ) -> bool:
