@@ -161,8 +161,11 @@ def test_a_submitted_two_rank_run_trains_to_the_end(finished_run, cluster):
     assert summary["status"] == "finished"
     assert (summary["epochs_completed"], summary["world_size"], summary["backend"]) == (EPOCHS, 2, "gloo")
     assert "SLURM_RESTART_COUNT=0" in log and f"done: {EPOCHS} epoch(s) on 2 rank(s)" in log  # rank 0 and the result
-    assert completed_epochs((run_dir / "logs" / "rank0.log").read_text()) == [1, 2]
+    rank_log = (run_dir / "logs" / "rank0.log").read_text()
+    assert completed_epochs(rank_log) == [1, 2]
     assert f"compiling the ranks' bytecode into {run_dir.parent / 'bytecode'} beside their start" in log
+    # torchrun started first thing in the job, its ranks forked from it (launch/rank_fork.py), as in a local launch
+    assert "forked from torchrun" in rank_log.splitlines()[0] and "fresh interpreters" not in log, rank_log[:500]
 
 
 def test_a_finished_run_submitted_again_is_done_not_an_error(finished_run, cluster):
@@ -207,6 +210,7 @@ def test_a_signalled_job_checkpoints_requeues_and_resumes_to_the_configured_epoc
 
     attempts = re.split(r"^==== rank 0/2 .*$", rank_log.read_text(), flags=re.M)[1:]
     assert len(attempts) == 2, "rank 0 should have started twice (before and after the requeue)"
+    assert rank_log.read_text().count("forked from torchrun ====") == 2  # USR1 reached the forked ranks ignored
     first, second = completed_epochs(attempts[0]), completed_epochs(attempts[1])
     assert first and first[-1] < REQUEUE_EPOCHS  # stopped mid-training
     assert 1 not in second  # resumed from the checkpoint, not from epoch 1

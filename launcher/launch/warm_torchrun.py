@@ -5,7 +5,9 @@ file system makes imports slow), and until now it started only after the launche
 the plan (seconds too). `ddp-launch` now starts this module first thing: it imports torchrun, then waits on its stdin
 for the command line and environment that run_torchrun would have given a fresh torchrun, and runs exactly that. A
 launch that needs no torchrun (a dry run, a refused plan, a SLURM submission) closes its stdin, and it exits without
-a word; a launcher that dies takes it along (the parent-death signal, as for any torchrun it starts).
+a word; a launcher that dies takes it along (the parent-death signal, as for any torchrun it starts). In a SLURM job
+each node's task (environments/slurm_job.py) starts it the same way, with the job's environment, before it reads the
+plan.
 
 While it waits, it also imports what the ranks would import first, and has torchrun fork them from it rather than
 start fresh interpreters, where nothing a rank can see differs (rank_fork.py; otherwise it says why, on stderr).

@@ -11,11 +11,14 @@ decides what the job does when torchrun ends (`decide`, pure):
 * otherwise torchrun's exit code.
 
 Where the ranks keep their bytecode in the cache (paths.bytecode) and this node has not compiled it yet, its
-compilation starts beside torchrun, as in a local launch (launch/bytecode.py).
+compilation starts beside torchrun, as in a local launch (launch/bytecode.py). torchrun itself starts first thing,
+with the job's environment (job.sbatch exports the plan's), and its ranks are forked from it, as in a local launch
+(launch/warm_torchrun.py, rank_fork.py; DDP_LAUNCH_WARM_START=0 and DDP_LAUNCH_FORK_RANKS=0 turn them off).
 
 Signal path: SLURM delivers `--signal` (and `scancel --signal`) to every process of the job step, torchrun and the
 ranks included, and torchrun dies of SIGUSR1 (it has no handler). So this launcher starts torchrun with SIGUSR1
-ignored, a disposition that survives exec and passes down to the ranks; the launcher alone acts on it and forwards
+ignored (from this module's start, so that the warm torchrun and the ranks forked from it have it too), a disposition
+that survives exec and passes down to the ranks; the launcher alone acts on it and forwards
 SIGTERM to torchrun (launch/torchrun.py, run_torchrun), which stops the ranks; they checkpoint and exit.
 """
 
@@ -29,7 +32,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from launcher.launch import bytecode, torchrun
+from launcher.launch import bytecode, torchrun, warm_torchrun
 from launcher.launch.logs import say as _say
 from launcher.launch.outcome import report
 from launcher.launch.parent_death import parent_death_signal
@@ -113,7 +116,19 @@ def main(argv: list[str] | None = None) -> int:
     if len(argv) != 1:
         print(f"usage: python -m {JOB_MODULE} RUN_DIR (started on every node by RUN_DIR/job.sbatch)", file=sys.stderr)
         return 2
-    folder = RunFolder(Path(argv[0]).resolve())
+    # Ignored here, so ignored in torchrun and the ranks (SIG_IGN survives exec and fork); run_torchrun then installs
+    # the launcher's own handler. NOTE: a USR1 in the instant between the two is lost; SLURM's warning comes once.
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    if warm_torchrun.enabled():
+        warm_torchrun.warm.start({}, parent_death_signal())  # its imports overlap reading the plan
+    try:
+        return _run(argv[0])
+    finally:
+        warm_torchrun.warm.discard()  # when no torchrun was needed (a finished run, a bad plan); else a no-op
+
+
+def _run(run_dir_arg: str) -> int:
+    folder = RunFolder(Path(run_dir_arg).resolve())
     run_dir = folder.path
     env = dict(os.environ)
     job_id, node_id = env.get("SLURM_JOB_ID", "?"), int(env.get("SLURM_NODEID", "0"))
@@ -140,9 +155,6 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     say("torchrun: " + " ".join(shlex.quote(c) for c in cmd))
 
-    # Ignored here, so ignored in torchrun and the ranks (SIG_IGN survives exec); run_torchrun then installs the
-    # launcher's own handler. NOTE: a USR1 in the instant between the two is lost; SLURM's warning comes once.
-    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     logs = [folder.rank_log(0)] if node_id == 0 else []  # the job log follows rank 0, wherever it runs
     compiling = bytecode.start_for(plan.env, usable_cpu_count(), parent_death_signal())
     if compiling is not None:
