@@ -156,7 +156,7 @@ def _agent() -> None:
     if why_not is None:
         _fork_ranks(torchrun, rank_fork.rank_entry(), signals)
     elif rank_fork.enabled(job["env"]):
-        print(f"ddp-launch: the ranks start as fresh interpreters: {why_not}", file=sys.stderr, flush=True)
+        _fresh_interpreters(why_not)
     torchrun.main(job["argv"])
 
 
@@ -177,12 +177,16 @@ def _fork_ranks(torchrun, forked, signals: dict) -> None:
             config, cmd, cmd_args = make_config(args)
         why_not = rank_fork.cuda_started_since()
         if why_not:
-            print(f"ddp-launch: the ranks start as fresh interpreters: {why_not}", file=sys.stderr, flush=True)
+            _fresh_interpreters(why_not)
             return config, cmd, cmd_args
         config.start_method = "fork"
         return config, rank, list(args.training_script_args)
 
     torchrun.config_from_args = config_from_args
+
+
+def _fresh_interpreters(why: str) -> None:
+    print(f"ddp-launch: the ranks start as fresh interpreters: {why}", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":
