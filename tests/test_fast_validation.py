@@ -24,7 +24,7 @@ from launcher.rank.ultralytics.validation import Validator
 from launcher.rank.validate.engine import batch_stats, run_pass, target_boxes
 from launcher.rank.validate.matching import IOU_THRESHOLDS, true_positives
 from launcher.rank.validate.nms import batched_nms
-from launcher.rank.validate.store import PreloadedSplit
+from launcher.rank.validate.store import Placement, PreloadedSplit
 
 NC = 3
 
@@ -356,15 +356,19 @@ def test_a_split_read_ahead_during_training_validates_as_one_read_at_the_first_v
     kwargs = dict(device=torch.device("cpu"), data=data, amp=False, epoch=0, epochs=1,
                   loss_items={k: torch.zeros(()) for k in ("box_loss", "cls_loss", "dfl_loss")})
     ahead, late = (FastValidator(datasets.val_loader(hyp, data, 2, 32, 2, torch.device("cpu")), hyp, tmp_path / name,
-                                 batch=4, amp_dtype=None, cuda_graphs=False, log=print) for name in ("a", "b"))
+                                 batch=4, amp_dtype=None, cuda_graphs=False, device=torch.device("cpu"), log=print)
+                   for name in ("a", "b"))
     ahead.read_ahead()
     workers = ahead.loader.iterator._workers
     assert len(workers) == 2 and all(w.is_alive() for w in workers) and late.loader.iterator is None
     ahead.reading.thread.join(timeout=120)
     groups, _ = ahead.reading.result()
     assert ahead.split is None and sum(len(g.files) for g in groups.values()) == 6  # read before the validation asked
+    assert not any(w.is_alive() for w in workers)  # its workers joined by the reading thread, not the validation
+    ahead.place_ahead()  # a step's end: what was read is on its way to the device
+    assert ahead.placing is not None and ahead.split is None
     got, want = ahead.validate(ema, Comm(), **kwargs), late.validate(ema, Comm(), **kwargs)
-    assert got == want and len(ahead.split) == len(late.split) == 6 and not any(w.is_alive() for w in workers)
+    assert got == want and len(ahead.split) == len(late.split) == 6 and ahead.placing is None
 
 
 def test_reading_the_split_moves_nothing_to_a_device_and_placing_it_keeps_every_image(monkeypatch):
@@ -384,6 +388,35 @@ def test_reading_the_split_moves_nothing_to_a_device_and_placing_it_keeps_every_
     assert got.shapes == want.shapes == {(64, 96): 5}
     for a, b in zip(got.batches(4), want.batches(4)):
         assert a.files == b.files and torch.equal(a.img, b.img) and torch.equal(a.xywh, b.xywh)
+
+
+@pytest.mark.parametrize("steps_before", [0, 2, 99])
+def test_a_split_placed_a_slice_at_a_time_is_the_split_placed_at_once(steps_before):
+    """Placement between training steps: each advance copies at most a slice, in whole images (one at least), shape
+    group after shape group; whatever the validation finds left is finished then; the split is the one load gives,
+    image for image and label for label. On the CPU through `ahead` (on CUDA the copies run on a side stream)."""
+    a, b = _loader_batches(5, 2, shape=(64, 96), seed=1), _loader_batches(3, 2, shape=(96, 64), seed=2)
+    batches = [a[0], b[0], a[1], b[1], a[2]]
+    want = PreloadedSplit.load(batches, torch.device("cpu"))
+    per_image = 3 * 64 * 96
+    placing = Placement(PreloadedSplit.read(batches), torch.device("cpu"), slice_bytes=2 * per_image + 1, ahead=True)
+    sources = {shape: g.img for shape, g in placing.groups.items()}
+    copied = []
+    for _ in range(steps_before):
+        before = placing.copied
+        if placing.advance():
+            copied.append(placing.copied - before)
+            break
+        copied.append(placing.copied - before)
+    assert all(0 < c <= 2 * per_image + 1 and c % per_image == 0 for c in copied)
+    if steps_before == 99:  # 5 + 3 images of one size, two a slice (a slice may end one group and start the next)
+        assert placing.done and placing.slices == len(copied) == 4 and placing.copied == 8 * per_image
+    got = placing.finish()
+    assert placing.copied == 8 * per_image and got.shapes == want.shapes
+    assert all(got.groups[shape].img is not src for shape, src in sources.items())  # copies, not the host tensors
+    for x, y in zip(got.batches(3), want.batches(3)):
+        assert x.files == y.files and torch.equal(x.img, y.img) and torch.equal(x.cls, y.cls)
+        assert torch.equal(x.xywh, y.xywh) and torch.equal(x.count, y.count)
 
 
 def test_a_split_that_fails_to_read_during_training_fails_the_first_validation_with_its_cause():

@@ -741,6 +741,35 @@ def test_the_pipelined_validation_pass_computes_what_the_serial_pass_computes(tm
         assert all(torch.equal(r.loss[k], serial.loss[k]) for k in serial.loss)
 
 
+def test_a_split_placed_between_steps_copies_on_its_own_stream_and_arrives_whole():
+    """Placement on CUDA: the slices are copied on a stream of their own while the current stream is busy (a
+    training step's work), each advance returns without waiting for that work, and the split that finish() gives
+    is read on the current stream with every image equal to the host's."""
+    from tests.test_fast_validation import _loader_batches
+
+    from launcher.rank.validate.store import Placement, PreloadedSplit
+
+    device = torch.device("cuda", 0)
+    batches = _loader_batches(40, 8, shape=(256, 320), seed=3)
+    want = PreloadedSplit.load(batches, torch.device("cpu"))
+    placing = Placement(PreloadedSplit.read(batches), device, slice_bytes=4 * 3 * 256 * 320)
+    assert placing.ahead and placing.stream is not None and placing.stream != torch.cuda.current_stream(device)
+    busy = torch.randn(4096, 4096, device=device)
+    for _ in range(6):
+        done = torch.cuda.Event()
+        for _ in range(20):  # the "step": tens of milliseconds of work on the current stream
+            busy = torch.tanh(busy @ busy / 64)
+        done.record()
+        placing.advance()
+        assert not done.query()  # the copy did not wait for the step
+    torch.cuda.synchronize(device)
+    assert placing.copied == 6 * 4 * 3 * 256 * 320 and not placing.done
+    got = placing.finish()
+    assert got.on_device and all(g.img.device == device for g in got.groups.values())
+    for x, y in zip(got.batches(16), want.batches(16)):
+        assert x.files == y.files and torch.equal(x.img.cpu(), y.img) and torch.equal(x.cls.cpu(), y.cls)
+
+
 def test_the_step_profile_reads_the_loops_steps_on_the_gpus_timeline(tmp_path):
     """bench.profile on CUDA: the profiled steps' timeline, one stream busy, the trace itself not kept."""
     from tests.test_step_profile import profile_a_loop

@@ -85,6 +85,18 @@ def test_hooks_run_around_every_step_and_epoch_and_the_next_batch_is_fetched_dur
     ]  # fmt: skip
 
 
+def test_the_validation_split_is_read_after_the_first_step_and_placed_a_slice_after_each_later_one():
+    """ReadAhead: the split's reading starts once the training loader runs (after the first step, never before it),
+    and each later step boundary, every epoch, moves a slice of it to the device."""
+    events = []
+    read_ahead = hooks.ReadAhead(lambda: events.append(("read_ahead",)), lambda: events.append(("place_ahead",)))
+    make_loop(events, epochs=2, steps=2, extra=[read_ahead]).run()
+    ours = [(i, e) for i, e in enumerate(events) if e[0] in ("read_ahead", "place_ahead")]
+    first_step_end = events.index(("hook", "after_step", 0, 1))
+    assert [e for _, e in ours] == [("read_ahead",), ("place_ahead",), ("place_ahead",), ("place_ahead",)]
+    assert ours[0][0] == first_step_end + 1
+
+
 def test_a_loop_resumed_mid_epoch_continues_at_its_step_with_the_mean_loss_of_the_steps_before():
     state = TrainState(epoch=1, step=2, tloss={"box_loss": torch.tensor(10.0)}, tloss_steps=2)
     loop = make_loop([], epochs=2, steps=3, state=state)

@@ -275,18 +275,21 @@ class InputBoundWarning(Hook):
 
 class ReadAhead(Hook):
     """Once, after this process's first step: `start()`, the validation loader's workers set reading the split, and a
-    thread keeping it in host memory, while the epoch trains (FastValidator.read_ahead), so that the first validation
-    only copies it to the device. After a step rather than before the first: the training loader's workers and
-    threads are up by then (Ultralytics, too, forks a loader's workers only at its first iteration, not while another
-    loader starts)."""
+    thread keeping it in host memory, while the epoch trains (FastValidator.read_ahead). After a step rather than
+    before the first: the training loader's workers and threads are up by then (Ultralytics, too, forks a loader's
+    workers only at its first iteration, not while another loader starts). After every later step: `advance()`, a
+    slice of what was read copied to the device (FastValidator.place_ahead), so that the first validation finds the
+    split there."""
 
-    def __init__(self, start):
-        self.start = start
+    def __init__(self, start, advance=None):
+        self.start, self.advance = start, advance
 
     def after_step(self, loop: TrainLoop) -> None:
         if self.start is not None:
             start, self.start = self.start, None
             start()
+        elif self.advance is not None:
+            self.advance()
 
 
 class Evaluate(Hook):

@@ -9,7 +9,8 @@ A training run, per step: Meter stamps the batch in hand (before_launch) and the
   FaultInjection  a test's fault fires after a step, like a real one;
   StopOnSignal    then every rank agrees on a signal (a collective at every step), rank 0 saves and all exit;
   ReadAhead       once, after the first step: the validation loader's workers, and a thread keeping what they
-                  read in host memory, start on the split;
+                  read in host memory, start on the split; after each later step, once it is read, a slice of it
+                  is copied to the device;
   Progress        a line every log.interval_steps steps.
 and per epoch (after_epoch):
   Meter           pauses: validation and checkpoints are not training time;
@@ -110,7 +111,7 @@ def train(cfg: dict, plan: LaunchPlan, folder: RunFolder, stamps: dict | None = 
             h.FaultInjection(r.faults),
             h.StopOnSignal(r.comm, r.heartbeat, r.inputs, save=lambda loop: checkpointer.save(wait=True),
                            log=r.log),
-            h.ReadAhead(getattr(r.validator, "read_ahead", None)),
+            h.ReadAhead(getattr(r.validator, "read_ahead", None), getattr(r.validator, "place_ahead", None)),
             evaluate,
             h.ResultsCsv(folder.path / "results.csv", r.validator.metric_keys, r.schedule.lrs, label_loss_items)
             if on_rank0 else None,

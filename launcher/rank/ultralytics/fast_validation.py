@@ -1,8 +1,8 @@
 """Validation at inference speed (`val.engine=fast`, what `auto` picks), with Ultralytics' metrics.
 
 The split is read once per run through Ultralytics' own validation loader (rect batches, pad 0.5: its pixels) and kept
-on the device (rank/validate/store.py; a thread reads it into host memory during the first epoch: `read_ahead`,
-SplitReader); each validation then runs the EMA in fp16 over large batches, replayed as CUDA graphs
+on the device (rank/validate/store.py; during the first epoch a thread reads it into host memory, `read_ahead` and
+SplitReader, and the training thread copies it to the device a slice between two steps, `place_ahead`); each validation then runs the EMA in fp16 over large batches, replayed as CUDA graphs
 (rank/validate/forward.py; `folded`: a copy with its BatchNorms folded, folded.py), with NMS
 and the matching of detections to targets batched over the whole batch on the device (rank/validate/nms.py,
 matching.py), on a second CUDA stream while the next batch's forward runs (rank/validate/engine.py). What reaches
@@ -42,7 +42,7 @@ from launcher.rank.ultralytics.validation import label_loss_items
 from launcher.rank.validate.confusion import confusion_counts
 from launcher.rank.validate.engine import NmsSettings, detections_of, run_pass
 from launcher.rank.validate.forward import InferenceForward, autocast_to
-from launcher.rank.validate.store import PreloadedSplit
+from launcher.rank.validate.store import Placement, PreloadedSplit
 
 PLOTTED_BATCHES = 3  # BaseValidator plots its first three batches
 
@@ -84,6 +84,7 @@ class FastValidator:
         self.validator = DetectionValidator(loader, save_dir=run_dir, args=copy(hyp))
         self.split: PreloadedSplit | None = None
         self.reading: SplitReader | None = None  # the split being read during training (read_ahead)
+        self.placing: Placement | None = None  # the split read, being copied to the device (place_ahead)
         self.forward: InferenceForward | None = None
         self.stream: torch.cuda.Stream | None = None  # the post-processing's, one batch behind the forward (CUDA)
         self.timing: dict[str, float] = {}  # preload_s (once), last pass_s and images/s
@@ -94,8 +95,8 @@ class FastValidator:
 
     def read_ahead(self) -> None:
         """The loader's workers start reading this rank's shard now, while training goes on, and a thread takes their
-        batches as they come into host memory (PreloadedSplit.read), so that the first validation only copies the
-        split to the device. Nothing to do with no workers (the thread would decode in this process), or once the
+        batches as they come into host memory (PreloadedSplit.read); place_ahead then copies it to the device between
+        steps. Nothing to do with no workers (the thread would decode in this process), or once the
         split is read or being read. On CUDA, a second thread compiles the validation's Triton kernels (WarmUp): the
         NMS and matching scans, and the folded forward's."""
         if self.split is None and self.reading is None and datasets.start_workers(self.loader):
@@ -104,24 +105,42 @@ class FastValidator:
             names = (*kernels.VALIDATION, *kernels.SCANS) if self.fold else kernels.SCANS
             self.warming = kernels.WarmUp(self.device, self.amp_dtype or torch.float32, names)
 
+    def place_ahead(self) -> None:
+        """After a training step: once read_ahead's thread has read the split, one slice of it copied to the device
+        (Placement.advance, on the training thread, between two steps), so that the first validation finds it there.
+        Nothing while it is being read (or failed to be: the validation says why), nor once it is placed."""
+        if self.split is not None or self.device is None:
+            return
+        if self.placing is None:
+            if self.reading is None or not self.reading.succeeded:
+                return
+            self.placing = Placement(self.reading.result()[0], self.device)
+        if not self.placing.done:
+            self.placing.advance()
+
     def preload(self, device: torch.device) -> None:
         """This rank's shard, once: its loader's batches kept (the loader's workers are not needed after)."""
         started = time.perf_counter()
         read_s = None
-        if self.reading is not None:  # read during training: what is left of it, then the copy to the device
+        if self.reading is not None:  # read during training: what is left of it, then what is left of the copy
             groups, read_s = self.reading.result()
-            self.split = PreloadedSplit.place(groups, device)
+            self.placing = self.placing or Placement(groups, device)
+            ahead = self.placing.copied if self.placing.ahead else None  # None: nothing to copy ahead
+            self.split = self.placing.finish()
         else:
             self.split = PreloadedSplit.load(iter(self.loader), device, on_batch=self.on_batch)
+        self.placing = None
         self.timing["preload_s"] = time.perf_counter() - started
-        self.loader.close()  # its workers are done: the split is read from memory from now on
+        self.loader.close()  # its workers are done (SplitReader has closed it): the split is read from memory now
         where = "on the device" if self.split.on_device else "in pinned host memory"
         shapes = ", ".join(f"{n} at {h}x{w}" for (h, w), n in self.split.shapes.items())
-        took = (f"preloaded in {self.timing['preload_s']:.2f} s" if read_s is None else
-                f"read during training in {read_s:.2f} s, then waited for and placed in {self.timing['preload_s']:.2f} "
-                "s")
-        self.log(f"validation: {len(self.split)} images ({shapes}) {where}, {took} ({self.split.nbytes / 2**20:.0f} "
-                 "MiB)")
+        mib = self.split.nbytes / 2**20
+        took = f"preloaded in {self.timing['preload_s']:.2f} s"
+        if read_s is not None:
+            copied = "" if ahead is None else f", {ahead / 2**20:.0f} MiB of it copied to the device between steps"
+            took = (f"read during training in {read_s:.2f} s{copied}, then waited for and placed in "
+                    f"{self.timing['preload_s']:.2f} s")
+        self.log(f"validation: {len(self.split)} images ({shapes}) {where}, {took} ({mib:.0f} MiB)")
 
     def validate(self, ema, comm: Comm, *, device, data, amp: bool, loss_items: dict, epoch: int, epochs: int,
                  plots: bool = False, draw=None):
@@ -212,7 +231,12 @@ class FastValidator:
             v.confusion_matrix.matrix = np.sum([r["matrix"] for r in everyone], axis=0)
         drawing = _Drawing(v, plotted) if plots else None  # before get_stats clears the statistics
         v.args.plots = False  # the metrics without the plots: those are drawing's
+        detections = sum(len(c) for c in v.metrics.stats["conf"])
+        metrics_started = time.perf_counter()
         stats = v.get_stats()
+        if first:  # on the host, and as long as the detections are many: an untrained model's, at conf 0.001
+            self.log(f"validation: Ultralytics' metrics over {detections} detections in "
+                     f"{time.perf_counter() - metrics_started:.2f} s")
         v.speed = {"preprocess": 0.0, "inference": 1e3 * elapsed / max(result.images, 1), "loss": 0.0,
                    "postprocess": 0.0}
         v.finalize_metrics()
@@ -242,8 +266,9 @@ class FastValidator:
 
 class SplitReader:
     """PreloadedSplit.read of a loader in a thread of its own, started now (host memory only: it makes no CUDA call
-    while the training thread may be capturing a graph); `result()` waits for it: (the groups, the seconds it took),
-    or raises what the thread raised."""
+    while the training thread may be capturing a graph), then the loader's close, which joins its workers off the
+    training thread; `result()` waits for it: (the groups, the seconds the read took), or raises what the thread
+    raised."""
 
     def __init__(self, loader):
         self.loader = loader
@@ -258,6 +283,15 @@ class SplitReader:
             self._result = PreloadedSplit.read(iter(self.loader)), time.perf_counter() - started
         except BaseException as e:  # noqa: BLE001 - raised by result(), in the validating thread
             self._error = e
+        finally:
+            close = getattr(self.loader, "close", None)  # InfiniteDataLoader's: its workers are done either way
+            if close is not None:
+                close()
+
+    @property
+    def succeeded(self) -> bool:
+        """The split is read (result() returns at once)."""
+        return not self.thread.is_alive() and self._result is not None
 
     def result(self) -> tuple[dict, float]:
         self.thread.join()

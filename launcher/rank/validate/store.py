@@ -1,18 +1,23 @@
 """The validation split of this rank, loaded once per run and kept where the network reads it.
 
-The first validation iterates the rank's shard of Ultralytics' own validation loader once (its workers decode and
-letterbox every image: rectangular batches with pad 0.5, Ultralytics' pixels exactly) and keeps what it yields:
-the letterboxed images as uint8, grouped by shape, on the device when they fit (else in pinned host memory, copied
-per batch), and each image's labels padded to the group's most. Every later validation reads them from there.
+The rank's shard of Ultralytics' own validation loader is iterated once (its workers decode and letterbox every
+image: rectangular batches with pad 0.5, Ultralytics' pixels exactly) and what it yields is kept: the letterboxed
+images as uint8, grouped by shape, on the device when they fit (else in pinned host memory, copied per batch), and
+each image's labels padded to the group's most. Every validation reads them from there.
+
+Getting them there is `read` (host memory only: a thread may do it during training) then `Placement` (the copy to
+the device, a slice between two training steps, or all of it at the first validation).
 """
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
 
 DEVICE_SHARE = 0.5  # of the device's free memory the images may take; beyond it they stay in host memory
+SLICE_BYTES = 32 << 20  # images copied to the device between two training steps: the host stages each slice itself
 
 
 def device_free(device: torch.device) -> int:
@@ -69,19 +74,89 @@ class _Group:
         self.img, self.cls, self.xywh, self.count = torch.stack(self.images), cls, xywh, count
         self.images = []
 
-    def place(self, device: torch.device, on_device: bool) -> None:
-        if on_device:
-            self.img = self.img.to(device)
-        elif device.type == "cuda":
-            self.img = self.img.pin_memory()
+    def place_labels(self, device: torch.device) -> None:
         self.cls, self.xywh, self.count = self.cls.to(device), self.xywh.to(device), self.count.to(device)
+
+
+class Placement:
+    """`read`'s groups on their way to the device: `advance()` copies one slice of images (SLICE_BYTES), `finish()`
+    copies what is left and gives the PreloadedSplit. A training run advances it between steps, on the training
+    thread (never while that thread captures a graph), so that the first validation finds the images on the device.
+
+    The copies run on a stream of their own, so the training stream never waits for them; from pageable memory the
+    driver stages each copy before it returns, so the host's share is a slice's memcpy, not the whole split's. Where the images do not fit
+    (DEVICE_SHARE of the free memory, asked now), nothing is copied ahead: `finish()` pins them in host memory, as
+    PreloadedSplit.place does. Off CUDA there is nothing to copy, unless `ahead` asks (the tests: the slicing on the
+    CPU)."""
+
+    def __init__(self, groups: dict[tuple[int, int], _Group], device: torch.device, *, slice_bytes: int = SLICE_BYTES,
+                 ahead: bool | None = None):
+        self.groups, self.device, self.slice_bytes = groups, device, slice_bytes
+        nbytes = sum(g.img.numel() for g in groups.values())
+        self.on_device = device.type != "cuda" or nbytes <= DEVICE_SHARE * device_free(device)
+        self.ahead = (device.type == "cuda" and self.on_device) if ahead is None else ahead
+        self.stream = torch.cuda.Stream(device) if self.ahead and device.type == "cuda" else None
+        self._left = [g for g in groups.values() if len(g.files)] if self.ahead else []
+        self._targets: dict[int, torch.Tensor] = {}  # id(group) -> its images on the device, filled row by row
+        self._row = 0  # the next row of self._left[0] to copy
+        self.copied = 0  # bytes copied so far
+        self.slices = 0  # advance() calls that copied something
+
+    @property
+    def done(self) -> bool:
+        return not self._left
+
+    def advance(self, budget: int | None = None) -> bool:
+        """One slice (or `budget` bytes) more to the device, in whole images; True once nothing is left to copy."""
+        budget = self.slice_bytes if budget is None else budget
+        copied = 0
+        while self._left and copied < budget:
+            group = self._left[0]
+            src, n = group.img, len(group.files)
+            per_image = src[0].numel() * src.element_size()
+            fits = (budget - copied) // per_image
+            if not fits and copied:  # the slice is full; one image at least in each
+                break
+            end = min(n, self._row + max(1, fits))
+            with torch.cuda.stream(self.stream) if self.stream is not None else nullcontext():
+                if id(group) not in self._targets:  # allocated on the copies' stream, which fills it
+                    self._targets[id(group)] = torch.empty(src.shape, dtype=src.dtype, device=self.device)
+                self._targets[id(group)][self._row:end].copy_(src[self._row:end], non_blocking=True)
+            copied += (end - self._row) * per_image
+            self._row = end
+            if end == n:
+                self._left.pop(0)
+                self._row = 0
+        self.copied += copied
+        self.slices += copied > 0
+        return self.done
+
+    def finish(self) -> PreloadedSplit:
+        """Every image where it is read from, the copies waited for by the current stream: the split."""
+        while not self.advance(budget=1 << 62):
+            pass
+        if self.stream is not None:  # the images are read on the current stream from now on
+            current = torch.cuda.current_stream(self.device)
+            current.wait_stream(self.stream)
+            for target in self._targets.values():
+                target.record_stream(current)
+        for group in self.groups.values():
+            if id(group) in self._targets:
+                group.img = self._targets[id(group)]
+            elif self.on_device:
+                group.img = group.img.to(self.device)
+            elif self.device.type == "cuda":
+                group.img = group.img.pin_memory()
+            group.place_labels(self.device)
+        self._targets.clear()
+        return PreloadedSplit(self.groups, self.device, self.on_device)
 
 
 class PreloadedSplit:
     """`PreloadedSplit.load(loader_batches, device)`, then `batches(size)` as often as wanted. `load` is `read` (on
     the host) then `place` (on the device), which a caller may run apart: `read` makes no CUDA call, so a thread may
     run it while the training thread captures CUDA graphs (another thread's allocation or copy would invalidate a
-    capture in progress)."""
+    capture in progress); `Placement` places a slice at a time."""
 
     def __init__(self, groups: dict[tuple[int, int], _Group], device: torch.device, on_device: bool):
         self.groups, self.device, self.on_device = groups, device, on_device
@@ -114,11 +189,7 @@ class PreloadedSplit:
     @classmethod
     def place(cls, groups: dict[tuple[int, int], _Group], device: torch.device) -> PreloadedSplit:
         """`read`'s groups on the device when they fit (DEVICE_SHARE of its free memory), else in pinned host memory."""
-        nbytes = sum(g.img.numel() for g in groups.values())
-        on_device = device.type != "cuda" or nbytes <= DEVICE_SHARE * device_free(device)
-        for group in groups.values():
-            group.place(device, on_device)
-        return cls(groups, device, on_device)
+        return Placement(groups, device).finish()
 
     def __len__(self) -> int:
         return sum(len(g.files) for g in self.groups.values())
