@@ -4,9 +4,10 @@ validator runs it by default; the auto-batch probe's training network), or in it
 rank/ultralytics/folded.py).
 
 The eager forward of a detector launches hundreds of small kernels per batch, and the host's launch time bounds it
-at large batches as in training (rank/step/graphed.py). Each graph is captured at the first batch of its shape,
-over a static input of `batch` rows: a shorter batch fills the first rows and reads only their outputs (in eval mode
-each image's output depends on that image alone). The graphs read the network's parameters and buffers where they
+at large batches as in training (rank/step/graphed.py). Each graph is captured at the first batch of its shape and
+size, over a static input of `batch` rows, or for a shorter batch (a shape's last) of its size rounded up to a
+quarter of `batch`: a replay computes every row, so the split's last batch does not pay for a whole one. A batch
+fills the first rows and reads only their outputs (in eval mode each image's output depends on that image alone). The graphs read the network's parameters and buffers where they
 are, so the EMA's updates between validations and best.pt's weights loaded in place are what they compute with.
 The Detect head caches its anchors per input shape: the tensors a graph was captured with are kept alive here.
 """
@@ -18,7 +19,7 @@ import time
 import torch
 from torch.utils import _pytree as pytree
 
-MAX_GRAPHS = 4  # shapes captured; images of further shapes run eagerly (rectangular batches of mixed aspect ratios)
+MAX_GRAPHS = 6  # (shape, rows) captured; further batches run eagerly (rectangular batches of mixed aspect ratios)
 CAPTURE_MODE = "thread_local"  # the input's threads run beside a validation (rank/step/captured_step.py says why)
 
 
@@ -43,7 +44,7 @@ class InferenceForward:
         self.input_dtype = input_dtype
         self.graphs = graphs and device.type == "cuda"
         self.channels_last = device.type == "cuda"
-        self._captured: dict[tuple[int, int], tuple] = {}  # shape -> (graph, input, outputs, spec, kept tensors)
+        self._captured: dict[tuple[int, int, int], tuple] = {}  # (rows, H, W) -> (graph, input, outputs, spec, kept)
         self._pool = None
         self.failed = False
 
@@ -60,21 +61,27 @@ class InferenceForward:
 
     @torch.no_grad()
     def __call__(self, img: torch.Tensor):
-        shape = tuple(img.shape[2:])
-        if self.graphs and not self.failed and (shape in self._captured or len(self._captured) < MAX_GRAPHS):
-            if shape not in self._captured:
-                self._capture(shape)
-            if shape in self._captured:
-                graph, static, outputs, spec, _ = self._captured[shape]
+        key = (self.rows_for(len(img)), *img.shape[2:])
+        if self.graphs and not self.failed and (key in self._captured or len(self._captured) < MAX_GRAPHS):
+            if key not in self._captured:
+                self._capture(key)
+            if key in self._captured:
+                graph, static, outputs, spec, _ = self._captured[key]
                 self._input(img, static)
                 graph.replay()
                 return pytree.tree_unflatten(list(outputs), spec)
         with self.autocast():
             return self.model(self._input(img))
 
-    def _capture(self, shape: tuple[int, int]) -> None:
+    def rows_for(self, n: int) -> int:
+        """The rows of the graph that computes a batch of n images: `batch`, or n rounded up to a quarter of it."""
+        quarter = max(1, self.batch // 4)
+        return min(self.batch, -(-n // quarter) * quarter)
+
+    def _capture(self, key: tuple[int, int, int]) -> None:
         started = time.perf_counter()
-        static = torch.zeros((self.batch, 3, *shape), dtype=self.input_dtype, device=self.device)
+        rows, *shape = key
+        static = torch.zeros((rows, 3, *shape), dtype=self.input_dtype, device=self.device)
         static = static.contiguous(memory_format=torch.channels_last)
         try:
             side = torch.cuda.Stream(self.device)
@@ -95,6 +102,6 @@ class InferenceForward:
         head = self.model.model[-1] if hasattr(self.model, "model") else None
         kept = tuple(getattr(head, name) for name in ("anchors", "strides") if isinstance(getattr(head, name, None),
                                                                                           torch.Tensor))
-        self._captured[shape] = (graph, static, tuple(leaves), spec, kept)
-        self.log(f"validation forward captured as a CUDA graph for batches of {self.batch} x {shape[0]}x{shape[1]} in "
+        self._captured[key] = (graph, static, tuple(leaves), spec, kept)
+        self.log(f"validation forward captured as a CUDA graph for batches of {rows} x {shape[0]}x{shape[1]} in "
                  f"{time.perf_counter() - started:.2f} s")
