@@ -107,11 +107,13 @@ def test_the_run_folder_holds_config_plan_logs_weights_and_summary(run):
 
 def test_a_run_from_model_weights_with_adamw_follows_the_cosine_schedule(run, tmp_path):
     """model=checkpoint starts from the weights (Ultralytics' transfer), not from scratch; AdamW trains; with
-    optim.cos_lr and no warmup every epoch's lr is lr0 x the cosine factor of Ultralytics' one-cycle schedule."""
+    optim.cos_lr and no warmup every epoch's lr is lr0 x the cosine factor of Ultralytics' one-cycle schedule. Its
+    validations run on the EMA's folded copy (val.fold_batchnorm), made once."""
     _, first = run
     weights = json.loads((first / "summary.json").read_text())["weights"]
     args = ["model=checkpoint", f"model.weights={weights}", "optim.name=adamw", "optim.cos_lr=true",
-            "optim.warmup_epochs=0", "optim.base_lr=0.002", "train.epochs=3", "train.plots=false", *TINY]
+            "optim.warmup_epochs=0", "optim.base_lr=0.002", "train.epochs=3", "train.plots=false",
+            "val.fold_batchnorm=true", *TINY]
     r = ddp_launch(args, cwd=tmp_path)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     run_dir = run_dir_of(r)
@@ -120,6 +122,7 @@ def test_a_run_from_model_weights_with_adamw_follows_the_cosine_schedule(run, tm
     assert transferred and transferred[1] == transferred[2], log[-2000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["loss_finite"] and summary["epochs_completed"] == 3
+    assert len(re.findall(r"the EMA copied with \d+ BatchNorms folded", log)) == 1 and summary["map50_95"] >= 0
     assert "optimizer: AdamW" in (run_dir / "args.yaml").read_text()
     rows = list(csv.DictReader(open(run_dir / "results.csv")))
     lrf = 0.01

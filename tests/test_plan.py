@@ -194,6 +194,8 @@ def test_dry_run_turns_machine_problems_into_warnings_but_not_config_errors():
         (["val.engine=turbo"], "val.engine='turbo': expected auto, fast or ultralytics"),
         (["val.batch=0"], "val.batch=0: must be >= 1"),
         (["val.cuda_graphs=maybe"], "val.cuda_graphs='maybe': expected auto, true or false"),
+        (["val.fold_batchnorm=1"], "val.fold_batchnorm=1: expected true or false"),
+        (["val.fold_batchnorm=yes"], "val.fold_batchnorm='yes': expected true or false"),
         (["val.engine=fast", "+train.extra.save_json=true"], "the fast validation engine does not write it"),
     ],
 )

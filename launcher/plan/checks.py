@@ -266,7 +266,7 @@ def val_batch(val: dict, micro_batch: int) -> int:
 
 
 def val_problems(val: dict, train: dict) -> list[Problem]:
-    """val.engine, val.batch and val.cuda_graphs; what the fast engine cannot write."""
+    """val.engine, val.batch, val.cuda_graphs and val.fold_batchnorm; what the fast engine cannot write."""
     problems: list[Problem] = []
     val = val or {}
     if not one_of(val.get("engine", "auto"), VAL_ENGINES, "val.engine", problems, "auto, fast or ultralytics"):
@@ -274,6 +274,9 @@ def val_problems(val: dict, train: dict) -> list[Problem]:
     if val.get("batch", "auto") != "auto":
         as_int(val.get("batch"), "val.batch", problems, 1)
     one_of(val.get("cuda_graphs", "auto"), GRAPHS_VALUES, "val.cuda_graphs", problems, "auto, true or false")
+    fold = val.get("fold_batchnorm", False)
+    if not isinstance(fold, bool):  # 1 == True: one_of would take it
+        problems.append(Problem(f"val.fold_batchnorm={fold!r}: expected true or false"))
     extra = train.get("extra") or {}
     if val.get("engine") == "fast":
         problems += [Problem(f"train.extra.{k}=true: the fast validation engine does not write it; use "

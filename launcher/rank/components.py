@@ -431,7 +431,8 @@ class Rank:
             return Validator(self.val_loader, self.hyp, self.folder.path, on_batch=beat)
         return FastValidator(self.val_loader, self.hyp, self.folder.path,
                              batch=checks.val_batch(val, self.plan.micro_batch), amp_dtype=self.amp_dtype,
-                             cuda_graphs=self._val_graphs(), device=self.device, on_batch=beat, log=self.log)
+                             cuda_graphs=self._val_graphs(), folded=val.get("fold_batchnorm", False) is True,
+                             device=self.device, on_batch=beat, log=self.log)
 
     def _val_graphs(self) -> bool:
         """val.cuda_graphs: the fast engine's forward replayed as CUDA graphs."""
