@@ -2,13 +2,13 @@
 
 The split is read once per run through Ultralytics' own validation loader (rect batches, pad 0.5: its pixels) and kept
 on the device (rank/validate/store.py; during the first epoch a thread reads it into host memory, `read_ahead` and
-SplitReader, and the training thread copies it to the device a slice between two steps, `place_ahead`); each validation then runs the EMA in fp16 over large batches, replayed as CUDA graphs
-(rank/validate/forward.py; `folded`: a copy with its BatchNorms folded, folded.py), with NMS
-and the matching of detections to targets batched over the whole batch on the device (rank/validate/nms.py,
-matching.py), on a second CUDA stream while the next batch's forward runs (rank/validate/engine.py). What reaches
-the metrics is what DetectionValidator's update_metrics collects, in the same layout; Ultralytics' own DetMetrics
-(ap_per_class), ConfusionMatrix and plotting compute and draw the rest, through a DetectionValidator that never runs
-a batch itself:
+SplitReader, and the training thread copies it to the device a slice between two steps, `place_ahead`); each
+validation then runs the EMA in fp16 over large batches, replayed as CUDA graphs (rank/validate/forward.py;
+`folded`: a copy with its BatchNorms folded, folded.py), with NMS and the matching of detections to targets
+batched over the whole batch on the device (rank/validate/nms.py, matching.py), on a second CUDA stream while the
+next batch's forward runs (rank/validate/engine.py). What reaches the metrics is what DetectionValidator's
+update_metrics collects, in the same layout; Ultralytics' own DetMetrics (ap_per_class), ConfusionMatrix and
+plotting compute and draw the rest, through a DetectionValidator that never runs a batch itself:
   - the PR/F1/P/R curves from DetMetrics.process(plot=True), as Ultralytics draws them;
   - the confusion matrix of ConfusionMatrix.process_batch on the same detections (only when plots are drawn: the
     final validation), counted a batch at a time on the device (rank/validate/confusion.py; image by image through
@@ -67,9 +67,9 @@ class FastValidator:
     """The interface of validation.Validator: `validate(...)` -> (metrics, fitness) on rank 0, (None, None)
     elsewhere; every rank calls it. `batch`: images per forward; `cuda_graphs`: replay the forward per shape;
     `pipelined`: on CUDA, each batch's post-processing on a second stream while the next batch's forward runs;
-    `folded`: the forward on a copy of the EMA with BatchNorm folded (folded.py), in the AMP dtype on CUDA, instead of
-    the EMA under autocast: its forward is faster, but the pass is not bound by the forward and the first validation
-    pays for the copy and Triton's start, so it is off (docs/benchmarks/h200-validation/README.md).
+    `folded` (val.fold_batchnorm, off by default): the forward on a copy of the EMA with BatchNorm folded (folded.py),
+    in the AMP dtype on CUDA, instead of the EMA under autocast: a faster forward, which the pass was not bound by
+    when last measured, and the first validation pays for the copy (docs/benchmarks/h200-validation/README.md).
     `device`: the rank's, where read_ahead warms the folded forward's kernels up."""
 
     def __init__(self, loader, hyp, run_dir, *, batch: int, amp_dtype: torch.dtype | None, cuda_graphs: bool = True,

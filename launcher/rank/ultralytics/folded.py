@@ -1,7 +1,7 @@
 """The fast validator's inference copy of the detector, BatchNorm folded into the convolutions, in the validation's
-dtype: `FastValidator(folded=True)`. Off by default: its forward is faster, but the validation pass was not (the
-pass is bound by the post-processing, and the first validation pays for the copy and Triton's start:
-docs/benchmarks/h200-validation/README.md); kept for the benchmark's A/B, and for when the post-processing is faster.
+dtype: `val.fold_batchnorm=true` (`FastValidator(folded=True)`). Off by default: its forward is faster, but when
+last measured the validation pass was not (it was bound by the post-processing, since moved to Triton, and the first
+validation pays for the copy: docs/benchmarks/h200-validation/README.md).
 
 Ultralytics' standalone validator folds each Conv's BatchNorm into its convolution (BaseModel.fuse); its validation
 during training runs the EMA as it is. Folding removes a pass over every activation, but only pays with the

@@ -84,10 +84,10 @@ class Placement:
     thread (never while that thread captures a graph), so that the first validation finds the images on the device.
 
     The copies run on a stream of their own, so the training stream never waits for them; from pageable memory the
-    driver stages each copy before it returns, so the host's share is a slice's memcpy, not the whole split's. Where the images do not fit
-    (DEVICE_SHARE of the free memory, asked now), nothing is copied ahead: `finish()` pins them in host memory, as
-    PreloadedSplit.place does. Off CUDA there is nothing to copy, unless `ahead` asks (the tests: the slicing on the
-    CPU)."""
+    driver stages each copy before it returns, so the host's share is a slice's memcpy, not the whole split's. Where
+    the images do not fit (DEVICE_SHARE of the free memory, asked now), nothing is copied ahead: `finish()` pins them
+    in host memory, as PreloadedSplit.place does. Off CUDA there is nothing to copy, unless `ahead` asks (the tests:
+    the slicing on the CPU)."""
 
     def __init__(self, groups: dict[tuple[int, int], _Group], device: torch.device, *, slice_bytes: int = SLICE_BYTES,
                  ahead: bool | None = None):
