@@ -727,6 +727,11 @@ def test_the_pipelined_validation_pass_computes_what_the_serial_pass_computes(tm
     with torch.inference_mode():  # the premise: batches' outputs differ, so an output overwritten too soon shows
         out = forward(first.img).clone()
         assert not torch.equal(forward(second.img)[:16], out)
+        last = list(split.batches(16))[-1]  # 8 images: the whole graph's 16 rows once, then a graph of 8 rows
+        forward(last.img)
+        assert sorted(rows for rows, *_ in forward._captured) == [16]
+        forward(last.img)
+        assert sorted(rows for rows, *_ in forward._captured) == [8, 16]
     loss_fn = lambda targets, preds: {"preds": preds.sum(), "targets": targets["bboxes"].sum()}  # noqa: E731
     passes = []
     for stream in (None, torch.cuda.Stream(device), None):
@@ -735,8 +740,6 @@ def test_the_pipelined_validation_pass_computes_what_the_serial_pass_computes(tm
                                    stream=stream))
     serial, pipelined, again = passes
     assert pipelined.batches == serial.batches == 5  # batches of 16, 16, 16, 16, 8: the last replays a graph of 8 rows
-    assert sorted(rows for rows, *_ in forward._captured) == [8, 16]
-    last = list(split.batches(16))[-1]
     with torch.inference_mode(), forward.autocast():  # the short graph computes what the network computes
         eager = model(last.img.half() / 255)
         assert torch.allclose(forward(last.img)[: last.n].float(), eager.float(), rtol=1e-3, atol=1e-3)

@@ -6,8 +6,9 @@ rank/ultralytics/folded.py).
 The eager forward of a detector launches hundreds of small kernels per batch, and the host's launch time bounds it
 at large batches as in training (rank/step/graphed.py). Each graph is captured at the first batch of its shape and
 size, over a static input of `batch` rows, or for a shorter batch (a shape's last) of its size rounded up to a
-quarter of `batch`: a replay computes every row, so the split's last batch does not pay for a whole one. A batch
-fills the first rows and reads only their outputs (in eval mode each image's output depends on that image alone).
+quarter of `batch`: a replay computes every row, so the split's last batch does not pay for a whole one. The first
+time a short batch comes after its shape's whole graph, it replays that one instead, so that the run's first
+validation (which outlasts the later ones) captures one graph per shape. A batch fills the first rows and reads only their outputs (in eval mode each image's output depends on that image alone).
 The graphs read the network's parameters and buffers where they are, so the EMA's updates between validations and
 best.pt's weights loaded in place are what they compute with.
 The Detect head caches its anchors per input shape: the tensors a graph was captured with are kept alive here.
@@ -46,6 +47,7 @@ class InferenceForward:
         self.graphs = graphs and device.type == "cuda"
         self.channels_last = device.type == "cuda"
         self._captured: dict[tuple[int, int, int], tuple] = {}  # (rows, H, W) -> (graph, input, outputs, spec, kept)
+        self._deferred: set[tuple[int, int, int]] = set()  # short batches' keys replayed once on the whole graph
         self._pool = None
         self.failed = False
 
@@ -63,6 +65,10 @@ class InferenceForward:
     @torch.no_grad()
     def __call__(self, img: torch.Tensor):
         key = (self.rows_for(len(img)), *img.shape[2:])
+        whole = (self.batch, *img.shape[2:])
+        if key not in self._captured and whole in self._captured and key not in self._deferred:
+            self._deferred.add(key)  # this once, the shape's whole graph: the first validation captures one per shape
+            key = whole
         if self.graphs and not self.failed and (key in self._captured or len(self._captured) < MAX_GRAPHS):
             if key not in self._captured:
                 self._capture(key)
