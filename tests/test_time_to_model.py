@@ -76,6 +76,39 @@ def test_the_sides_alternate_seed_by_seed_and_bad_seeds_are_named():
     assert "give train.batch_per_device as a number" in ttm.problems({"seeds": [0]}, {"batch_per_device": "auto"})[0]
 
 
+def test_a_variant_is_a_side_of_its_own_whose_overrides_replace_the_shared_settings(tmp_path):
+    """bench.variants: a ddp_launch-NAME side per seed beside the defaults (the order still reversed every other
+    seed); its command is the defaults' with its overrides, one value per key (Hydra takes no key twice)."""
+    sides = ttm.side_names({"every5": ["train.val_interval=5"]})
+    assert ttm.run_order([0, 1], sides) == [("ultralytics", 0), ("ddp_launch", 0), ("ddp_launch-every5", 0),
+                                            ("ddp_launch-every5", 1), ("ddp_launch", 1), ("ultralytics", 1)]
+    cfg = {"train": {"imgsz": 640, "epochs": 10, "batch_per_device": 64, "close_mosaic": 5},
+           "model": {"name": "yolov8s", "cfg": "yolov8s.yaml", "weights": None}, "optim": {"base_lr": 0.01},
+           "paths": {"cache": "/c"}}
+    base = ttm.ddp_launch_command(cfg, tmp_path / "d.yaml", 0, True, tmp_path / "run")
+    varied = ttm.ddp_launch_command(cfg, tmp_path / "d.yaml", 0, True, tmp_path / "run",
+                                    ["train.val_interval=5", "val.fold_batchnorm=true"])
+    assert "train.val_interval=1" in base and "train.val_interval=1" not in varied
+    assert varied == [a for a in base if a != "train.val_interval=1"] + ["train.val_interval=5",
+                                                                           "val.fold_batchnorm=true"]
+    assert ttm.problems({"variants": {"every5": ["train.val_interval=5"]}}) == []
+    assert "letters, digits and underscores" in ttm.problems({"variants": {"every 5": ["train.val_interval=5"]}})[0]
+    assert "a list of key=value overrides" in ttm.problems({"variants": {"x": "train.val_interval=5"}})[0]
+    assert "expected {name: [key=value, ...]}" in ttm.problems({"variants": ["train.val_interval=5"]})[0]
+
+
+def test_a_variants_bad_value_or_unknown_key_is_refused_before_any_side_runs(tmp_path):
+    out = tmp_path / "b"
+    args = ["bench.kind=time_to_model", "gpus=0", "data=shapes", *TINY, f"hydra.run.dir={out}",
+            'bench.variants={bad:["val.fold_batchnorm=1"],typo:["val.fold_batchnrm=true"],fine:["train.val_interval=2"]}']
+    result = ddp_launch(args, cwd=tmp_path, timeout=300, tool="ddp-bench")
+    assert result.returncode != 0
+    said = result.stdout + result.stderr
+    assert "bench.variants.bad: val.fold_batchnorm=1: expected true or false" in said, said[-3000:]
+    assert "bench.variants.typo: val.fold_batchnrm: not a ddp-launch key; did you mean val.fold_batchnorm?" in said
+    assert "bench.variants.fine" not in said and not list(out.glob("*-seed*"))  # nothing ran
+
+
 def side(name: str, seed: int, wall: float, map50_95: float, data_wait: float | None) -> dict:
     parts = {"startup": 0.2 * wall, "training": 0.6 * wall, "validation": 0.1 * wall, "boundaries": 0.05 * wall,
              "end": 0.05 * wall, "other": 0.0}
@@ -132,6 +165,28 @@ def test_the_report_shows_each_run_the_means_the_ratio_and_the_verdict(tmp_path)
     assert (tmp_path / "bench.png").stat().st_size > 0
 
 
+def test_a_variant_is_reported_against_the_defaults_and_ultralytics_outside_the_verdict(tmp_path):
+    variants = {"folded": ["val.fold_batchnorm=true"], "broken": ["train.val_interval=5"]}
+    out = ttm.summarize([side("ultralytics", 0, 100.0, 0.96, 0.30), side("ddp_launch", 0, 50.0, 0.965, 0.02),
+                         side("ddp_launch-folded", 0, 40.0, 0.964, 0.02),
+                         {"name": "ddp_launch-broken", "seed": 0, "error": "exit code 1; see x.log"}], variants)
+    assert out["ratio"] == pytest.approx(2.0) and out["verdict"]["met"] is True  # the defaults' alone
+    folded = out["variants"]["folded"]
+    assert folded["vs_defaults"] == pytest.approx(1.25) and folded["vs_ultralytics"] == pytest.approx(2.5)
+    assert out["variants"]["broken"]["wall_s"] is None
+    out.update(kind="time_to_model", command="ddp-bench bench.kind=time_to_model", environment={
+        "gpus": ["H200"], "torch": "2.11", "cpu_count": 16, "python": "3.12"}, settings={
+        "model": "yolov8s.yaml", "data": {"train_images": 8000, "val_images": 800, "mean_train_file_kb": 126.3},
+        "imgsz": 640, "epochs": 10, "batch": 64, "lr0": 0.01, "close_mosaic": 5, "device": "one GPU", "seeds": [0],
+        "variants": variants})
+    ttm.write(out, tmp_path)
+    md = (tmp_path / "bench.md").read_text()
+    assert ("- ddp_launch-folded (`val.fold_batchnorm=true`): 40.0 s, mAP50-95 0.9640; the defaults' wall clock / "
+            "its: 1.250x, Ultralytics' / its: 2.50x") in md
+    assert "- ddp_launch-broken (`train.val_interval=5`): failed" in md
+    assert "| ddp_launch-folded | 0 | 40.0 |" in md and "**2.00x** (seed 0: 2.00x)" in md
+
+
 def test_the_ultralytics_callbacks_stamp_its_epochs_and_the_end_after_final_eval():
     """The callbacks in the order Ultralytics' trainer fires them (engine/trainer.py): the final weights are on disk
     once final_eval has stripped them and validated best.pt."""
@@ -178,19 +233,25 @@ def test_the_ultralytics_callbacks_stamp_its_epochs_and_the_end_after_final_eval
 
 @pytest.mark.slow
 def test_the_benchmark_on_the_cpu_reports_both_sides_and_parts_that_add_up(tmp_path, cache_dir):
-    """Both sides for real, tiny data: each side's wall clock is its breakdown's parts, the ddp-launch side's
-    timeline is in order, and the report's three files agree."""
+    """Both sides for real, tiny data, and a variant of ddp-launch's (bench.variants): each side's wall clock is its
+    breakdown's parts, the ddp-launch side's timeline is in order, the variant ran with its override, and the
+    report's three files agree."""
     out = tmp_path / "b"
     tiny = [a for a in TINY if not a.startswith(("data.synthetic.train_images", "data.synthetic.val_images",
                                                  "train.close_mosaic"))]
     args = ["bench.kind=time_to_model", "gpus=0", "data=shapes", "data.synthetic.train_images=16",
-            "data.synthetic.val_images=8", "train.epochs=1", "train.close_mosaic=0", *tiny, f"hydra.run.dir={out}"]
+            "data.synthetic.val_images=8", "train.epochs=1", "train.close_mosaic=0", *tiny,
+            'bench.variants={folded:["val.fold_batchnorm=true"]}', f"hydra.run.dir={out}"]
     result = ddp_launch(args, cwd=tmp_path, timeout=600, tool="ddp-bench")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     report = json.loads((out / "bench.json").read_text())
     assert report["kind"] == "time_to_model" and (out / "bench.png").stat().st_size > 0
     sides = {s["name"]: s for s in report["sides"]}
-    assert set(sides) == {"ultralytics", "ddp_launch"}
+    assert set(sides) == {"ultralytics", "ddp_launch", "ddp_launch-folded"}
+    assert sides["ddp_launch-folded"]["command_line"][-1] == "val.fold_batchnorm=true"
+    logs = {name: (out / f"{name}-seed0" / "console.log").read_text() for name in ("ddp_launch", "ddp_launch-folded")}
+    assert "BatchNorms folded" in logs["ddp_launch-folded"] and "BatchNorms folded" not in logs["ddp_launch"]
+    assert report["variants"]["folded"]["vs_defaults"] > 0
     md = (out / "bench.md").read_text()
     for name, s in sides.items():
         assert math.isfinite(s["map50"]) and math.isfinite(s["map50_95"]), s

@@ -69,6 +69,9 @@ def run_bench(cfg: dict, run_dir: Path, base_dir: Path, command: str) -> int:
     if kind == "time_to_model":
         for w in warnings if dry_run else []:
             say(f"WARNING: {w.message} (a real run would refuse)")
+        variant_errors = variant_problems(cfg, hw, data, on_gpu)
+        if variant_errors:
+            raise PlanError(variant_errors)
         return time_to_model.run(cfg, run_dir, model, data, on_gpu, command, dry_run)
 
     to_run = [c for c in cells if not c.skip]
@@ -127,6 +130,23 @@ def run_bench(cfg: dict, run_dir: Path, base_dir: Path, command: str) -> int:
     say("\n" + report.markdown(out))
     say(f"report: {run_dir / 'bench.md'}, {run_dir / 'bench.json'}, {run_dir / 'bench.png'}")
     return 0 if all("error" not in c for c in results) else 1
+
+
+def variant_problems(cfg: dict, hw, data, on_gpu: bool) -> list[Problem]:
+    """What each bench.variants entry of a time_to_model run adds to its ddp-launch side's plan problems (a bad value;
+    an unknown key raises in with_overrides), found before any side runs."""
+    side = {**cfg, "gpus": 1 if on_gpu else 0}
+    base = {p.message for p in make_plan(side, hw, data)[1]}
+    out = []
+    for name, overrides in (cfg["bench"].get("variants") or {}).items():
+        try:  # not in struct mode: the plan names an unknown key, with the closest known one
+            varied = OmegaConf.merge(OmegaConf.create(copy.deepcopy(side)), OmegaConf.from_dotlist(list(overrides)))
+        except Exception as e:  # noqa: BLE001 - an override OmegaConf cannot read
+            out.append(Problem(f"bench.variants.{name}: {e}"))
+            continue
+        out += [Problem(f"bench.variants.{name}: {p.message}")
+                for p in make_plan(OmegaConf.to_container(varied, resolve=True), hw, data)[1] if p.message not in base]
+    return out
 
 
 def with_overrides(cfg: dict, overrides: list[str]) -> dict:

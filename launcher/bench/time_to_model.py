@@ -6,7 +6,10 @@ from seed to seed), on the same data YAML, model, image size, epochs, batch, opt
 close_mosaic and seed, validating after every epoch; every other setting is each side's own default:
 - ultralytics: `YOLO(model).train(...)` in a fresh process (rank/ultralytics/time_to_model.py), bench.baseline_workers
   workers, no cache, AMP, its rectangular validation;
-- ddp_launch: the `ddp-launch` command itself, on one GPU (or one CPU process with gpus=0), train.val_interval=1.
+- ddp_launch: the `ddp-launch` command itself, on one GPU (or one CPU process with gpus=0), train.val_interval=1;
+- ddp_launch-NAME, for each of `bench.variants` ({NAME: [key=value, ...]}): the same command with those overrides
+  (a lever's gain, or train.val_interval's, measured beside the defaults and reported apart from the verdict, which
+  is the defaults' against Ultralytics).
 
 Each side's wall clock starts here, just before its process is started, and ends when the final weights are on disk
 with the final validation done (plots written after that, and the process's exit, are timed separately). Its
@@ -28,6 +31,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import time
@@ -41,7 +45,8 @@ from launcher.launch.logs import say
 from launcher.launch.ultralytics_home import prepare_ultralytics_home
 from launcher.plan.environment import offline_environment
 
-SIDES = ("ultralytics", "ddp_launch")
+SIDES = ("ultralytics", "ddp_launch")  # the verdict's two; variants add ddp_launch-NAME sides
+VARIANT_NAME = re.compile(r"[A-Za-z0-9_]+")
 ULTRALYTICS_MODULE = "launcher.rank.ultralytics.time_to_model"
 PARTS = ("startup", "training", "validation", "boundaries", "end", "other")
 TARGET = 2.0  # the issue's target: ddp-launch reaches the weights at least this much sooner ...
@@ -74,22 +79,44 @@ def problems(bench: dict, train: dict | None = None) -> list[str]:
     if (train or {}).get("batch_per_device") == "auto":
         return ["bench.kind=time_to_model with train.batch_per_device=auto: both sides train at the same batch, and "
                 "Ultralytics' batch=-1 chooses its own; give train.batch_per_device as a number"]
+    out = variant_problems(bench.get("variants"))
     seeds = bench.get("seeds")
     if seeds is None:
-        return []
+        return out
     if not isinstance(seeds, list) or not seeds or not all(isinstance(s, int) and not isinstance(s, bool)
                                                            for s in seeds):
-        return [f"bench.seeds={seeds!r}: expected a list of integer seeds, e.g. bench.seeds=[0,1]"]
+        return out + [f"bench.seeds={seeds!r}: expected a list of integer seeds, e.g. bench.seeds=[0,1]"]
     if len(set(seeds)) != len(seeds):
-        return [f"bench.seeds={seeds!r}: each seed once"]
-    return []
+        return out + [f"bench.seeds={seeds!r}: each seed once"]
+    return out
 
 
-def run_order(seeds: list[int]) -> list[tuple[str, int]]:
-    """(side, seed) in run order: the sides interleaved seed by seed, the first side alternating."""
+def variant_problems(variants) -> list[str]:
+    """bench.variants for this kind: {NAME: [key=value, ...]}, NAME letters, digits and underscores (it names a
+    side and its folder). Whether each key exists is checked with the launch config (bench/cli.py)."""
+    if not variants:
+        return []
+    if not isinstance(variants, dict):
+        return [f"bench.variants={variants!r}: expected {{name: [key=value, ...]}}, e.g. "
+                "'bench.variants={folded:[\"val.fold_batchnorm=true\"]}'"]
+    out = []
+    for name, overrides in variants.items():
+        if not VARIANT_NAME.fullmatch(str(name)):
+            out.append(f"bench.variants: {name!r}: a variant's name is letters, digits and underscores")
+        if not isinstance(overrides, list) or not all(isinstance(o, str) and "=" in o for o in overrides):
+            out.append(f"bench.variants.{name}={overrides!r}: expected a list of key=value overrides")
+    return out
+
+
+def side_names(variants: dict | None) -> list[str]:
+    return [*SIDES, *(f"ddp_launch-{name}" for name in variants or {})]
+
+
+def run_order(seeds: list[int], sides: list[str] = list(SIDES)) -> list[tuple[str, int]]:
+    """(side, seed) in run order: the sides interleaved seed by seed, their order reversed every other seed."""
     order = []
     for i, seed in enumerate(seeds):
-        order += [(side, seed) for side in (SIDES if i % 2 == 0 else SIDES[::-1])]
+        order += [(side, seed) for side in (sides if i % 2 == 0 else sides[::-1])]
     return order
 
 
@@ -171,12 +198,15 @@ def timeline_in_order(command: float, timeline: dict) -> list[str]:
 
 
 # --- running the sides -----------------------------------------------------------------------------------------------
-def ddp_launch_command(cfg: dict, data_yaml: Path, seed: int, on_gpu: bool, run_dir: Path) -> list[str]:
-    """The ddp-launch command of the comparison: its defaults, plus the shared settings."""
+def ddp_launch_command(cfg: dict, data_yaml: Path, seed: int, on_gpu: bool, run_dir: Path,
+                       overrides: list[str] = ()) -> list[str]:
+    """The ddp-launch command of the comparison: its defaults, plus the shared settings; a variant's `overrides`
+    replace a shared setting of the same key, or are added."""
     exe = Path(sys.executable).parent / "ddp-launch"
     head = [str(exe)] if exe.exists() else [sys.executable, "-m", "launcher.cli"]
     t, m = cfg["train"], cfg["model"]
-    return head + [
+    replaced = {o.split("=", 1)[0] for o in overrides}
+    shared = [
         f"gpus={1 if on_gpu else 0}",
         f"model={m['name']}",
         f"model.cfg={_value(m.get('cfg'))}",
@@ -194,6 +224,7 @@ def ddp_launch_command(cfg: dict, data_yaml: Path, seed: int, on_gpu: bool, run_
         f"paths.cache={cfg['paths']['cache']}",
         f"hydra.run.dir={run_dir}",
     ]
+    return head + [a for a in shared if a.split("=", 1)[0] not in replaced] + list(overrides)
 
 
 def _value(v) -> str:
@@ -209,15 +240,18 @@ def ultralytics_settings(cfg: dict, model, data_yaml: Path, seed: int, on_gpu: b
 
 def run(cfg: dict, run_dir: Path, model, data, on_gpu: bool, command: str, dry_run: bool) -> int:
     seeds = list(cfg["bench"].get("seeds") or [cfg["seed"]])
-    order = run_order(seeds)
+    variants = dict(cfg["bench"].get("variants") or {})
+    order = run_order(seeds, side_names(variants))
     cache = Path(cfg["paths"]["cache"]).expanduser()
     data_yaml = run_dir / "data.yaml"
     say(f"ddp-bench time_to_model: {len(order)} run(s) on {'one GPU' if on_gpu else 'the CPU'}, seeds {seeds}")
     say(f"run folder      {run_dir}\n")
     if dry_run:
         for side, seed in order:
-            if side == "ddp_launch":
-                say(f"  {side} seed {seed}: {' '.join(ddp_launch_command(cfg, data_yaml, seed, on_gpu, run_dir / f'{side}-seed{seed}' / 'run'))}")
+            if side != "ultralytics":
+                command_line = ddp_launch_command(cfg, data_yaml, seed, on_gpu, run_dir / f"{side}-seed{seed}" / "run",
+                                                  _overrides(side, variants))
+                say(f"  {side} seed {seed}: {' '.join(command_line)}")
             else:
                 say(f"  {side} seed {seed}: YOLO(...).train(**{ultralytics_settings(cfg, model, data_yaml, seed, on_gpu)})")
         say("\ndry run: nothing started")
@@ -235,7 +269,7 @@ def run(cfg: dict, run_dir: Path, model, data, on_gpu: bool, command: str, dry_r
     for i, (side, seed) in enumerate(order):
         side_dir = run_dir / f"{side}-seed{seed}"
         say(f"--- {side} seed {seed} ---")
-        record = run_side(side, seed, side_dir, cfg, model, data_yaml, on_gpu, env)
+        record = run_side(side, seed, side_dir, cfg, model, data_yaml, on_gpu, env, _overrides(side, variants))
         record["order"] = i
         sides.append(record)
         if "error" in record:
@@ -243,8 +277,8 @@ def run(cfg: dict, run_dir: Path, model, data, on_gpu: bool, command: str, dry_r
         else:
             say(f"    {side} seed {seed}: {record['wall_s']:.1f} s to the weights, mAP50-95 {record['map50_95']:.4f}, "
                 + ", ".join(f"{k} {v:.1f} s" for k, v in record["breakdown"].items() if k != "other"))
-    out = summarize(sides)
-    out.update(kind="time_to_model", command=command, settings=_settings(cfg, model, data, seeds, on_gpu),
+    out = summarize(sides, variants)
+    out.update(kind="time_to_model", command=command, settings=_settings(cfg, model, data, seeds, on_gpu, variants),
                environment=report.environment())
     write(out, run_dir)
     say("\n" + markdown(out))
@@ -252,13 +286,18 @@ def run(cfg: dict, run_dir: Path, model, data, on_gpu: bool, command: str, dry_r
     return 0 if all("error" not in s for s in sides) else 1
 
 
-def run_side(side: str, seed: int, side_dir: Path, cfg: dict, model, data_yaml: Path, on_gpu: bool, env: dict) -> dict:
+def _overrides(side: str, variants: dict) -> list[str]:
+    return list(variants[side.removeprefix("ddp_launch-")]) if side.startswith("ddp_launch-") else []
+
+
+def run_side(side: str, seed: int, side_dir: Path, cfg: dict, model, data_yaml: Path, on_gpu: bool, env: dict,
+             overrides: list[str] = ()) -> dict:
     side_dir.mkdir(parents=True, exist_ok=True)
     if side == "ultralytics":
         (side_dir / "side.json").write_text(json.dumps(ultralytics_settings(cfg, model, data_yaml, seed, on_gpu)))
         cmd = [sys.executable, "-m", ULTRALYTICS_MODULE, str(side_dir)]
     else:
-        cmd = ddp_launch_command(cfg, data_yaml, seed, on_gpu, side_dir / "run")
+        cmd = ddp_launch_command(cfg, data_yaml, seed, on_gpu, side_dir / "run", overrides)
     log = side_dir / "console.log"
     with open(log, "wb") as out:
         started = time.time()  # the wall clock starts here: the command, as a user types it
@@ -291,7 +330,7 @@ def run_side(side: str, seed: int, side_dir: Path, cfg: dict, model, data_yaml: 
     return record
 
 
-def _settings(cfg: dict, model, data, seeds: list[int], on_gpu: bool) -> dict:
+def _settings(cfg: dict, model, data, seeds: list[int], on_gpu: bool, variants: dict | None = None) -> dict:
     spec = data.spec
     root = Path(str(spec.get("path") or "."))
     train = spec["train"] if isinstance(spec["train"], list) else [spec["train"]]
@@ -305,6 +344,7 @@ def _settings(cfg: dict, model, data, seeds: list[int], on_gpu: bool) -> dict:
         "imgsz": t["imgsz"], "epochs": t["epochs"], "batch": t["batch_per_device"], "optimizer": "SGD",
         "lr0": cfg["optim"]["base_lr"], "close_mosaic": t["close_mosaic"], "seeds": seeds, "val_interval": 1,
         "device": "one GPU" if on_gpu else "CPU", "ultralytics_workers": int(cfg["bench"]["baseline_workers"]),
+        "variants": dict(variants or {}),
     }
 
 
@@ -314,11 +354,12 @@ def _mean(values: list) -> float | None:
     return sum(values) / len(values) if values else None
 
 
-def summarize(sides: list[dict]) -> dict:
-    """Means per side over the seeds, the ratio of the walls (Ultralytics / ddp-launch) and the verdict."""
+def summarize(sides: list[dict], variants: dict | None = None) -> dict:
+    """Means per side over the seeds, the ratio of the walls (Ultralytics / ddp-launch) and the verdict; each
+    variant's mean wall clock against the defaults' and Ultralytics' (`variants`), apart from the verdict."""
     ran = [s for s in sides if "error" not in s]
     means = {}
-    for name in SIDES:
+    for name in side_names(variants):
         mine = [s for s in ran if s["name"] == name]
         if mine:
             means[name] = {
@@ -329,13 +370,25 @@ def summarize(sides: list[dict]) -> dict:
     per_seed = {}
     for seed in dict.fromkeys(s["seed"] for s in ran):
         walls = {s["name"]: s["wall_s"] for s in ran if s["seed"] == seed}
-        if len(walls) == 2:
+        if all(name in walls for name in SIDES):
             per_seed[str(seed)] = walls["ultralytics"] / walls["ddp_launch"]
-    both = len(means) == 2
+    both = all(name in means for name in SIDES)
     ratio = means["ultralytics"]["wall_s"] / means["ddp_launch"]["wall_s"] if both else None
     map_diff = means["ddp_launch"]["map50_95"] - means["ultralytics"]["map50_95"] if both else None
+    compared = {}
+    for name, overrides in (variants or {}).items():
+        mine = means.get(f"ddp_launch-{name}")
+        compared[name] = {"overrides": list(overrides), "wall_s": mine and mine["wall_s"],
+                          "map50_95": mine and mine["map50_95"],
+                          "vs_defaults": _ratio(means.get("ddp_launch"), mine),
+                          "vs_ultralytics": _ratio(means.get("ultralytics"), mine)}
     return {"sides": sides, "means": means, "ratio": ratio, "ratio_per_seed": per_seed, "map50_95_diff": map_diff,
-            "verdict": verdict(means, ratio, map_diff)}
+            "verdict": verdict(means, ratio, map_diff), "variants": compared}
+
+
+def _ratio(slower: dict | None, faster: dict | None) -> float | None:
+    """`slower`'s mean wall clock over `faster`'s: above 1 where `faster` reached the weights sooner."""
+    return slower["wall_s"] / faster["wall_s"] if slower and faster else None
 
 
 def verdict(means: dict, ratio: float | None, map_diff: float | None) -> dict:
@@ -408,6 +461,7 @@ def markdown(out: dict) -> str:
         "",
         f"Verdict: {out['verdict']['text']}.",
         "",
+        *_variant_lines(out.get("variants") or {}),
         "Seconds. The wall clock runs from the side's command to its final weights on disk with the final validation "
         "done; startup: to the first training step; training: the epochs' steps (the first epoch from its first step); "
         "validation: after each epoch; boundaries: the rest between epochs (checkpoints, the loader between epochs); "
@@ -434,6 +488,19 @@ def markdown(out: dict) -> str:
                   f"(CUDA {env.get('cuda')}); ultralytics {env.get('ultralytics')}; {env['cpu_count']} CPU cores; "
                   f"Python {env['python']}."]
     return "\n".join(lines) + "\n"
+
+
+def _variant_lines(variants: dict) -> list[str]:
+    if not variants:
+        return []
+    lines = ["Variants (ddp-launch's command with these overrides, in the same invocation; not in the verdict):"]
+    for name, v in variants.items():
+        lines.append(f"- ddp_launch-{name} (`{' '.join(v['overrides'])}`): " + (
+            "failed" if v["wall_s"] is None else
+            f"{v['wall_s']:.1f} s, mAP50-95 {v['map50_95']:.4f}; the defaults' wall clock / its: "
+            f"{_fmt(v['vs_defaults'], '.3f', suffix='x')}, Ultralytics' / its: "
+            f"{_fmt(v['vs_ultralytics'], '.2f', suffix='x')}"))
+    return lines + [""]
 
 
 COLOURS = {"startup": "#8c8c8c", "training": "#1f77b4", "validation": "#ff7f0e", "boundaries": "#9467bd",
