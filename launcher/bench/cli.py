@@ -133,8 +133,8 @@ def run_bench(cfg: dict, run_dir: Path, base_dir: Path, command: str) -> int:
 
 
 def variant_problems(cfg: dict, hw, data, on_gpu: bool) -> list[Problem]:
-    """What each bench.variants entry of a time_to_model run adds to its ddp-launch side's plan problems (a bad value;
-    an unknown key raises in with_overrides), found before any side runs."""
+    """What each bench.variants entry of a time_to_model run adds to its ddp-launch side's plan problems (a bad value,
+    an unknown key with the closest known one), found before any side runs."""
     side = {**cfg, "gpus": 1 if on_gpu else 0}
     base = {p.message for p in make_plan(side, hw, data)[1]}
     out = []

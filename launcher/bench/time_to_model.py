@@ -112,7 +112,7 @@ def side_names(variants: dict | None) -> list[str]:
     return [*SIDES, *(f"ddp_launch-{name}" for name in variants or {})]
 
 
-def run_order(seeds: list[int], sides: list[str] = list(SIDES)) -> list[tuple[str, int]]:
+def run_order(seeds: list[int], sides: tuple[str, ...] | list[str] = SIDES) -> list[tuple[str, int]]:
     """(side, seed) in run order: the sides interleaved seed by seed, their order reversed every other seed."""
     order = []
     for i, seed in enumerate(seeds):
