@@ -390,6 +390,47 @@ def test_reading_the_split_moves_nothing_to_a_device_and_placing_it_keeps_every_
         assert a.files == b.files and torch.equal(a.img, b.img) and torch.equal(a.xywh, b.xywh)
 
 
+def test_which_graph_a_batch_replays_its_shapes_whole_one_then_one_of_its_own_size(monkeypatch):
+    """InferenceForward's choice of graph (on CUDA; here with a stand-in capture that records what it was asked
+    for): full batches replay a graph of `batch` rows; a shape's short last batch replays the whole graph the first
+    time (the first validation captures one graph per shape), then its own, rounded up to a quarter of `batch`; a
+    shape whose only batch is short gets its own at once. Each replay computes every row of its graph's input."""
+    from launcher.rank.validate import forward as forward_module
+    from launcher.rank.validate.forward import InferenceForward
+
+    class Graph:
+        def __init__(self, static, out):
+            self.static, self.out = static, out
+
+        def replay(self):  # the network stand-in: each image's row sum, over every row of the graph's input
+            self.out.copy_(self.static.flatten(1).sum(1))
+
+    captured, replayed = [], []
+
+    def capture(self, key):
+        rows, *shape = key
+        captured.append(key)
+        static, out = torch.zeros((rows, 3, *shape)), torch.zeros(rows)
+        graph = Graph(static, out)
+        original = graph.replay
+        graph.replay = lambda: (replayed.append(rows), original())
+        self._captured[key] = (graph, static, (out,), forward_module.pytree.tree_flatten(out)[1], ())
+
+    monkeypatch.setattr(InferenceForward, "_capture", capture)
+    fwd = InferenceForward(torch.nn.Identity(), torch.device("cpu"), batch=128, amp_dtype=None, graphs=False)
+    fwd.graphs = True  # CUDA's path, with the stand-in capture
+    full, short = torch.ones((128, 3, 4, 6), dtype=torch.uint8), torch.full((32, 3, 4, 6), 2, dtype=torch.uint8)
+    for _ in range(3):  # three validations of six full batches and a short one
+        for img in [full] * 6 + [short]:
+            out = fwd(img)
+            assert torch.allclose(out[: len(img)], img.flatten(1).float().sum(1) / 255)
+    assert captured == [(128, 4, 6), (32, 4, 6)]
+    assert replayed == [128] * 7 + [128] * 6 + [32] + [128] * 6 + [32]
+    assert [fwd.rows_for(n) for n in (1, 32, 33, 100, 128)] == [32, 32, 64, 128, 128]
+    fwd(torch.zeros((40, 3, 8, 8), dtype=torch.uint8))  # another shape, short only: its own graph at once
+    assert captured[-1] == (64, 8, 8)
+
+
 @pytest.mark.parametrize("steps_before", [0, 2, 99])
 def test_a_split_placed_a_slice_at_a_time_is_the_split_placed_at_once(steps_before):
     """Placement between training steps: each advance copies at most a slice, in whole images (one at least), shape
