@@ -246,6 +246,51 @@ def test_metrics_from_the_same_predictions_equal_ultralytics(tmp_path, replayed)
     assert got == want  # and in fact exactly
 
 
+def _stats(n: int, nc: int, targets: int, seed: int) -> dict[str, np.ndarray]:
+    """DetMetrics.stats as a validation collects them, with many confidence ties (fp16 values, as the network's) and
+    classes without predictions or without targets."""
+    rng = np.random.default_rng(seed)
+    conf = (rng.random(n) ** 3).astype(np.float16).astype(np.float32)
+    return {"tp": rng.random((n, 10)) < np.linspace(0.4, 0.05, 10), "conf": conf,
+            "pred_cls": rng.integers(0, nc, n).astype(np.float32),
+            "target_cls": rng.integers(1, nc + 2, targets).astype(np.float32),  # class 0 never a target, nc+1 never
+            "target_img": rng.integers(0, nc, targets // 2).astype(np.float32)}  # predicted
+
+
+@pytest.mark.parametrize("n,nc,seed", [(0, 3, 0), (1, 3, 1), (5000, 3, 2), (20000, 80, 3)])
+def test_the_metrics_grouped_by_class_are_ultralytics_bit_for_bit(n, nc, seed):
+    """class_metrics.ap_per_class against Ultralytics' on the same statistics: every array it returns equal, ties in
+    confidence included, also for class ids that are not whole numbers (grouped by their float values); and
+    DetMetrics' results through class_metrics.process equal get_stats'."""
+    from ultralytics.utils import metrics
+
+    from launcher.rank.ultralytics import class_metrics
+
+    st = _stats(n, nc, 300, seed)
+    want = metrics.ap_per_class(st["tp"], st["conf"], st["pred_cls"], st["target_cls"])
+    got = class_metrics.ap_per_class(st["tp"], st["conf"], st["pred_cls"], st["target_cls"])
+    odd = {"pred_cls": st["pred_cls"] + 0.5, "target_cls": st["target_cls"] + 0.5}
+    for a, b in zip(class_metrics.ap_per_class(st["tp"], st["conf"], odd["pred_cls"], odd["target_cls"]),
+                    metrics.ap_per_class(st["tp"], st["conf"], odd["pred_cls"], odd["target_cls"])):
+        assert np.array_equal(a, b)
+    assert len(got) == len(want)
+    for a, b in zip(got, want):
+        assert a.dtype == b.dtype and np.array_equal(a, b), (a, b)
+    if n >= 5000:
+        assert len(np.unique(st["conf"])) < 0.8 * n and want[5].max() > 0  # ties, and some AP to get right
+    names = {i: str(i) for i in range(nc + 2)}
+    ours, theirs = metrics.DetMetrics(names=names), metrics.DetMetrics(names=names)
+    for m in ours, theirs:
+        for k, v in st.items():
+            m.stats[k].append(v)
+    theirs.process()
+    class_metrics.process(ours)
+    assert ours.results_dict == theirs.results_dict
+    assert np.array_equal(ours.nt_per_class, theirs.nt_per_class)
+    assert np.array_equal(ours.nt_per_image, theirs.nt_per_image)
+    assert np.array_equal(ours.box.ap_class_index, theirs.box.ap_class_index)
+
+
 def test_the_preload_keeps_every_image_once_grouped_by_shape_with_its_labels():
     a, b = _loader_batches(5, 2, shape=(64, 96), seed=1), _loader_batches(3, 2, shape=(96, 64), seed=2)
     split = PreloadedSplit.load([a[0], b[0], a[1], b[1], a[2]], torch.device("cpu"))

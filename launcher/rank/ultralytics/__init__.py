@@ -8,8 +8,10 @@ E2ELoss(model, loss_fn), DetectionValidator, callbacks.get_default_callbacks, YO
 Reaches into internals, each in one place:
 - validation.py: the trainer attributes DetectionValidator reads in training mode (a stand-in trainer).
 - fast_validation.py: a DetectionValidator that runs no batch: init_metrics, its metrics.stats, confusion_matrix,
-  seen, speed, plot_val_samples/plot_predictions, get_stats, finalize_metrics and print_results called directly
-  (the statistics it would have collected are rank/validate/'s, in its layout).
+  seen, speed, plot_val_samples/plot_predictions, finalize_metrics and print_results called directly (the
+  statistics it would have collected are rank/validate/'s, in its layout); get_stats' work done by class_metrics.
+- class_metrics.py: DetMetrics.process re-stated (box.update, nt_per_class, nt_per_image) on ap_per_class re-stated
+  with each class's detections grouped once instead of masked per class; compute_ap and smooth called.
 - folded.py: Conv / DWConv's `conv`, `bn` and `act`, folded as BaseModel.fuse folds them, in a copy that is never
   saved (FastValidator(folded=True), off by default).
 - loss.py: v8DetectionLoss.get_assigned_targets_and_loss and .preprocess re-implemented (the global normaliser, the

@@ -7,8 +7,9 @@ validation then runs the EMA in fp16 over large batches, replayed as CUDA graphs
 `folded`: a copy with its BatchNorms folded, folded.py), with NMS and the matching of detections to targets
 batched over the whole batch on the device (rank/validate/nms.py, matching.py), on a second CUDA stream while the
 next batch's forward runs (rank/validate/engine.py). What reaches the metrics is what DetectionValidator's
-update_metrics collects, in the same layout; Ultralytics' own DetMetrics (ap_per_class), ConfusionMatrix and
-plotting compute and draw the rest, through a DetectionValidator that never runs a batch itself:
+update_metrics collects, in the same layout; Ultralytics' own DetMetrics (its ap_per_class, grouped by class once:
+class_metrics.py, the same results), ConfusionMatrix and plotting compute and draw the rest, through a
+DetectionValidator that never runs a batch itself:
   - the PR/F1/P/R curves from DetMetrics.process(plot=True), as Ultralytics draws them;
   - the confusion matrix of ConfusionMatrix.process_batch on the same detections (only when plots are drawn: the
     final validation), counted a batch at a time on the device (rank/validate/confusion.py; image by image through
@@ -35,7 +36,7 @@ from ultralytics.utils.metrics import DetMetrics
 
 from launcher.rank import kernels
 from launcher.rank.dist import Comm
-from launcher.rank.ultralytics import datasets
+from launcher.rank.ultralytics import class_metrics, datasets
 from launcher.rank.ultralytics.folded import FoldedCopy
 from launcher.rank.ultralytics.plots import PLOT_LOCK
 from launcher.rank.ultralytics.validation import label_loss_items
@@ -229,13 +230,15 @@ class FastValidator:
         v.seen = sum(r["images"] for r in everyone)
         if plots and comm.world_size > 1:
             v.confusion_matrix.matrix = np.sum([r["matrix"] for r in everyone], axis=0)
-        drawing = _Drawing(v, plotted) if plots else None  # before get_stats clears the statistics
+        drawing = _Drawing(v, plotted) if plots else None  # before the statistics are cleared
         v.args.plots = False  # the metrics without the plots: those are drawing's
         detections = sum(len(c) for c in v.metrics.stats["conf"])
         metrics_started = time.perf_counter()
-        stats = v.get_stats()
+        class_metrics.process(v.metrics)  # get_stats' DetMetrics.process, in time linear in the detections
+        stats = v.metrics.results_dict
+        v.metrics.clear_stats()
         if first:  # on the host, and as long as the detections are many: an untrained model's, at conf 0.001
-            self.log(f"validation: Ultralytics' metrics over {detections} detections in "
+            self.log(f"validation: the metrics over {detections} detections in "
                      f"{time.perf_counter() - metrics_started:.2f} s")
         v.speed = {"preprocess": 0.0, "inference": 1e3 * elapsed / max(result.images, 1), "loss": 0.0,
                    "postprocess": 0.0}
