@@ -1,5 +1,5 @@
-"""Ultralytics' detection metrics (DetMetrics.process, without plots) with the same results in time linear in the
-detections.
+"""Ultralytics' detection metrics (DetMetrics.process, without plots) with the same results, without a pass over
+every detection for each class.
 
 Ultralytics' ap_per_class (utils/metrics.py, 8.4.190) selects each class's detections with a boolean mask over all of
 them, so its cost grows with detections x classes: an untrained model's max_det detections per image at conf 0.001,
