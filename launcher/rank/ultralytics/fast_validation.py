@@ -116,8 +116,7 @@ class FastValidator:
             if self.reading is None or not self.reading.succeeded:
                 return
             self.placing = Placement(self.reading.result()[0], self.device)
-        if not self.placing.done:
-            self.placing.advance()
+        self.placing.advance()  # nothing once all is copied
 
     def preload(self, device: torch.device) -> None:
         """This rank's shard, once: its loader's batches kept (the loader's workers are not needed after)."""
