@@ -9,6 +9,7 @@ import math
 import pytest
 
 from launcher.bench import time_to_model as ttm
+from launcher.bench import time_to_model_report as ttr
 from tests.conftest import TINY, ddp_launch
 
 T0 = 1000.0  # the side's command
@@ -120,7 +121,7 @@ def side(name: str, seed: int, wall: float, map50_95: float, data_wait: float | 
 
 
 def test_input_bound_ultralytics_meets_the_target_with_the_same_map():
-    out = ttm.summarize([side("ultralytics", 0, 100.0, 0.96, 0.30), side("ddp_launch", 0, 45.0, 0.965, 0.02),
+    out = ttr.summarize([side("ultralytics", 0, 100.0, 0.96, 0.30), side("ddp_launch", 0, 45.0, 0.965, 0.02),
                          side("ddp_launch", 1, 55.0, 0.955, 0.02), side("ultralytics", 1, 120.0, 0.97, 0.20)])
     assert out["means"]["ultralytics"]["wall_s"] == pytest.approx(110.0)
     assert out["ratio"] == pytest.approx(110.0 / 50.0)
@@ -132,30 +133,30 @@ def test_input_bound_ultralytics_meets_the_target_with_the_same_map():
 
 
 def test_a_missed_target_names_what_bounds_ddp_launch():
-    v = ttm.summarize([side("ultralytics", 0, 90.0, 0.96, 0.25), side("ddp_launch", 0, 60.0, 0.96, 0.02)])["verdict"]
+    v = ttr.summarize([side("ultralytics", 0, 90.0, 0.96, 0.25), side("ddp_launch", 0, 60.0, 0.96, 0.02)])["verdict"]
     assert v["met"] is False
     assert "target is missed" in v["text"] and "ddp-launch's largest part: training 36.0 s (60 %)" in v["text"]
 
 
 def test_a_fed_ultralytics_reports_the_ratio_without_judging_the_target():
-    v = ttm.summarize([side("ultralytics", 0, 90.0, 0.96, 0.05), side("ddp_launch", 0, 60.0, 0.90, 0.02)])["verdict"]
+    v = ttr.summarize([side("ultralytics", 0, 90.0, 0.96, 0.05), side("ddp_launch", 0, 60.0, 0.90, 0.02)])["verdict"]
     assert v["met"] is None and v["input_bound"] is False and not v["same_map"]
     assert "loader kept up (5 % data wait, under 15 %)" in v["text"] and "outside 0.01" in v["text"]
 
 
 def test_a_failed_side_leaves_an_incomplete_verdict():
-    out = ttm.summarize([side("ultralytics", 0, 90.0, 0.96, 0.05),
+    out = ttr.summarize([side("ultralytics", 0, 90.0, 0.96, 0.05),
                          {"name": "ddp_launch", "seed": 0, "error": "exit code 1; see x.log"}])
     assert out["ratio"] is None and out["verdict"]["text"].startswith("incomplete")
 
 
 def test_the_report_shows_each_run_the_means_the_ratio_and_the_verdict(tmp_path):
-    out = ttm.summarize([side("ultralytics", 0, 100.0, 0.96, 0.30), side("ddp_launch", 0, 40.0, 0.965, 0.02)])
+    out = ttr.summarize([side("ultralytics", 0, 100.0, 0.96, 0.30), side("ddp_launch", 0, 40.0, 0.965, 0.02)])
     out.update(kind="time_to_model", command="ddp-bench bench.kind=time_to_model", environment={
         "gpus": ["H200"], "torch": "2.11", "cpu_count": 16, "python": "3.12"}, settings={
         "model": "yolov8s.yaml", "data": {"train_images": 8000, "val_images": 800, "mean_train_file_kb": 126.3},
         "imgsz": 640, "epochs": 10, "batch": 64, "lr0": 0.01, "close_mosaic": 5, "device": "one GPU", "seeds": [0]})
-    ttm.write(out, tmp_path)
+    ttr.write(out, tmp_path)
     md = (tmp_path / "bench.md").read_text()
     assert "| ultralytics | 0 | 100.0 | 20.0 | 60.0 | 10.0 | 5.0 | 5.0 | 0.0 | 0.9000 | 0.9600 | 30.0 % | 2.0 |" in md
     assert "| **ddp_launch mean** | 1 run(s) | 40.0 |" in md and "**2.50x** (seed 0: 2.50x)" in md
@@ -167,7 +168,7 @@ def test_the_report_shows_each_run_the_means_the_ratio_and_the_verdict(tmp_path)
 
 def test_a_variant_is_reported_against_the_defaults_and_ultralytics_outside_the_verdict(tmp_path):
     variants = {"folded": ["val.fold_batchnorm=true"], "broken": ["train.val_interval=5"]}
-    out = ttm.summarize([side("ultralytics", 0, 100.0, 0.96, 0.30), side("ddp_launch", 0, 50.0, 0.965, 0.02),
+    out = ttr.summarize([side("ultralytics", 0, 100.0, 0.96, 0.30), side("ddp_launch", 0, 50.0, 0.965, 0.02),
                          side("ddp_launch-folded", 0, 40.0, 0.964, 0.02),
                          {"name": "ddp_launch-broken", "seed": 0, "error": "exit code 1; see x.log"}], variants)
     assert out["ratio"] == pytest.approx(2.0) and out["verdict"]["met"] is True  # the defaults' alone
@@ -179,7 +180,7 @@ def test_a_variant_is_reported_against_the_defaults_and_ultralytics_outside_the_
         "model": "yolov8s.yaml", "data": {"train_images": 8000, "val_images": 800, "mean_train_file_kb": 126.3},
         "imgsz": 640, "epochs": 10, "batch": 64, "lr0": 0.01, "close_mosaic": 5, "device": "one GPU", "seeds": [0],
         "variants": variants})
-    ttm.write(out, tmp_path)
+    ttr.write(out, tmp_path)
     md = (tmp_path / "bench.md").read_text()
     assert ("- ddp_launch-folded (`val.fold_batchnorm=true`): 40.0 s, mAP50-95 0.9640; the defaults' wall clock / "
             "its: 1.250x, Ultralytics' / its: 2.50x") in md
