@@ -6,6 +6,7 @@ import pytest
 
 from launcher.bench import report
 from launcher.bench.cells import plan_cells
+from tests.conftest import TINY, ddp_launch
 
 
 def test_cells_skip_what_the_machine_lacks_and_say_why():
@@ -26,6 +27,22 @@ def test_dataparallel_over_several_devices_needs_gpus():
 def test_bad_bench_requests_are_named():
     _, problems = plan_cells([0], ["fsdp"], "yolov5", gpu_count=0, cpu_count=2, on_gpu=False)
     assert len(problems) == 3 and "unknown mode 'fsdp'" in problems[0]
+
+
+@pytest.mark.parametrize("kind", [["bench.kind=time_to_model"], ["bench.kind=throughput", "bench.sizes=[1]",
+                                                                  "bench.modes=[single]"]])
+def test_a_variants_bad_value_or_unknown_key_is_refused_before_any_side_runs(tmp_path, kind):
+    """Either kind of benchmark: every variant is checked before the first side (or cell) runs, with ddp-launch's
+    own wording (the throughput cells once stopped at the first bad variant's cell, with OmegaConf's message)."""
+    out = tmp_path / "b"
+    args = [*kind, "gpus=0", "data=shapes", *TINY, f"hydra.run.dir={out}",
+            'bench.variants={bad:["val.fold_batchnorm=1"],typo:["val.fold_batchnrm=true"],fine:["train.val_interval=2"]}']
+    result = ddp_launch(args, cwd=tmp_path, timeout=300, tool="ddp-bench")
+    assert result.returncode != 0
+    said = result.stdout + result.stderr
+    assert "bench.variants.bad: val.fold_batchnorm=1: expected true or false" in said, said[-3000:]
+    assert "bench.variants.typo: val.fold_batchnrm: not a ddp-launch key; did you mean val.fold_batchnorm?" in said
+    assert "bench.variants.fine" not in said and not list(out.glob("*-seed*")) and not (out / "cells").exists()
 
 
 def cell(**kw):

@@ -8,7 +8,6 @@ bench.steps` steps and then times the same step on batches already on the device
 
 from __future__ import annotations
 
-import copy
 import os
 import subprocess
 import sys
@@ -18,7 +17,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from launcher.bench import report, time_to_model
+from launcher.bench import report, time_to_model, variants
 from launcher.bench.cells import Cell, plan_cells
 from launcher.entry import GROUPS, Jobs, RunFolderGuard, conf_dir, print_help_if_asked
 from launcher.inputs.data import resolve_data
@@ -51,8 +50,10 @@ def run_bench(cfg: dict, run_dir: Path, base_dir: Path, command: str) -> int:
     b = cfg["bench"]
     kind = b.get("kind") or "throughput"
     if kind == "throughput":
-        cells, problems = plan_cells(list(b["sizes"]), list(b["modes"]), b["baseline"], hw.gpu_count, hw.cpu_count,
-                                     on_gpu, b.get("variants") or None)
+        problems = variants.shape_problems(b.get("variants"))
+        cells, cell_problems = plan_cells(list(b["sizes"]), list(b["modes"]), b["baseline"], hw.gpu_count,
+                                          hw.cpu_count, on_gpu, None if problems else b.get("variants") or None)
+        problems += cell_problems
     elif kind == "time_to_model":
         cells, problems = [], time_to_model.problems(b, cfg["train"])
     else:
@@ -64,14 +65,12 @@ def run_bench(cfg: dict, run_dir: Path, base_dir: Path, command: str) -> int:
     data, data_problems = resolve_data(cfg["data"], base_dir, generate=not dry_run,
                                       cache_dir=Path(cfg["paths"]["cache"]).expanduser())
     errors, warnings = check_plan(data_problems, dry_run=dry_run)
+    errors += variants.plan_problems(cfg, hw, data, on_gpu)  # a bad variant is refused before any cell or side runs
     if errors:
         raise PlanError(errors)
     if kind == "time_to_model":
         for w in warnings if dry_run else []:
             say(f"WARNING: {w.message} (a real run would refuse)")
-        variant_errors = variant_problems(cfg, hw, data, on_gpu)
-        if variant_errors:
-            raise PlanError(variant_errors)
         return time_to_model.run(cfg, run_dir, model, data, on_gpu, command, dry_run)
 
     to_run = [c for c in cells if not c.skip]
@@ -83,7 +82,7 @@ def run_bench(cfg: dict, run_dir: Path, base_dir: Path, command: str) -> int:
         for w in warnings:
             say(f"WARNING: {w.message} (a real run would refuse)")
         for cell in to_run:
-            plan, plan_problems = make_plan(with_overrides({**cfg, **cell.overrides(on_gpu)}, list(cell.overrides_)), hw, data)
+            plan, plan_problems = make_plan(variants.apply({**cfg, **cell.overrides(on_gpu)}, list(cell.overrides_)), hw, data)
             say(f"--- cell {cell.name} ---\n{describe(plan, model, data)}")
             for p in plan_problems:
                 say(f"WARNING: {p.message}")
@@ -132,38 +131,8 @@ def run_bench(cfg: dict, run_dir: Path, base_dir: Path, command: str) -> int:
     return 0 if all("error" not in c for c in results) else 1
 
 
-def variant_problems(cfg: dict, hw, data, on_gpu: bool) -> list[Problem]:
-    """What each bench.variants entry of a time_to_model run adds to its ddp-launch side's plan problems (a bad value,
-    an unknown key with the closest known one), found before any side runs."""
-    side = {**cfg, "gpus": 1 if on_gpu else 0}
-    base = {p.message for p in make_plan(side, hw, data)[1]}
-    out = []
-    for name, overrides in (cfg["bench"].get("variants") or {}).items():
-        try:  # not in struct mode: the plan names an unknown key, with the closest known one
-            varied = OmegaConf.merge(OmegaConf.create(copy.deepcopy(side)), OmegaConf.from_dotlist(list(overrides)))
-        except Exception as e:  # noqa: BLE001 - an override OmegaConf cannot read
-            out.append(Problem(f"bench.variants.{name}: {e}"))
-            continue
-        out += [Problem(f"bench.variants.{name}: {p.message}")
-                for p in make_plan(OmegaConf.to_container(varied, resolve=True), hw, data)[1] if p.message not in base]
-    return out
-
-
-def with_overrides(cfg: dict, overrides: list[str]) -> dict:
-    """cfg with `key=value` overrides (Hydra's syntax for plain values); unknown keys are an error, except under
-    train.extra, which passes any Ultralytics argument."""
-    base = OmegaConf.create(copy.deepcopy(cfg))
-    OmegaConf.set_struct(base, True)
-    OmegaConf.set_struct(base.train.extra, False)
-    try:
-        merged = OmegaConf.merge(base, OmegaConf.from_dotlist(list(overrides)))
-    except Exception as e:
-        raise PlanError([Problem(f"bench.variants: {e}")]) from e
-    return OmegaConf.to_container(merged, resolve=True)
-
-
 def run_cell(cell: Cell, cfg: dict, cell_dir: Path, hw, model, data, on_gpu: bool) -> dict | int:
-    ccfg = with_overrides(cfg, list(cell.overrides_))
+    ccfg = variants.apply(cfg, list(cell.overrides_))
     ccfg.update(cell.overrides(on_gpu))
     ccfg["bench"]["cell"] = cell.name
     if cell.mode == "ultralytics":

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import subprocess
 import sys
 import time
@@ -40,13 +39,13 @@ from pathlib import Path
 import yaml
 
 from launcher.bench import report
+from launcher.bench.variants import shape_problems
 from launcher.bench.time_to_model_report import PARTS, SIDES, markdown, side_names, summarize, write
 from launcher.inputs.labels import list_images
 from launcher.launch.logs import say
 from launcher.launch.ultralytics_home import prepare_ultralytics_home
 from launcher.plan.environment import offline_environment
 
-VARIANT_NAME = re.compile(r"[A-Za-z0-9_]+")
 ULTRALYTICS_MODULE = "launcher.rank.ultralytics.time_to_model"
 
 # What each side's start-up is made of: the stamps from the command to the first step, in order, and what lies
@@ -75,7 +74,7 @@ def problems(bench: dict, train: dict | None = None) -> list[str]:
     if (train or {}).get("batch_per_device") == "auto":
         return ["bench.kind=time_to_model with train.batch_per_device=auto: both sides train at the same batch, and "
                 "Ultralytics' batch=-1 chooses its own; give train.batch_per_device as a number"]
-    out = variant_problems(bench.get("variants"))
+    out = shape_problems(bench.get("variants"))
     seeds = bench.get("seeds")
     if seeds is None:
         return out
@@ -84,23 +83,6 @@ def problems(bench: dict, train: dict | None = None) -> list[str]:
         return out + [f"bench.seeds={seeds!r}: expected a list of integer seeds, e.g. bench.seeds=[0,1]"]
     if len(set(seeds)) != len(seeds):
         return out + [f"bench.seeds={seeds!r}: each seed once"]
-    return out
-
-
-def variant_problems(variants) -> list[str]:
-    """bench.variants for this kind: {NAME: [key=value, ...]}, NAME letters, digits and underscores (it names a
-    side and its folder). Whether each key exists is checked with the launch config (bench/cli.py)."""
-    if not variants:
-        return []
-    if not isinstance(variants, dict):
-        return [f"bench.variants={variants!r}: expected {{name: [key=value, ...]}}, e.g. "
-                "'bench.variants={folded:[\"val.fold_batchnorm=true\"]}'"]
-    out = []
-    for name, overrides in variants.items():
-        if not VARIANT_NAME.fullmatch(str(name)):
-            out.append(f"bench.variants: {name!r}: a variant's name is letters, digits and underscores")
-        if not isinstance(overrides, list) or not all(isinstance(o, str) and "=" in o for o in overrides):
-            out.append(f"bench.variants.{name}={overrides!r}: expected a list of key=value overrides")
     return out
 
 
