@@ -23,8 +23,7 @@
 from __future__ import annotations
 
 import time
-
-from pathlib import Path
+from functools import partial
 
 import torch
 from torch import nn
@@ -35,12 +34,9 @@ from launcher.plan import lr as lrmod
 from launcher.plan.describe import batch_lines
 from launcher.plan.plan import LaunchPlan, with_batch
 from launcher.rank import checkpoint_io, kernels
-from launcher.rank.data import affinity, image_cache
-from launcher.rank.data.encoded import EncodedImages, EncodedTrainDataset
-from launcher.rank.data.gpu_augment import GpuAugment
-from launcher.rank.data.gpu_input import Decoder, GpuInput, buffer_capacity
+from launcher.rank import training_input
 from launcher.rank.data.pipeline import TrainInputs, to_device
-from launcher.rank.data.sampler import EpochBatchSampler, EpochSeededDataset, mosaic_closes_at, sample_seed, worker_init
+from launcher.rank.data.sampler import EpochBatchSampler, mosaic_closes_at, sample_seed
 from launcher.rank.dist import Comm, rank_info
 from launcher.rank.faults import FaultInjector
 from launcher.rank.heartbeat import Heartbeat, NoHeartbeat
@@ -110,7 +106,8 @@ class Rank:
         self._stamp("dataset_check")
 
         # 1. the node's image cache, before the process group; the batch this GPU takes (train.batch_per_device=auto)
-        self.caches = self._image_caches() if train["cache"] == "shared" else {}
+        self.caches = (training_input.image_caches(cfg, plan, self.data, int(self.hyp.imgsz), self.log)
+                       if train["cache"] == "shared" else {})
         if plan.batch_pending:
             self.prewarm.join()  # the probe captures graphs
         measured = self._measure_batch(validation) if plan.batch_pending else None
@@ -145,9 +142,11 @@ class Rank:
 
         self._stamp("network")
         # 4. the loaders and the optimizer
-        self.cores = self._bind_cores()
+        self.cores = training_input.bind_cores(cfg, plan, self.device, self.local_rank, self.log)
         self.close_at = mosaic_closes_at(int(train["epochs"]), int(train["close_mosaic"]))
-        self.train_dataset, self.gpu_input = self._train_dataset()
+        self.train_dataset, self.gpu_input = training_input.training_set(
+            cfg, plan, self.hyp, self.data, self.device, caches=self.caches, stride=self.stride,
+            close_at=self.close_at, input_dtype=self.input_dtype, log=self.log)
         if self.kernels is not None and self.gpu_input is not None:  # the first batch's kernels, after the graphs'
             self.input_kernels = self.kernels.then(self.gpu_input.warm_up)
         self.generator = torch.Generator(device=self.device) if self.gpu_input else None  # the augmentation's draws
@@ -156,8 +155,10 @@ class Rank:
             rank=self.rank if plan.mode == "ddp" else 0, seed=int(cfg["seed"]),
             fill_last=bool(plan.cuda_graphs) and self.device.type == "cuda",  # every step the graph's shape
         )
+        loader = training_input.train_loader(cfg, plan, self.train_dataset, self.sampler, self.hyp, self.device,
+                                             gpu_input=self.gpu_input, close_at=self.close_at, cores=self.cores)
         self.inputs = TrainInputs(
-            self._train_loader(), self.sampler, self.device, self._prepare,
+            loader, self.sampler, self.device, self._prepare,
             decode=self.gpu_input.decoded if self.gpu_input is not None else None,
             fetch_ahead=bool(loader_cfg.get("fetch_ahead", True)), persistent=bool(loader_cfg["persistent_workers"]),
             background=self.gpu_input is not None and bool(loader_cfg.get("fetch_ahead", True)),
@@ -167,7 +168,7 @@ class Rank:
         if validation:
             self.val_loader = datasets.val_loader(self.hyp, self.data, checks.val_batch(cfg.get("val"), plan.micro_batch),
                                                   self.stride, 2 * plan.workers_per_rank, self.device,
-                                                  bind=self._worker_init,
+                                                  bind=partial(training_input.on_worker_cores, self.cores),
                                                   pin_memory=self._val_engine() == "ultralytics")
             if "val" in self.caches:  # the node's decoded validation images: no decoding in the loader's workers
                 datasets.attach_cache(self.val_loader.dataset, self.caches["val"])
@@ -364,61 +365,6 @@ class Rank:
                 self.log(line)
         return self.plan
 
-    def _image_caches(self) -> dict[str, image_cache.ImageCache]:
-        """Both splits' caches (held for the whole run: a cache in use is never evicted): the first process on the
-        node builds them with every core while the others wait at a file lock. With the input on the GPU the
-        training split's cache holds the files' bytes (compressed: a fraction of the decoded size)."""
-        dirs = image_cache.default_dirs(Path(self.cfg["paths"]["cache"]).expanduser() / "images")
-        imgsz = int(self.hyp.imgsz)  # the plan checked it: a multiple of the largest stride
-        caches = {split: datasets.ensure_split_cache(self.data[split], imgsz, dirs=dirs,
-                                                     channels=self.data.get("channels", 3), log=self.log)
-                  for split in (("val",) if self.plan.augment_on == "gpu" else ("train", "val"))}
-        if self.plan.augment_on == "gpu":
-            caches["train"] = image_cache.ensure_file_cache(datasets.split_images(self.data["train"]), dirs=dirs,
-                                                            log=self.log)
-        return caches
-
-    def _bind_cores(self) -> affinity.CoreSplit | None:
-        """loader.bind_cores on a GPU node: this process on its own cores, its loader workers on the others."""
-        if not self.cfg["loader"].get("bind_cores", True) or self.device.type != "cuda":
-            return None
-        split = affinity.split_cores(affinity.available_cores(), self.local_rank, self.plan.nproc_per_node,
-                                     self.plan.workers_per_rank)
-        if split is not None:
-            affinity.bind_process(split.main)
-            self.log(f"cores: training process on {affinity.core_list(split.main)}, loader workers on "
-                     f"{affinity.core_list(split.workers)}")
-        return split
-
-    def _worker_init(self, inner):
-        return affinity.BindWorker(self.cores.workers, inner) if self.cores else inner
-
-    def _train_dataset(self):
-        """Ultralytics' augmenting training set (loader.augment_on=cpu), or the files' bytes and labels, with the
-        GpuInput that decodes and augments them on the device (gpu)."""
-        loader_cfg = self.cfg["loader"]
-        if self.plan.augment_on == "gpu":
-            if self.device.type != "cuda":
-                self.log("loader.augment_on=gpu on the CPU: the same tensor maths, computed by the training process")
-            inner = datasets.raw_train_dataset(self.hyp, self.data, self.plan.batch_per_rank)  # labels, checks
-            if any(len(label.get("segments", [])) for label in inner.labels):
-                self.log("WARNING label files with polygons: the GPU input pipeline warps their boxes, where "
-                         "Ultralytics re-derives each box from the warped polygon (tighter under rotation and shear)")
-            images = EncodedImages.of(inner)
-            dataset = EncodedTrainDataset(images, labels=inner.labels, decode_all=self.device.type != "cuda",
-                                          cache=self.caches.get("train"))
-            augment = GpuAugment(inner.imgsz, self.hyp, out_dtype=self.input_dtype)
-            gpu_input = GpuInput(augment, Decoder(self.device, images.files, self.log), device=self.device,
-                                 capacity=buffer_capacity(len(images), self.plan.batch_per_rank), close_at=self.close_at,
-                                 partners_from_batch=not loader_cfg.get("mosaic_buffer", True))
-            return dataset, gpu_input
-        dataset = datasets.train_dataset(self.hyp, self.data, self.plan.batch_per_rank, self.stride)
-        if "train" in self.caches:
-            datasets.attach_cache(dataset, self.caches["train"])
-        if not loader_cfg.get("mosaic_buffer", True):
-            datasets.set_mosaic_buffer(dataset, False)
-        return dataset, None
-
     def _val_engine(self) -> str:
         return checks.val_engine(self.cfg.get("val") or {}, self.cfg["train"])
 
@@ -442,24 +388,6 @@ class Rank:
     def input_dtype(self) -> torch.dtype:
         """What the network's first layer computes in: the GPU pipeline writes its input in this type."""
         return self.amp_dtype or torch.float32
-
-    def _train_loader(self):
-        """The workers serve every epoch; from epoch close_at on they load without mosaic (Ultralytics' close_mosaic),
-        the GPU input by the batch's epoch (GpuInput.mosaic), Ultralytics' transforms from a closed copy."""
-        workers, loader_cfg = self.plan.workers_per_rank, self.cfg["loader"]
-        dataset = self.train_dataset
-        if self.gpu_input is None:
-            closed = datasets.with_mosaic_closed(dataset, self.hyp) if self.close_at is not None else None
-            dataset = EpochSeededDataset(dataset, int(self.cfg["seed"]), closed=closed, close_at=self.close_at)
-        return torch.utils.data.DataLoader(
-            dataset,
-            batch_sampler=self.sampler,
-            num_workers=workers,
-            pin_memory=bool(loader_cfg["pin_memory"]) and self.device.type == "cuda",
-            collate_fn=self.train_dataset.collate_fn,
-            worker_init_fn=self._worker_init(worker_init),
-            prefetch_factor=int(loader_cfg["prefetch_factor"]) if workers else None,
-        )
 
     def _prepare(self, raw, ni: int) -> dict:
         """A loader batch made ready for the step: augmented on the device once decoded (GpuInput.decoded, which the

@@ -1,0 +1,103 @@
+"""What a rank trains on, built from the plan in components.Rank's order (its steps 1 and 4):
+
+- `image_caches`: the node-shared image caches (train.cache=shared), before the process group;
+- `bind_cores`: this process on its own cores, its loader workers on the others (loader.bind_cores);
+- `training_set`: Ultralytics' augmenting training set (loader.augment_on=cpu), or the files' bytes and labels with
+  the GpuInput that decodes and augments them on the device (gpu);
+- `train_loader`: the DataLoader that serves every epoch, mosaic closed by each batch's epoch.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from launcher.plan.plan import LaunchPlan
+from launcher.rank.data import affinity, image_cache
+from launcher.rank.data.encoded import EncodedImages, EncodedTrainDataset
+from launcher.rank.data.gpu_augment import GpuAugment
+from launcher.rank.data.gpu_input import Decoder, GpuInput, buffer_capacity
+from launcher.rank.data.sampler import EpochBatchSampler, EpochSeededDataset, worker_init
+from launcher.rank.ultralytics import datasets
+
+
+def image_caches(cfg: dict, plan: LaunchPlan, data: dict, imgsz: int, log) -> dict[str, image_cache.ImageCache]:
+    """Both splits' caches (held for the whole run: a cache in use is never evicted): the first process on the
+    node builds them with every core while the others wait at a file lock. With the input on the GPU the
+    training split's cache holds the files' bytes (compressed: a fraction of the decoded size). `imgsz`: the plan
+    checked it, a multiple of the largest stride."""
+    dirs = image_cache.default_dirs(Path(cfg["paths"]["cache"]).expanduser() / "images")
+    gpu = plan.augment_on == "gpu"
+    caches = {split: datasets.ensure_split_cache(data[split], imgsz, dirs=dirs, channels=data.get("channels", 3),
+                                                 log=log)
+              for split in (("val",) if gpu else ("train", "val"))}
+    if gpu:
+        caches["train"] = image_cache.ensure_file_cache(datasets.split_images(data["train"]), dirs=dirs, log=log)
+    return caches
+
+
+def bind_cores(cfg: dict, plan: LaunchPlan, device: torch.device, local_rank: int, log) -> affinity.CoreSplit | None:
+    """loader.bind_cores on a GPU node: this process on its own cores, its loader workers on the others."""
+    if not cfg["loader"].get("bind_cores", True) or device.type != "cuda":
+        return None
+    split = affinity.split_cores(affinity.available_cores(), local_rank, plan.nproc_per_node, plan.workers_per_rank)
+    if split is not None:
+        affinity.bind_process(split.main)
+        log(f"cores: training process on {affinity.core_list(split.main)}, loader workers on "
+            f"{affinity.core_list(split.workers)}")
+    return split
+
+
+def on_worker_cores(cores: affinity.CoreSplit | None, inner):
+    """A loader's worker_init_fn that first moves the worker onto the workers' cores (when bind_cores split them)."""
+    return affinity.BindWorker(cores.workers, inner) if cores else inner
+
+
+def training_set(cfg: dict, plan: LaunchPlan, hyp, data: dict, device: torch.device, *, caches: dict, stride: int,
+                 close_at: int | None, input_dtype: torch.dtype, log):
+    """(dataset, gpu_input): Ultralytics' augmenting training set and None (loader.augment_on=cpu), or the files'
+    bytes and labels and the GpuInput that decodes and augments them on `device` (gpu; on the CPU the same tensor
+    maths, computed by the training process)."""
+    loader_cfg = cfg["loader"]
+    if plan.augment_on == "gpu":
+        if device.type != "cuda":
+            log("loader.augment_on=gpu on the CPU: the same tensor maths, computed by the training process")
+        inner = datasets.raw_train_dataset(hyp, data, plan.batch_per_rank)  # labels, checks
+        if any(len(label.get("segments", [])) for label in inner.labels):
+            log("WARNING label files with polygons: the GPU input pipeline warps their boxes, where Ultralytics "
+                "re-derives each box from the warped polygon (tighter under rotation and shear)")
+        images = EncodedImages.of(inner)
+        dataset = EncodedTrainDataset(images, labels=inner.labels, decode_all=device.type != "cuda",
+                                      cache=caches.get("train"))
+        augment = GpuAugment(inner.imgsz, hyp, out_dtype=input_dtype)
+        gpu_input = GpuInput(augment, Decoder(device, images.files, log), device=device,
+                             capacity=buffer_capacity(len(images), plan.batch_per_rank), close_at=close_at,
+                             partners_from_batch=not loader_cfg.get("mosaic_buffer", True))
+        return dataset, gpu_input
+    dataset = datasets.train_dataset(hyp, data, plan.batch_per_rank, stride)
+    if "train" in caches:
+        datasets.attach_cache(dataset, caches["train"])
+    if not loader_cfg.get("mosaic_buffer", True):
+        datasets.set_mosaic_buffer(dataset, False)
+    return dataset, None
+
+
+def train_loader(cfg: dict, plan: LaunchPlan, dataset, sampler: EpochBatchSampler, hyp, device: torch.device, *,
+                 gpu_input: GpuInput | None, close_at: int | None, cores: affinity.CoreSplit | None):
+    """The workers serve every epoch; from epoch close_at on they load without mosaic (Ultralytics' close_mosaic),
+    the GPU input by the batch's epoch (GpuInput.mosaic), Ultralytics' transforms from a closed copy."""
+    workers, loader_cfg = plan.workers_per_rank, cfg["loader"]
+    served = dataset
+    if gpu_input is None:
+        closed = datasets.with_mosaic_closed(dataset, hyp) if close_at is not None else None
+        served = EpochSeededDataset(dataset, int(cfg["seed"]), closed=closed, close_at=close_at)
+    return torch.utils.data.DataLoader(
+        served,
+        batch_sampler=sampler,
+        num_workers=workers,
+        pin_memory=bool(loader_cfg["pin_memory"]) and device.type == "cuda",
+        collate_fn=dataset.collate_fn,
+        worker_init_fn=on_worker_cores(cores, worker_init),
+        prefetch_factor=int(loader_cfg["prefetch_factor"]) if workers else None,
+    )
