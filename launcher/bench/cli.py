@@ -51,6 +51,9 @@ def run_bench(cfg: dict, run_dir: Path, base_dir: Path, command: str) -> int:
     kind = b.get("kind") or "throughput"
     if kind == "throughput":
         problems = variants.shape_problems(b.get("variants"))
+        if b.get("earlier") is not None:
+            problems.append("bench.earlier is for bench.kind=time_to_model (a throughput cell is measured in one "
+                            "invocation); leave it out")
         cells, cell_problems = plan_cells(list(b["sizes"]), list(b["modes"]), b["baseline"], hw.gpu_count,
                                           hw.cpu_count, on_gpu, None if problems else b.get("variants") or None)
         problems += cell_problems
@@ -71,7 +74,7 @@ def run_bench(cfg: dict, run_dir: Path, base_dir: Path, command: str) -> int:
     if kind == "time_to_model":
         for w in warnings if dry_run else []:
             say(f"WARNING: {w.message} (a real run would refuse)")
-        return time_to_model.run(cfg, run_dir, model, data, on_gpu, command, dry_run)
+        return time_to_model.run(cfg, run_dir, model, data, on_gpu, command, dry_run, base_dir)
 
     to_run = [c for c in cells if not c.skip]
     say(f"ddp-bench: {len(to_run)} cell(s) on {hw.describe_gpus() if on_gpu else f'{hw.cpu_count} CPU core(s)'}")

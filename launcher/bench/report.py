@@ -98,6 +98,7 @@ def environment() -> dict:
         "nccl": ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else None,
         "cpu_count": len(__import__("os").sched_getaffinity(0)),
         "cpu": platform.processor() or platform.machine(),
+        "host": platform.node(),  # which machine: time_to_model reports runs together only from one (bench.earlier)
         "gpus": [],
         "driver": None,
     }

@@ -38,13 +38,14 @@ from pathlib import Path
 
 import yaml
 
-from launcher.bench import report
+from launcher.bench import report, time_to_model_earlier
 from launcher.bench.variants import shape_problems
 from launcher.bench.time_to_model_report import PARTS, SIDES, markdown, side_names, summarize, write
 from launcher.inputs.labels import list_images
 from launcher.launch.logs import say
 from launcher.launch.ultralytics_home import prepare_ultralytics_home
 from launcher.plan.environment import offline_environment
+from launcher.problems import PlanError, config_problems
 
 ULTRALYTICS_MODULE = "launcher.rank.ultralytics.time_to_model"
 
@@ -74,7 +75,7 @@ def problems(bench: dict, train: dict | None = None) -> list[str]:
     if (train or {}).get("batch_per_device") == "auto":
         return ["bench.kind=time_to_model with train.batch_per_device=auto: both sides train at the same batch, and "
                 "Ultralytics' batch=-1 chooses its own; give train.batch_per_device as a number"]
-    out = shape_problems(bench.get("variants"))
+    out = shape_problems(bench.get("variants")) + time_to_model_earlier.shape_problems(bench.get("earlier"))
     seeds = bench.get("seeds")
     if seeds is None:
         return out
@@ -86,10 +87,11 @@ def problems(bench: dict, train: dict | None = None) -> list[str]:
     return out
 
 
-def run_order(seeds: list[int], sides: tuple[str, ...] | list[str] = SIDES) -> list[tuple[str, int]]:
-    """(side, seed) in run order: the sides interleaved seed by seed, their order reversed every other seed."""
+def run_order(seeds: list[int], sides: tuple[str, ...] | list[str] = SIDES, first: int = 0) -> list[tuple[str, int]]:
+    """(side, seed) in run order: the sides interleaved seed by seed, their order reversed every other seed (counted
+    from `first`: the seeds run before, in earlier invocations)."""
     order = []
-    for i, seed in enumerate(seeds):
+    for i, seed in enumerate(seeds, start=first):
         order += [(side, seed) for side in (sides if i % 2 == 0 else sides[::-1])]
     return order
 
@@ -212,13 +214,21 @@ def ultralytics_settings(cfg: dict, model, data_yaml: Path, seed: int, on_gpu: b
             "seed": seed, "workers": int(cfg["bench"]["baseline_workers"]), "device": 0 if on_gpu else "cpu"}
 
 
-def run(cfg: dict, run_dir: Path, model, data, on_gpu: bool, command: str, dry_run: bool) -> int:
+def run(cfg: dict, run_dir: Path, model, data, on_gpu: bool, command: str, dry_run: bool, base_dir: Path) -> int:
     seeds = list(cfg["bench"].get("seeds") or [cfg["seed"]])
     variants = dict(cfg["bench"].get("variants") or {})
-    order = run_order(seeds, side_names(variants))
+    settings, environment = _settings(cfg, model, data, seeds, on_gpu, variants), report.environment()
+    earlier, problems = time_to_model_earlier.read(cfg["bench"].get("earlier"), base_dir, run_dir)
+    problems += time_to_model_earlier.problems(earlier, settings, environment)
+    if problems:
+        raise PlanError(config_problems(problems))
+    # the sides' order goes on alternating from the earlier invocations' seeds
+    order = run_order(seeds, side_names(variants), first=sum(len(r["settings"]["seeds"]) for r in earlier))
     cache = Path(cfg["paths"]["cache"]).expanduser()
     data_yaml = run_dir / "data.yaml"
     say(f"ddp-bench time_to_model: {len(order)} run(s) on {'one GPU' if on_gpu else 'the CPU'}, seeds {seeds}")
+    for r in earlier:
+        say(f"reported with the sides of seeds {r['settings']['seeds']} from {r['path']}")
     say(f"run folder      {run_dir}\n")
     if dry_run:
         for side, seed in order:
@@ -251,9 +261,9 @@ def run(cfg: dict, run_dir: Path, model, data, on_gpu: bool, command: str, dry_r
         else:
             say(f"    {side} seed {seed}: {record['wall_s']:.1f} s to the weights, mAP50-95 {record['map50_95']:.4f}, "
                 + ", ".join(f"{k} {v:.1f} s" for k, v in record["breakdown"].items() if k != "other"))
-    out = summarize(sides, variants)
-    out.update(kind="time_to_model", command=command, settings=_settings(cfg, model, data, seeds, on_gpu, variants),
-               environment=report.environment())
+    sides, settings, sources = time_to_model_earlier.combined(earlier, sides, settings)
+    out = summarize(sides, settings["variants"])
+    out.update(kind="time_to_model", command=command, settings=settings, environment=environment, earlier=sources)
     write(out, run_dir)
     say("\n" + markdown(out))
     say(f"report: {run_dir / 'bench.md'}, {run_dir / 'bench.json'}, {run_dir / 'bench.png'}")

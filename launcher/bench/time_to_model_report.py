@@ -103,6 +103,9 @@ def markdown(out: dict) -> str:
         "",
         f"Command: `{out['command']}`",
         "",
+        *(f"With the sides of seeds {e['seeds']} from an earlier invocation on this machine: `{e['command']}` "
+          f"({e['path']})" for e in out.get("earlier") or []),
+        *([""] if out.get("earlier") else []),
         f"{st['model']}, {st['data']['train_images']} train / {st['data']['val_images']} val images "
         f"({_fmt(st['data']['mean_train_file_kb'], '.0f', suffix=' kB')} per train file), {st['imgsz']} px, "
         f"{st['epochs']} epochs, batch {st['batch']}, SGD lr0 {st['lr0']}, close_mosaic {st['close_mosaic']}, "
