@@ -56,6 +56,17 @@ def cell(**kw):
         ({"data_wait": 0.55, "gpu_util": 43.0}, "input-bound: GPU 43 % busy, 55 % of step time waiting for data; raise loader.workers or set train.cache=ram"),
         # the GPU input: train.cache=ram would put an auto run back on the CPU pipeline
         ({"data_wait": 0.3, "gpu_util": 70.0, "input_gpu_ms_per_image": 0.4}, "input-bound: GPU 70 % busy, 30 % of step time waiting for data; set train.cache=shared"),
+        # with the GPU input's threads measured: the one that bounds it, or the workers when the decoding thread
+        # waits for them longer than it works
+        ({"data_wait": 0.3, "gpu_util": 70.0, "input_gpu_ms_per_image": 0.4, "step_ms": 48.0,
+          "input_threads": {"decode": {"waiting_ms": 0.5, "working_ms": 47.0, "blocked_ms": 0.5, "busy": 0.98},
+                            "prepare": {"waiting_ms": 30.0, "working_ms": 17.0, "blocked_ms": 1.0, "busy": 0.35}}},
+         "input-bound: GPU 70 % busy, 30 % of step time waiting for data; the input's decode thread (reads the "
+         "loader's batches, decodes) bounds it: 47 ms of work a batch against a 48 ms step, busy 98 % of its time"),
+        ({"data_wait": 0.3, "gpu_util": 70.0, "input_gpu_ms_per_image": 0.4,
+          "input_threads": {"decode": {"waiting_ms": 40.0, "working_ms": 7.0, "blocked_ms": 0.0, "busy": 0.15},
+                            "prepare": {"waiting_ms": 40.0, "working_ms": 7.0, "blocked_ms": 1.0, "busy": 0.15}}},
+         "input-bound: GPU 70 % busy, 30 % of step time waiting for data; set train.cache=shared"),
         ({"pipeline_efficiency": 0.74}, "host-bound: 74 % of the data-free ceiling"),
         ({"gpu_util": 46.0}, "step-bound: GPU 46 % busy"),
         ({"size": 4, "efficiency": 0.8}, "scaling-bound: 80 % efficiency at 4 devices"),
@@ -73,3 +84,18 @@ def test_the_reports_footnote_says_which_steps_the_window_left_out(profile):
                           "settings": {"warmup_steps": 15, "steps": 60, "steps_in_flight": 1, "profile": profile}})
     left_out = " (on GPUs also the profiled steps after them: bench.profile)" if profile else ""
     assert f"15 warm-up steps dropped{left_out}, 60 steps measured" in md
+
+
+def test_the_report_lists_the_gpu_inputs_threads_per_cell_and_their_mean_over_ranks():
+    ranks = [{"images_per_s": 500.0, "data_wait": 0.02, "step_ms": 50.0, "steps_measured": 60, "host_cpu": 0.1,
+              "input_threads": {"decode": {"waiting_ms": w, "working_ms": 30.0, "blocked_ms": 10.0, "busy": 0.7}}}
+             for w in (1.0, 3.0)]
+    c = report.aggregate("ddp", 2, ranks)
+    assert c["input_threads"] == {"decode": {"waiting_ms": 2.0, "working_ms": 30.0, "blocked_ms": 10.0, "busy": 0.7}}
+    assert report.aggregate("ddp", 1, [{**ranks[0], "input_threads": None}])["input_threads"] is None
+    report.add_speedups([c])
+    c["verdict"] = report.verdict(c)
+    env = {"gpus": [], "torch": "2", "cpu_count": 2, "python": "3.11"}
+    md = report.markdown({"command": "ddp-bench", "cells": [c], "environment": env,
+                          "settings": {"warmup_steps": 15, "steps": 60, "steps_in_flight": 1}})
+    assert "- ddp x2 (step 50.0): decode thread (reads the loader's batches, decodes) 2.0 / 30.0 / 10.0" in md

@@ -151,6 +151,8 @@ def test_one_gpu_trains_with_every_lever_on(tmp_path, cache_dir, augment_on):
     assert "CUDA graphs: the whole step's forward, loss and backward captured" in (run_dir_of(r) / "logs" / "rank0.log").read_text()
     gpu_ms = summary["ranks"][0]["input_gpu_ms_per_image"]
     assert (gpu_ms is not None and gpu_ms > 0) == (augment_on == "gpu"), gpu_ms
+    threads = summary["ranks"][0]["input_threads"]  # the GPU input's threads: decode, augment
+    assert (set(threads) if threads else set()) == ({"decode", "prepare"} if augment_on == "gpu" else set()), threads
 
 
 def test_the_input_kernels_on_cuda_compute_what_their_torch_twins_compute():

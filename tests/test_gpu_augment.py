@@ -754,3 +754,8 @@ def test_a_run_trains_with_device_augmentation_on_the_cpu(tmp_path, cache_dir):
     assert summary["epochs_completed"] == 2
     losses = summary["ranks"][0]["loss"]
     assert losses and all(math.isfinite(v) and v > 0 for v in losses.values()), losses
+    threads = summary["ranks"][0]["input_threads"]  # where the input's two threads spent their time
+    assert set(threads) == {"decode", "prepare"}, threads
+    assert all(t["batches"] > 0 and t["working_ms"] > 0 and 0 < t["busy"] <= 1 for t in threads.values()), threads
+    log = (run_dir_of(r) / "logs" / "rank0.log").read_text()
+    assert "input threads, ms per batch: decode (reads the loader, decodes) waiting " in log

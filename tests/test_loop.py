@@ -97,6 +97,40 @@ def test_the_validation_split_is_read_after_the_first_step_and_placed_a_slice_af
     assert ours[0][0] == first_step_end + 1
 
 
+def test_the_input_time_is_measured_after_the_warm_up_steps_and_said_per_thread():
+    """InputTime: the GPU input's GPU time and its threads' time over the steps after `skip` (a thread started
+    after the window's start counts whole); the rank's log line."""
+    from types import SimpleNamespace
+
+    from launcher.rank.data.pipeline import ThreadTime
+
+    class Inputs:
+        times = {"decode": ThreadTime(1.0, 2.0, 0.0, 10)}
+
+        def thread_times(self):
+            return dict(self.times)
+
+    class GpuInput:
+        taken = iter([(9.0, 5), (4.0, 8)])  # the warm-up's, then the window's
+
+        def take_gpu_time(self):
+            return next(self.taken)
+
+    inputs = Inputs()
+    hook = hooks.InputTime(GpuInput(), inputs, skip=3)
+    hook.before_step(SimpleNamespace(ni=2))
+    assert hook.line() is None
+    hook.before_step(SimpleNamespace(ni=3))  # the window starts
+    inputs.times = {"decode": ThreadTime(1.5, 4.0, 1.0, 20), "prepare": ThreadTime(0.1, 0.2, 0.0, 2)}
+    hook.after_train(None)
+    assert hook.ms_per_image == pytest.approx(0.5)
+    assert hook.threads["decode"] == pytest.approx({"waiting_ms": 50.0, "working_ms": 200.0, "blocked_ms": 100.0,
+                                                    "batches": 10, "busy": 2.0 / 3.5})
+    assert hook.threads["prepare"]["batches"] == 2
+    assert hook.line() == ("input threads, ms per batch: decode (reads the loader, decodes) waiting 50.0, working "
+                           "200.0, ahead 100.0; augment waiting 50.0, working 100.0, ahead 0.0")
+
+
 def test_a_loop_resumed_mid_epoch_continues_at_its_step_with_the_mean_loss_of_the_steps_before():
     state = TrainState(epoch=1, step=2, tloss={"box_loss": torch.tensor(10.0)}, tloss_steps=2)
     loop = make_loop([], epochs=2, steps=3, state=state)

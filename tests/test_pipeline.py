@@ -159,3 +159,37 @@ def test_stopping_returns_while_the_decode_thread_waits_for_the_loader():
     assert pipe.next(0) == {"raw": 1}
     pipe.close()  # the preparing thread waits for the decode thread, which waits for the loader
     assert not any(thread.is_alive() for thread in threading.enumerate() if thread.name.startswith("input-"))
+
+
+def test_each_input_thread_says_where_its_time_went_across_iterators():
+    """The background threads' time (TrainInputs.thread_times): a decode that takes 30 ms a batch keeps the
+    augmenting thread, which works 5 ms, waiting; both count the batches they handed on, over two iterators
+    (loader.persistent_workers=false), and what the loop did not take in time shows as time blocked ahead."""
+
+    def decode(raw):
+        time.sleep(0.03)
+        return raw
+
+    def prepare(raw, ni):
+        time.sleep(0.005)
+        return {"ni": ni}
+
+    pipe = TrainInputs(SlowLoader(Clock(), 0.0), FakeSampler(), torch.device("cpu"), prepare, decode=decode,
+                       background=True, persistent=False)
+    assert pipe.thread_times() == {}  # no threads yet
+    pipe.begin_epoch(0, 0, first_ni=0)
+    for ni in range(6):
+        pipe.next(ni)
+    time.sleep(0.5)  # the loop is slow now: the threads fill their queues (6 decodes: 0.18 s), then wait, done
+    pipe.begin_epoch(1, 0, first_ni=6)  # a new iterator: the old threads' time is kept
+    for ni in range(6, 10):
+        pipe.next(ni)
+    times = pipe.thread_times()
+    pipe.close()
+    decoding, augmenting = times["decode"].per_batch_ms(), times["prepare"].per_batch_ms()
+    assert times["prepare"].batches >= 10 and times["decode"].batches >= times["prepare"].batches
+    assert decoding["working_ms"] >= 30 and augmenting["working_ms"] >= 5
+    assert augmenting["waiting_ms"] > augmenting["working_ms"]  # it waits for the decode
+    assert times["decode"].blocked > 0.2  # the rest of the 0.5 s the loop stayed away: both queues full
+    assert 0 < decoding["busy"] < 1 and decoding["waiting_ms"] < decoding["working_ms"]
+    assert pipe.thread_times()["prepare"].batches == times["prepare"].batches  # closed: kept, and no more

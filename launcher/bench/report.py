@@ -29,6 +29,7 @@ def aggregate(mode: str, size: int, ranks: list[dict]) -> dict:
         "data_wait": max(r["data_wait"] for r in ranks),
         "host_wait": max((r["host_wait"] for r in ranks if r.get("host_wait") is not None), default=None),
         "input_gpu_ms_per_image": _mean([r.get("input_gpu_ms_per_image") for r in ranks]),
+        "input_threads": _threads([r.get("input_threads") for r in ranks]),
         "gpu_util": sum(g["util_mean"] for g in gpus) / len(gpus) if gpus else None,
         "gpu_util_per_gpu": [round(g["util_mean"], 1) for g in gpus],
         "memory_peak_gib": max((g["memory_peak_gib"] for g in gpus), default=None),
@@ -39,6 +40,30 @@ def aggregate(mode: str, size: int, ranks: list[dict]) -> dict:
         "steps_measured": min(r["steps_measured"] for r in ranks),
         "loss_finite": all(math.isfinite(v) for r in ranks for v in (r.get("loss") or {}).values()),
     }
+
+
+def _threads(per_rank: list[dict | None]) -> dict | None:
+    """The input threads' figures per batch (rank/hooks.py InputTime), each the mean over the ranks that have it."""
+    names = dict.fromkeys(name for t in per_rank if t for name in t)
+    return {name: {key: _mean([t[name].get(key) for t in per_rank if t and name in t])
+                   for key in ("waiting_ms", "working_ms", "blocked_ms", "busy")} for name in names} or None
+
+
+THREAD_WORDS = {"decode": "decode thread (reads the loader's batches, decodes)", "prepare": "augmenting thread"}
+
+
+def input_thread_bound(threads: dict | None, step_ms: float | None) -> str | None:
+    """Which of the GPU input's threads bounds it, in words, when a cell waits for data: the loader's workers when
+    the decoding thread waits for them longer than it works, else the thread that works longest per batch."""
+    if not threads:
+        return None
+    first = threads.get("decode") or threads.get("prepare")
+    if first["waiting_ms"] is not None and first["waiting_ms"] > (first["working_ms"] or 0.0):
+        return None  # the workers: the usual advice
+    name, t = max(threads.items(), key=lambda item: item[1]["working_ms"] or 0.0)
+    step = f" against a {step_ms:.0f} ms step" if step_ms else ""
+    return (f"the input's {THREAD_WORDS.get(name, name)} bounds it: {t['working_ms']:.0f} ms of work a batch{step}, "
+            f"busy {100 * (t['busy'] or 0.0):.0f} % of its time; more loader workers or a cache would not help")
 
 
 def add_speedups(cells: list[dict]) -> None:
@@ -69,7 +94,8 @@ def verdict(c: dict) -> str:
     if wait > INPUT_BOUND:
         return (
             f"input-bound: {busy}{100 * wait:.0f} % of step time waiting for data; "
-            f"{input_bound_advice(c.get('input_gpu_ms_per_image') is not None)}"
+            + (input_thread_bound(c.get("input_threads"), c.get("step_ms"))
+               or input_bound_advice(c.get("input_gpu_ms_per_image") is not None))
         )
     if pipe is not None and pipe < PIPELINE_OK:
         return (
@@ -179,6 +205,15 @@ def markdown(report: dict) -> str:
         f"(CUDA {env.get('cuda')}, NCCL {env.get('nccl')}); ultralytics {env.get('ultralytics')}; "
         f"{env['cpu_count']} CPU cores; Python {env['python']}.",
     ]
+    threaded = [c for c in report["cells"] if c.get("input_threads")]
+    if threaded:
+        lines += ["", "The GPU input's threads, ms per batch over the measured steps (waiting for their input, working, "
+                      "blocked with a batch ready: ahead of the step), and the step's ms:"]
+        for c in threaded:
+            label = f"{c['mode']} x{c['size']}" + (f" {c['variant']}" if c.get("variant") else "")
+            lines.append(f"- {label} (step {_fmt(c.get('step_ms'), '.1f')}): " + "; ".join(
+                f"{THREAD_WORDS.get(name, name)} {_fmt(t['waiting_ms'], '.1f')} / {_fmt(t['working_ms'], '.1f')} / "
+                f"{_fmt(t['blocked_ms'], '.1f')}" for name, t in c["input_threads"].items()))
     variants = (report["settings"].get("variants") or {})
     if variants:
         lines += ["", "Variants (config overrides of each cell):"]

@@ -24,7 +24,8 @@ breakdown, from the side's timeline (rank 0's summary.json `timeline`; the Ultra
 - other: the wall clock the stamps do not attribute (zero when the timeline is complete and in order).
 Before the first timed side, the dataset's labels are scanned once (Ultralytics' labels.cache, which both sides read),
 so that no side pays the first scan of a dataset. The means, the ratio, the verdict and the report's files are
-time_to_model_report.py's.
+time_to_model_report.py's; the sides of earlier invocations on this machine join them with `bench.earlier`
+(time_to_model_earlier.py).
 """
 
 from __future__ import annotations

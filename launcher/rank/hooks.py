@@ -437,21 +437,38 @@ class AgreeToStop(Hook):
         self.heartbeat.working()
 
 
-class InputGpuTime(Hook):
-    """The GPU time the input pipeline took per image (decode, load, augment: gpu_input.GpuInput's events), over
-    the steps after the first `skip` (the kernels' compilation and the buffer's filling are not the steady state)."""
+class InputTime(Hook):
+    """Where the GPU input pipeline's time went over the steps after the first `skip` (the kernels' compilation and
+    the buffer's filling are not the steady state): its GPU time per image (decode, load, augment: gpu_input.GpuInput's
+    events), and each of its threads' time per batch (TrainInputs.thread_times: waiting, working, blocked ahead)."""
 
-    def __init__(self, gpu_input, skip: int):
-        self.gpu_input, self.skip = gpu_input, skip
+    def __init__(self, gpu_input, inputs, skip: int):
+        self.gpu_input, self.inputs, self.skip = gpu_input, inputs, skip
         self.ms = self.images = 0.0
+        self._before: dict = {}
+        self.threads: dict[str, dict] = {}  # per thread: pipeline.ThreadTime.per_batch_ms over the measured steps
 
     def before_step(self, loop) -> None:
         if loop.ni == self.skip:
             self.gpu_input.take_gpu_time()  # dropped: the warm-up's
+            self._before = self.inputs.thread_times()
 
     def after_train(self, loop) -> None:
         self.ms, self.images = self.gpu_input.take_gpu_time()
+        for name, t in self.inputs.thread_times().items():
+            measured = (t - self._before[name]) if name in self._before else t
+            if measured.per_batch_ms() is not None:
+                self.threads[name] = measured.per_batch_ms()
 
     @property
     def ms_per_image(self) -> float | None:
         return self.ms / self.images if self.images else None
+
+    def line(self) -> str | None:
+        """The threads' figures for the rank's log, or None without them."""
+        if not self.threads:
+            return None
+        words = {"decode": "decode (reads the loader, decodes)", "prepare": "augment"}
+        return "input threads, ms per batch: " + "; ".join(
+            f"{words.get(name, name)} waiting {t['waiting_ms']:.1f}, working {t['working_ms']:.1f}, ahead "
+            f"{t['blocked_ms']:.1f}" for name, t in sorted(self.threads.items()))

@@ -31,8 +31,8 @@ after_train work), and Timed wraps Evaluate (each validation, the final one) and
 LRSchedule and ModelEpochs act before each epoch (lr, train mode) and LRSchedule before each step
 (warmup). after_train runs in list order: the final validation of best.pt (its plots held for the plotter's
 thread), the integrations' end (after the plots they may upload are drawn), the final weights (a best.pt of an
-earlier epoch stripped: here the run's time to a model ends), then the plots drawn and waited for. InputGpuTime
-(loader.augment_on=gpu) only reads the input's GPU time at its window's start and at the end.
+earlier epoch stripped: here the run's time to a model ends), then the plots drawn and waited for. InputTime
+(loader.augment_on=gpu) only reads the input's GPU time and its threads' at its window's start and at the end.
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ def train(cfg: dict, plan: LaunchPlan, folder: RunFolder, stamps: dict | None = 
         samples = h.RecordSamples() if cfg.get("debug", {}).get("record_samples") else None
         epochs, on_rank0 = int(train_cfg["epochs"]), r.rank == 0
         integrations = cfg.get("log", {}).get("integrations") or []
-        input_time = h.InputGpuTime(r.gpu_input, METER_SKIP_STEPS) if r.gpu_input else None
+        input_time = h.InputTime(r.gpu_input, r.inputs, METER_SKIP_STEPS) if r.gpu_input else None
         plotter = Plotter(folder.path, r.log) if on_rank0 and train_cfg.get("plots", True) else None
         evaluate = h.Evaluate(lambda loop: _validate(r, loop, plotter), lambda loop, w: _validate(r, loop, plotter, w),
                               lambda: _best_weights(r, checkpointer), interval=int(train_cfg["val_interval"]),
@@ -137,6 +137,8 @@ def train(cfg: dict, plan: LaunchPlan, folder: RunFolder, stamps: dict | None = 
               f"{len(r.train_dataset)} train / {len(r.val_loader.dataset)} val images; device {r.device}")
         loop.run()
         r.log(f"{state.epoch + 1 - first_epoch} epoch(s) in {(time.time() - started) / 60:.2f} min")
+        if input_time is not None and input_time.line():
+            r.log(input_time.line())
         reports = _reports(r, meter, monitor, samples, input_time)
         if r.rank != 0:
             return None
@@ -166,7 +168,7 @@ def bench_cell(cfg: dict, plan: LaunchPlan, folder: RunFolder) -> dict | None:
         skip = warmup + profiled
         meter, monitor = _meter(r, skip)
         cpu = _HostCpu(skip, psutil.cpu_times)
-        input_time = h.InputGpuTime(r.gpu_input, skip) if r.gpu_input else None
+        input_time = h.InputTime(r.gpu_input, r.inputs, skip) if r.gpu_input else None
         hooks = [h.Meter(meter, r.inputs, monitor), h.Heartbeat(r.heartbeat), cpu, input_time,
                  h.StopOnSignal(r.comm, r.heartbeat, r.inputs, log=r.log),
                  _BenchProgress(skip + steps, r.log) if r.rank == 0 else None,
@@ -179,7 +181,8 @@ def bench_cell(cfg: dict, plan: LaunchPlan, folder: RunFolder) -> dict | None:
         ceiling = _ceiling(r, int(bench["ceiling_batches"]), max(steps // 2, 10), profile=bool(bench.get("profile")))
         rank_figures = {**report.rank_report(rank=r.rank, device=r.device, meter=meter, monitor=monitor, net=r.net,
                                              loss_items=r.step.loss_items, state=r.state,
-                                             input_gpu_ms=input_time.ms_per_image if input_time else None),
+                                             input_gpu_ms=input_time.ms_per_image if input_time else None,
+                                             input_threads=input_time.threads if input_time else None),
                         "ceiling_images_per_s": ceiling, "host_cpu": cpu.busy}
         reports = r.comm.gather(rank_figures)
         if r.rank != 0:
@@ -237,7 +240,8 @@ def _reports(r: Rank, meter, monitor, samples, input_time) -> list[dict]:
     """Every rank's figures on every rank; each rank also writes its own into ranks/rank<N>.json."""
     mine = report.rank_report(rank=r.rank, device=r.device, meter=meter, monitor=monitor, net=r.net,
                               loss_items=r.step.loss_items, state=r.state, samples=samples.seen if samples else None,
-                              input_gpu_ms=input_time.ms_per_image if input_time else None)
+                              input_gpu_ms=input_time.ms_per_image if input_time else None,
+                              input_threads=input_time.threads if input_time else None)
     r.folder.write_json(f"ranks/rank{r.rank}.json", mine)
     return r.comm.gather(mine)
 

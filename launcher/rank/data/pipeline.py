@@ -27,6 +27,7 @@ import threading
 import time
 from collections.abc import Callable
 from contextlib import ExitStack
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -73,6 +74,35 @@ def to_device(batch: dict, device: torch.device, *, imgsz: int, stride: int, mul
     return batch
 
 
+@dataclass
+class ThreadTime:
+    """Where one input thread's time went: waiting for its input (the loader's next batch, or the decoded one),
+    working on batches, and blocked with a batch done because the queue after it was full (ahead of the step); and
+    the batches it handed on. A thread that works about as long per batch as a step takes is the input's bound."""
+
+    waiting: float = 0.0
+    working: float = 0.0
+    blocked: float = 0.0
+    batches: int = 0
+
+    def __add__(self, other: ThreadTime) -> ThreadTime:
+        return ThreadTime(self.waiting + other.waiting, self.working + other.working, self.blocked + other.blocked,
+                          self.batches + other.batches)
+
+    def __sub__(self, other: ThreadTime) -> ThreadTime:
+        return ThreadTime(self.waiting - other.waiting, self.working - other.working, self.blocked - other.blocked,
+                          self.batches - other.batches)
+
+    def per_batch_ms(self) -> dict | None:
+        """Milliseconds per batch handed on, and the share of the thread's time spent working; None before any."""
+        if self.batches <= 0:
+            return None
+        total = self.waiting + self.working + self.blocked
+        return {"waiting_ms": 1000 * self.waiting / self.batches, "working_ms": 1000 * self.working / self.batches,
+                "blocked_ms": 1000 * self.blocked / self.batches, "batches": self.batches,
+                "busy": self.working / total if total > 0 else None}
+
+
 class TrainInputs:
     """`next(ni)` and `prefetch(ni)` for the loop; `prepare(decode(raw), ni)` makes a loader batch ready for the
     step (the GPU input pipeline's decode, then its augmentation and to_device), its randomness a function of the
@@ -86,6 +116,7 @@ class TrainInputs:
         self.fetch_ahead, self.persistent, self.clock = fetch_ahead, persistent, clock
         self.background = background
         self._worker: _Preparer | None = None
+        self._closed_times: dict[str, ThreadTime] = {}  # what the threads of earlier iterators took
         self.last_wait = 0.0
         self._iterator = None
         self._ahead: tuple[dict, torch.cuda.Event | None, float] | None = None  # batch, copy done, wait it cost
@@ -157,9 +188,20 @@ class TrainInputs:
         if self.background:
             self._worker = _Preparer(self._iterator, self._prepare_decoded, self.device, first_ni, self.decode)
 
+    def thread_times(self) -> dict[str, ThreadTime]:
+        """With `background`: each input thread's time so far ("decode": reads the loader and decodes; "prepare":
+        augments, or also reads the loader without `decode`), over every iterator of the run; else empty."""
+        times = dict(self._closed_times)
+        if self._worker is not None:
+            for name, t in self._worker.times.items():
+                times[name] = times.get(name, ThreadTime()) + t
+        return times
+
     def close(self) -> None:
         if self._worker is not None:
             self._worker.stop()  # before the workers go: the thread may be waiting for their next batch
+            for name, t in self._worker.times.items():
+                self._closed_times[name] = self._closed_times.get(name, ThreadTime()) + t
             self._worker = None
         self._ahead = None  # a batch fetched ahead belongs to the iterator that is going
         if self._iterator is not None and hasattr(self._iterator, "_shutdown_workers"):
@@ -179,6 +221,9 @@ class _Preparer:
         self.ready: queue.Queue = queue.Queue(maxsize=AHEAD)
         self.decoded: queue.Queue | None = queue.Queue(maxsize=AHEAD) if decode is not None else None
         self.expected = first_ni  # the step the next take() is for
+        # each thread adds to its own (the training thread reads them: a copy, never reset)
+        self.times = {"prepare": ThreadTime(), **({"decode": ThreadTime()} if decode is not None else {})}
+        self.clock = time.perf_counter
         self._stop = threading.Event()
         self.threads = [threading.Thread(target=self._run, args=(first_ni,), name="input-prepare", daemon=True)]
         if decode is not None:
@@ -195,10 +240,20 @@ class _Preparer:
         return stack
 
     def _decode(self) -> None:
+        times, clock = self.times["decode"], self.clock
         try:
             with self._on_stream():
                 while not self._stop.is_set():
-                    self._put(self.decoded, (True, self.decode(next(self.iterator))))
+                    start = clock()
+                    raw = next(self.iterator)
+                    read = clock()
+                    decoded = self.decode(raw)
+                    done = clock()
+                    self._put(self.decoded, (True, decoded))
+                    times.waiting += read - start
+                    times.working += done - read
+                    times.blocked += clock() - done
+                    times.batches += 1
         except BaseException as e:  # noqa: BLE001 - handed on to the preparing thread, which hands it on
             self._put(self.decoded, (False, e))
 
@@ -217,18 +272,26 @@ class _Preparer:
         return None
 
     def _run(self, ni: int) -> None:
+        times, clock = self.times["prepare"], self.clock
         try:
             with self._on_stream():
                 while not self._stop.is_set():
+                    start = clock()
                     raw = self._next_raw()
                     if raw is None:
                         return
+                    got = clock()
                     batch = self.prepare(raw, ni)
                     done = None
                     if self.stream is not None:
                         done = torch.cuda.Event()
                         done.record(self.stream)
+                    prepared = clock()
                     self._put(self.ready, (ni, batch, done))
+                    times.waiting += got - start
+                    times.working += prepared - got
+                    times.blocked += clock() - prepared
+                    times.batches += 1
                     ni += 1
         except BaseException as e:  # noqa: BLE001 - handed to the training thread, which raises it
             self._put(self.ready, (None, e, None))

@@ -43,7 +43,7 @@ def torch_memory(device) -> dict:
 
 
 def rank_report(*, rank: int, device, meter, monitor, net, loss_items: dict | None, state, samples=None,
-                input_gpu_ms: float | None = None) -> dict:
+                input_gpu_ms: float | None = None, input_threads: dict | None = None) -> dict:
     m = meter.summary()
     gpus = [vars(g) for g in monitor.stats()] if monitor is not None else []
     return {
@@ -56,6 +56,8 @@ def rank_report(*, rank: int, device, meter, monitor, net, loss_items: dict | No
         # loader.augment_on=gpu: elapsed on the preparing stream per image, decode to augmented batch (an upper bound
         # of its GPU cost: it includes waits behind the step); None for the CPU input
         "input_gpu_ms_per_image": input_gpu_ms,
+        # its threads per batch (rank/hooks.py InputTime): waiting for their input, working, blocked ahead of the step
+        "input_threads": input_threads or None,
         "steps_measured": m.steps_measured,
         "step_ms": m.step_ms,
         "gpus": gpus,
