@@ -15,7 +15,7 @@ SETTINGS = {"model": "yolov8s.yaml", "data": {"name": "shapes", "path": "/d", "t
             "imgsz": 640, "epochs": 10, "batch": 64, "optimizer": "SGD", "lr0": 0.01, "close_mosaic": 5,
             "seeds": [1], "val_interval": 1, "device": "one GPU", "ultralytics_workers": 8, "variants": {}}
 MACHINE = {"host": "h200-a", "gpus": ["NVIDIA H200"], "driver": "580", "torch": "2.11.0", "cuda": "13.0",
-           "ultralytics": "8.4.190", "python": "3.12.3", "cpu_count": 16}
+           "ultralytics": "8.4.190", "python": "3.12.3", "cpu_count": 16, "code": "9c0cf285aaf3b477"}
 
 
 def report(path: str, seeds=(0,), variants=None, **changes) -> dict:
@@ -30,13 +30,14 @@ def report(path: str, seeds=(0,), variants=None, **changes) -> dict:
 
 def test_only_runs_measured_the_same_way_on_this_machine_with_other_seeds_are_put_together():
     assert earlier.problems([report("/a/bench.json")], SETTINGS, MACHINE) == []
-    said = earlier.problems([report("/a/bench.json", seeds=(0, 1), epochs=5, host="h200-b", torch="2.10.0")],
-                            SETTINGS, MACHINE)
-    assert len(said) == 4, said
+    said = earlier.problems([report("/a/bench.json", seeds=(0, 1), epochs=5, host="h200-b", torch="2.10.0",
+                                    code="0123456789abcdef")], SETTINGS, MACHINE)
+    assert len(said) == 5, said
     assert "/a/bench.json ran with epochs=5, this invocation with 10" in said[0]
     assert "measured on another machine (host 'h200-b', here 'h200-a')" in said[1]
     assert "(torch '2.10.0', here '2.11.0')" in said[2]
-    assert "seed 1 is in /a/bench.json and in this invocation; each seed once" in said[3]
+    assert "measured another build of ddp-launch (code '0123456789abcdef', here '9c0cf285aaf3b477')" in said[3]
+    assert "seed 1 is in /a/bench.json and in this invocation; each seed once" in said[4]
     data = {**SETTINGS["data"], "path": "/other"}
     assert "ran on data path='/other', this invocation on '/d'" in earlier.problems(
         [report("/a/bench.json", data=data)], SETTINGS, MACHINE)[0]
@@ -103,3 +104,20 @@ def test_earlier_is_refused_for_a_throughput_benchmark(tmp_path):
     r = ddp_launch(["bench.kind=throughput", "gpus=0", "dry_run=true", "bench.earlier=x", *TINY], cwd=tmp_path,
                    tool="ddp-bench")
     assert r.returncode != 0 and "bench.earlier is for bench.kind=time_to_model" in r.stdout + r.stderr
+
+
+def test_the_code_digest_changes_with_any_source_or_config_file(tmp_path, monkeypatch):
+    from launcher.bench import report as bench_report
+
+    package, conf = tmp_path / "launcher", tmp_path / "conf"
+    (package / "bench").mkdir(parents=True)
+    conf.mkdir()
+    (package / "bench" / "report.py").write_text("x = 1\n")
+    (conf / "config.yaml").write_text("a: 1\n")
+    monkeypatch.setattr(bench_report, "__file__", str(package / "bench" / "report.py"))
+    monkeypatch.setattr(bench_report, "conf_dir", lambda: str(conf))
+    first = bench_report.code_digest()
+    (conf / "config.yaml").write_text("a: 2\n")
+    second = bench_report.code_digest()
+    (package / "bench" / "report.py").write_text("x = 2\n")
+    assert len({first, second, bench_report.code_digest()}) == 3

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import platform
@@ -9,6 +10,7 @@ from pathlib import Path
 
 from launcher.machine.hardware import detect
 from launcher.plan.describe import input_bound_advice
+from launcher.plan.keys import conf_dir
 
 INPUT_BOUND = 0.10  # data wait above this share of step time: starved
 PIPELINE_OK = 0.90  # end-to-end at or above this share of the data-free ceiling: the pipeline keeps up
@@ -125,6 +127,7 @@ def environment() -> dict:
         "cpu_count": len(__import__("os").sched_getaffinity(0)),
         "cpu": platform.processor() or platform.machine(),
         "host": platform.node(),  # which machine: time_to_model reports runs together only from one (bench.earlier)
+        "code": code_digest(),  # which ddp-launch: the same, for the same reason
         "gpus": [],
         "driver": None,
     }
@@ -133,6 +136,17 @@ def environment() -> dict:
     env["gpus"] = [g.name for g in hw.gpus]
     env["driver"] = hw.driver or None
     return env
+
+
+def code_digest() -> str:
+    """A digest of ddp-launch's own sources and shipped configs (the package as installed or checked out), so that
+    two reports can tell whether they measured the same build: SHA-256 of every .py and .yaml file's path and bytes."""
+    h = hashlib.sha256()
+    for root in (Path(__file__).resolve().parents[1], Path(conf_dir())):  # conf/ is beside the package in a checkout
+        for path in sorted(p for p in root.rglob("*") if p.suffix in (".py", ".yaml") and "__pycache__" not in p.parts):
+            h.update(f"{root.name}/{path.relative_to(root)}".encode())
+            h.update(path.read_bytes())
+    return h.hexdigest()[:16]
 
 
 def _fmt(v, spec: str, scale: float = 1.0, suffix: str = "") -> str:

@@ -299,6 +299,7 @@ def run_side(side: str, seed: int, side_dir: Path, cfg: dict, model, data_yaml: 
         map50=measured["map50"], map50_95=measured["map50_95"], data_wait=measured.get("data_wait"),
         host_wait=measured.get("host_wait"), gpu_util=measured.get("gpu_util"),
         images_per_s=measured.get("images_per_s"),
+        input_threads=(measured.get("ranks") or [{}])[0].get("input_threads"),  # ddp-launch's GPU input, rank 0
         run_dir=str(side_dir / ("ultralytics" if side == "ultralytics" else "run")),
         **breakdown(started, timeline),
         process_s=exited - started,

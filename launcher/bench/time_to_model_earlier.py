@@ -6,8 +6,9 @@ run folders. Their report then holds every side, with the means and the verdict 
 
 Only what was measured the same way is put together, and this is checked before any side runs: the same settings
 (model, data, image size, epochs, batch, optimizer, lr0, close_mosaic, validation, device, Ultralytics' workers), the
-same machine (host, GPUs, driver, torch, CUDA, Ultralytics, Python, cores), other seeds, and a variant's name always
-for the same overrides. The earlier run folders are read, never written.
+same machine (host, GPUs, driver, torch, CUDA, Ultralytics, Python, cores), the same build of ddp-launch (`code`: a
+digest of its sources and configs), other seeds, and a variant's name always for the same overrides. The earlier run
+folders are read, never written.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from pathlib import Path
 SETTINGS = ("model", "imgsz", "epochs", "batch", "optimizer", "lr0", "close_mosaic", "val_interval", "device",
             "ultralytics_workers")
 DATA = ("name", "path", "train_images", "val_images")
-MACHINE = ("host", "gpus", "driver", "torch", "cuda", "ultralytics", "python", "cpu_count")
+MACHINE = ("host", "gpus", "driver", "torch", "cuda", "ultralytics", "python", "cpu_count", "code")
 
 
 def shape_problems(earlier) -> list[str]:
@@ -83,7 +84,12 @@ def problems(reports: list[dict], settings: dict, environment: dict) -> list[str
                 out.append(f"bench.earlier: {where} ran on data {key}={(theirs.get('data') or {}).get(key)!r}, this "
                            f"invocation on {settings['data'].get(key)!r}")
         for key in MACHINE:
-            if env.get(key) != environment.get(key):
+            if env.get(key) == environment.get(key):
+                continue
+            if key == "code":
+                out.append(f"bench.earlier: {where} measured another build of ddp-launch (code {env.get(key)!r}, "
+                           f"here {environment.get(key)!r}); run its seeds again with this one")
+            else:
                 out.append(f"bench.earlier: {where} was measured on another machine ({key} {env.get(key)!r}, here "
                            f"{environment.get(key)!r}); only runs on one machine are reported together")
         for seed in theirs.get("seeds") or []:
