@@ -173,3 +173,23 @@ def test_an_input_bound_rank_says_once_which_settings_feed_its_pipeline(gpu_inpu
     hook.after_epoch(None)
     hook.after_epoch(None)
     assert lines == [f"WARNING input-bound: 25 % of step time waiting for data; {advice}"]
+
+
+def test_an_input_bound_rank_names_the_gpu_inputs_thread_that_bounds_it():
+    """With the GPU input's thread figures: the decoding thread, busy a whole step per batch, is the bound (no
+    worker or cache would help); when it waits for the loader instead, the workers' advice as before."""
+    from types import SimpleNamespace
+
+    from launcher.rank.data.pipeline import ThreadTime
+    from launcher.rank.hooks import InputBoundWarning
+
+    meter = SimpleNamespace(summary=lambda: SimpleNamespace(steps_measured=20, data_wait=0.2, step_ms=45.0))
+    lines = []
+    for decode in (ThreadTime(0.05, 4.4, 0.05, 100), ThreadTime(3.0, 0.5, 0.0, 100)):
+        inputs = SimpleNamespace(thread_times=lambda d=decode: {"decode": d, "prepare": ThreadTime(2.5, 1.5, 0.5, 100)})
+        InputBoundWarning(meter, 4, lines.append, gpu_input=True, inputs=inputs).after_epoch(None)
+    assert lines[0] == ("WARNING input-bound: 20 % of step time waiting for data; the input's decode thread (reads "
+                        "the loader's batches, decodes) bounds it: 44 ms of work a batch against a 45 ms step, busy "
+                        "98 % of its time; more loader workers or a cache would not help")
+    assert lines[1].endswith("; set train.cache=shared (the files' bytes mapped once per node) or raise "
+                             "loader.workers (now 4); not train.cache=ram, which needs the CPU pipeline")

@@ -9,7 +9,7 @@ import platform
 from pathlib import Path
 
 from launcher.machine.hardware import detect
-from launcher.plan.describe import input_bound_advice
+from launcher.plan.describe import THREAD_WORDS, input_bound_advice, input_thread_bound
 from launcher.plan.keys import conf_dir
 
 INPUT_BOUND = 0.10  # data wait above this share of step time: starved
@@ -49,23 +49,6 @@ def _threads(per_rank: list[dict | None]) -> dict | None:
     names = dict.fromkeys(name for t in per_rank if t for name in t)
     return {name: {key: _mean([t[name].get(key) for t in per_rank if t and name in t])
                    for key in ("waiting_ms", "working_ms", "blocked_ms", "busy")} for name in names} or None
-
-
-THREAD_WORDS = {"decode": "decode thread (reads the loader's batches, decodes)", "prepare": "augmenting thread"}
-
-
-def input_thread_bound(threads: dict | None, step_ms: float | None) -> str | None:
-    """Which of the GPU input's threads bounds it, in words, when a cell waits for data: the loader's workers when
-    the decoding thread waits for them longer than it works, else the thread that works longest per batch."""
-    if not threads:
-        return None
-    first = threads.get("decode") or threads.get("prepare")
-    if first["waiting_ms"] is not None and first["waiting_ms"] > (first["working_ms"] or 0.0):
-        return None  # the workers: the usual advice
-    name, t = max(threads.items(), key=lambda item: item[1]["working_ms"] or 0.0)
-    step = f" against a {step_ms:.0f} ms step" if step_ms else ""
-    return (f"the input's {THREAD_WORDS.get(name, name)} bounds it: {t['working_ms']:.0f} ms of work a batch{step}, "
-            f"busy {100 * (t['busy'] or 0.0):.0f} % of its time; more loader workers or a cache would not help")
 
 
 def add_speedups(cells: list[dict]) -> None:

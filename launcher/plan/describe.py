@@ -115,3 +115,21 @@ def input_bound_advice(gpu_input: bool, workers: int | None = None) -> str:
         return (f"set train.cache=shared (the files' bytes mapped once per node) or raise loader.workers{now}; "
                 "not train.cache=ram, which needs the CPU pipeline")
     return f"raise loader.workers{now} or set train.cache=ram"
+
+
+THREAD_WORDS = {"decode": "decode thread (reads the loader's batches, decodes)", "prepare": "augmenting thread"}
+
+
+def input_thread_bound(threads: dict | None, step_ms: float | None) -> str | None:
+    """Which of the GPU input's threads bounds it, in words, when a rank (or a ddp-bench cell) waits for data: None
+    for the loader's workers (input_bound_advice's case), when the decoding thread waits for them longer than it
+    works; else the thread that works longest per batch. `threads`: per thread, pipeline.ThreadTime.per_batch_ms."""
+    if not threads:
+        return None
+    first = threads.get("decode") or threads.get("prepare")
+    if first["waiting_ms"] is not None and first["waiting_ms"] > (first["working_ms"] or 0.0):
+        return None  # the workers: the usual advice
+    name, t = max(threads.items(), key=lambda item: item[1]["working_ms"] or 0.0)
+    step = f" against a {step_ms:.0f} ms step" if step_ms else ""
+    return (f"the input's {THREAD_WORDS.get(name, name)} bounds it: {t['working_ms']:.0f} ms of work a batch{step}, "
+            f"busy {100 * (t['busy'] or 0.0):.0f} % of its time; more loader workers or a cache would not help")

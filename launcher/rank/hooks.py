@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from launcher.plan.describe import input_bound_advice
+from launcher.plan.describe import input_bound_advice, input_thread_bound
 from launcher.rank.dist import Comm
 from launcher.rank.loop import Hook, TrainLoop
 from launcher.rank.metrics import results
@@ -256,9 +256,10 @@ def clock_text(seconds: float) -> str:
 class InputBoundWarning(Hook):
     """One line, once per run, when this rank waits for data more than INPUT_BOUND of its step time."""
 
-    def __init__(self, meter, workers: int, log, monitor=None, *, gpu_input: bool = False):
+    def __init__(self, meter, workers: int, log, monitor=None, *, gpu_input: bool = False, inputs=None):
         self.meter, self.workers, self.log, self.monitor = meter, workers, log, monitor
         self.gpu_input = gpu_input  # loader.augment_on=gpu: other settings help (describe.input_bound_advice)
+        self.inputs = inputs  # TrainInputs: with the GPU input, its threads say which of them is the bound
         self.warned = False
 
     def after_epoch(self, loop: TrainLoop) -> None:
@@ -269,8 +270,11 @@ class InputBoundWarning(Hook):
         busy = ""
         if self.monitor is not None and self.monitor.available:
             busy = f" (GPU {min(g.util_mean for g in self.monitor.stats()):.0f} % busy)"
+        threads = {name: t.per_batch_ms() for name, t in self.inputs.thread_times().items()
+                   if t.per_batch_ms() is not None} if self.inputs is not None else None
+        bound = input_thread_bound(threads, m.step_ms) if threads else None
         self.log(f"WARNING input-bound: {100 * m.data_wait:.0f} % of step time waiting for data{busy}; "
-                 f"{input_bound_advice(self.gpu_input, self.workers)}")
+                 f"{bound or input_bound_advice(self.gpu_input, self.workers)}")
 
 
 class ReadAhead(Hook):

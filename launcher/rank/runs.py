@@ -122,7 +122,8 @@ def train(cfg: dict, plan: LaunchPlan, folder: RunFolder, stamps: dict | None = 
             h.Plots(plotter, folder.path / "results.csv", r.train_dataset.labels, r.data["names"]) if plotter else None,
             h.Progress(meter, r.optimizer, r.device, r.rank, int(cfg.get("log", {}).get("interval_steps", 20)),
                        r.log, monitor),
-            h.InputBoundWarning(meter, plan.workers_per_rank, r.log, monitor, gpu_input=r.gpu_input is not None),
+            h.InputBoundWarning(meter, plan.workers_per_rank, r.log, monitor, gpu_input=r.gpu_input is not None,
+                                inputs=r.inputs),
             input_time,
             h.AgreeToStop(r.comm, r.heartbeat),
         ]
