@@ -758,4 +758,4 @@ def test_a_run_trains_with_device_augmentation_on_the_cpu(tmp_path, cache_dir):
     assert set(threads) == {"decode", "prepare"}, threads
     assert all(t["batches"] > 0 and t["working_ms"] > 0 and 0 < t["busy"] <= 1 for t in threads.values()), threads
     log = (run_dir_of(r) / "logs" / "rank0.log").read_text()
-    assert "input threads, ms per batch: decode (reads the loader, decodes) waiting " in log
+    assert "the input's threads, ms per batch: decode thread (reads the loader's batches, decodes) waiting " in log

@@ -127,8 +127,9 @@ def test_the_input_time_is_measured_after_the_warm_up_steps_and_said_per_thread(
     assert hook.threads["decode"] == pytest.approx({"waiting_ms": 50.0, "working_ms": 200.0, "blocked_ms": 100.0,
                                                     "batches": 10, "busy": 2.0 / 3.5})
     assert hook.threads["prepare"]["batches"] == 2
-    assert hook.line() == ("input threads, ms per batch: decode (reads the loader, decodes) waiting 50.0, working "
-                           "200.0, ahead 100.0; augment waiting 50.0, working 100.0, ahead 0.0")
+    assert hook.line() == ("the input's threads, ms per batch: decode thread (reads the loader's batches, decodes) "
+                           "waiting 50.0, working 200.0, ahead 100.0; augmenting thread waiting 50.0, working 100.0, "
+                           "ahead 0.0")
 
 
 def test_a_loop_resumed_mid_epoch_continues_at_its_step_with_the_mean_loss_of_the_steps_before():

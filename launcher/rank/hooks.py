@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from launcher.plan.describe import input_bound_advice, input_thread_bound
+from launcher.plan.describe import THREAD_WORDS, input_bound_advice, input_thread_bound
 from launcher.rank.dist import Comm
 from launcher.rank.loop import Hook, TrainLoop
 from launcher.rank.metrics import results
@@ -472,7 +472,6 @@ class InputTime(Hook):
         """The threads' figures for the rank's log, or None without them."""
         if not self.threads:
             return None
-        words = {"decode": "decode (reads the loader, decodes)", "prepare": "augment"}
-        return "input threads, ms per batch: " + "; ".join(
-            f"{words.get(name, name)} waiting {t['waiting_ms']:.1f}, working {t['working_ms']:.1f}, ahead "
+        return "the input's threads, ms per batch: " + "; ".join(
+            f"{THREAD_WORDS.get(name, name)} waiting {t['waiting_ms']:.1f}, working {t['working_ms']:.1f}, ahead "
             f"{t['blocked_ms']:.1f}" for name, t in sorted(self.threads.items()))
