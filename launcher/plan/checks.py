@@ -235,6 +235,10 @@ def input_problems(loader: dict, train: dict, *, augment_on: str) -> list[Proble
     """What the chosen input pipeline cannot do, with the setting that can."""
     problems: list[Problem] = []
     one_of(loader.get("augment_on", "auto"), AUGMENT_ON, "loader.augment_on", problems, "auto, cpu or gpu")
+    share = loader.get("cpu_decode", 0.0)
+    if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 <= share <= 1:
+        problems.append(Problem(f"loader.cpu_decode={share!r}: expected a share between 0 and 1 of the JPEGs the "
+                                "loader's workers decode on the CPU, e.g. loader.cpu_decode=0.25"))
     if augment_on == "gpu":
         problems += [Problem(f"{setting}: {advice}") for setting, advice in cpu_only_settings(train)]
     return problems
