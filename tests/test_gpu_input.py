@@ -186,6 +186,8 @@ def test_a_share_of_the_jpegs_is_decoded_by_the_workers_the_same_images_every_ep
     assert torch.equal(ds[(0, decoded[0])].payload, decode_on_cpu(Path(files[decoded[0]]).read_bytes())[0])
     assert all(EncodedTrainDataset(images_of(files))[(0, i)].payload.dim() == 1 for i in range(8))
     assert _plan(["loader.augment_on=gpu", "loader.cpu_decode=0.25"])[1] == []
+    cpu_pipeline, problems = _plan(["loader.augment_on=cpu", "loader.cpu_decode=0.25"])
+    assert not problems and "loader.cpu_decode=0.25 changes nothing here" in " ".join(cpu_pipeline.notes)
 
 
 def test_a_batch_crosses_from_its_worker_as_one_tensor(tmp_path):
