@@ -17,6 +17,7 @@ import pytest
 import torch
 from PIL import Image
 
+from launcher.plan.describe import describe
 from launcher.rank.data import image_cache, warp
 from launcher.rank.data.encoded import EncodedImages, EncodedTrainDataset, decode_on_cpu, exif_orientation
 from launcher.rank.data.gpu_augment import GpuAugment
@@ -185,9 +186,12 @@ def test_a_share_of_the_jpegs_is_decoded_by_the_workers_the_same_images_every_ep
     assert 3 <= len(decoded) <= 5 and decoded == [i for i in range(8) if ds[(5, i)].payload.dim() == 3]
     assert torch.equal(ds[(0, decoded[0])].payload, decode_on_cpu(Path(files[decoded[0]]).read_bytes())[0])
     assert all(EncodedTrainDataset(images_of(files))[(0, i)].payload.dim() == 1 for i in range(8))
-    assert _plan(["loader.augment_on=gpu", "loader.cpu_decode=0.25"])[1] == []
+    quarter, problems = _plan(["loader.augment_on=gpu", "loader.cpu_decode=0.25"])
+    assert problems == [] and quarter.cpu_decode == 0.25
+    assert "the workers read the files and decode 25 % of the JPEGs, nvJPEG the rest" in describe(quarter, None, None)
     cpu_pipeline, problems = _plan(["loader.augment_on=cpu", "loader.cpu_decode=0.25"])
     assert not problems and "loader.cpu_decode=0.25 changes nothing here" in " ".join(cpu_pipeline.notes)
+    assert cpu_pipeline.cpu_decode == 0.0
 
 
 def test_a_batch_crosses_from_its_worker_as_one_tensor(tmp_path):
