@@ -208,7 +208,7 @@ def make_plan(
         notes=tuple(notes),
         cuda_graphs=checks.uses_cuda_graphs(train, device=top.device, mode=top.mode),
         augment_on=augment_on,
-        cpu_decode=_cpu_decode(loader, augment_on),
+        cpu_decode=(checks.cpu_decode_share(loader) or 0.0) if augment_on == "gpu" else 0.0,
         auto_batch=auto_batch,
         images=dict(data.checks) if data is not None else {},
     )
@@ -399,13 +399,6 @@ def _backend(dist: dict, top: _Topology, hw: Hardware, problems: list[Problem]) 
     if backend == "nccl" and top.device == "cuda" and hw.gpu_count and not hw.nccl_available:
         problems.append(Problem("this torch build has no NCCL; use dist.backend=gloo", environment=True))
     return backend
-
-
-def _cpu_decode(loader: dict, augment_on: str) -> float:
-    """loader.cpu_decode as the rank takes it: the share with the GPU input, else 0 (input_problems words a bad one)."""
-    share = loader.get("cpu_decode") or 0.0
-    valid = isinstance(share, (int, float)) and not isinstance(share, bool) and 0 <= share <= 1
-    return float(share) if augment_on == "gpu" and valid else 0.0
 
 
 def _loader_threads(loader: dict, top: _Topology, hw: Hardware, problems: list[Problem], notes: list[str],
