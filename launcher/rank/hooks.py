@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from launcher.plan.describe import THREAD_WORDS, input_bound_advice, input_thread_bound
+from launcher.rank.data.pipeline import per_batch_ms
 from launcher.rank.dist import Comm
 from launcher.rank.loop import Hook, TrainLoop
 from launcher.rank.metrics import results
@@ -270,8 +271,7 @@ class InputBoundWarning(Hook):
         busy = ""
         if self.monitor is not None and self.monitor.available:
             busy = f" (GPU {min(g.util_mean for g in self.monitor.stats()):.0f} % busy)"
-        threads = {name: t.per_batch_ms() for name, t in self.inputs.thread_times().items()
-                   if t.per_batch_ms() is not None} if self.inputs is not None else None
+        threads = per_batch_ms(self.inputs.thread_times()) if self.inputs is not None else None
         bound = input_thread_bound(threads, m.step_ms) if threads else None
         self.log(f"WARNING input-bound: {100 * m.data_wait:.0f} % of step time waiting for data{busy}; "
                  f"{bound or input_bound_advice(self.gpu_input, self.workers)}")
@@ -459,10 +459,8 @@ class InputTime(Hook):
 
     def after_train(self, loop) -> None:
         self.ms, self.images = self.gpu_input.take_gpu_time()
-        for name, t in self.inputs.thread_times().items():
-            measured = (t - self._before[name]) if name in self._before else t
-            if measured.per_batch_ms() is not None:
-                self.threads[name] = measured.per_batch_ms()
+        self.threads = per_batch_ms({name: t - self._before[name] if name in self._before else t
+                                     for name, t in self.inputs.thread_times().items()})
 
     @property
     def ms_per_image(self) -> float | None:

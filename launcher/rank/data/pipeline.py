@@ -103,6 +103,12 @@ class ThreadTime:
                 "busy": self.working / total if total > 0 else None}
 
 
+def per_batch_ms(times: dict[str, ThreadTime]) -> dict[str, dict]:
+    """ThreadTime.per_batch_ms of each thread that has handed on a batch."""
+    figures = {name: t.per_batch_ms() for name, t in times.items()}
+    return {name: f for name, f in figures.items() if f is not None}
+
+
 class TrainInputs:
     """`next(ni)` and `prefetch(ni)` for the loop; `prepare(decode(raw), ni)` makes a loader batch ready for the
     step (the GPU input pipeline's decode, then its augmentation and to_device), its randomness a function of the
@@ -200,8 +206,7 @@ class TrainInputs:
     def close(self) -> None:
         if self._worker is not None:
             self._worker.stop()  # before the workers go: the thread may be waiting for their next batch
-            for name, t in self._worker.times.items():
-                self._closed_times[name] = self._closed_times.get(name, ThreadTime()) + t
+            self._closed_times = self.thread_times()
             self._worker = None
         self._ahead = None  # a batch fetched ahead belongs to the iterator that is going
         if self._iterator is not None and hasattr(self._iterator, "_shutdown_workers"):

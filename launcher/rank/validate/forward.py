@@ -8,9 +8,10 @@ at large batches as in training (rank/step/graphed.py). Each graph is captured a
 size, over a static input of `batch` rows, or for a shorter batch (a shape's last) of its size rounded up to a
 quarter of `batch`: a replay computes every row, so the split's last batch does not pay for a whole one. The first
 time a short batch comes after its shape's whole graph, it replays that one instead, so that the run's first
-validation (which outlasts the later ones) captures one graph per shape. A batch fills the first rows and reads only their outputs (in eval mode each image's output depends on that image alone).
-The graphs read the network's parameters and buffers where they are, so the EMA's updates between validations and
-best.pt's weights loaded in place are what they compute with.
+validation (which outlasts the later ones) captures one graph per shape. A batch fills the first rows and reads only
+their outputs (in eval mode each image's output depends on that image alone). The graphs read the network's
+parameters and buffers where they are, so the EMA's updates between validations and best.pt's weights loaded in
+place are what they compute with.
 The Detect head caches its anchors per input shape: the tensors a graph was captured with are kept alive here.
 """
 
