@@ -17,7 +17,6 @@ import pytest
 import torch
 from PIL import Image
 
-from launcher.plan.describe import describe
 from launcher.rank.data import image_cache, warp
 from launcher.rank.data.encoded import EncodedImages, EncodedTrainDataset, decode_on_cpu, exif_orientation
 from launcher.rank.data.gpu_augment import GpuAugment
@@ -170,28 +169,6 @@ def test_workers_send_jpeg_bytes_and_decode_only_what_nvjpeg_cannot(tmp_path):
     damaged = EncodedTrainDataset(images_of(files), decode_all=True)[(0, 4)]
     assert damaged.payload.numel() == 0 and "Pillow" in damaged.error  # every decoder tried, and why each failed
     assert torch.equal(cpu.payload, decode_on_cpu(Path(files[0]).read_bytes())[0])
-
-
-def test_a_share_of_the_jpegs_is_decoded_by_the_workers_the_same_images_every_epoch(tmp_path):
-    """loader.cpu_decode: that share of the JPEGs comes decoded from the workers (the Decoder copies it up, as it
-    does a PNG's), spread evenly over the indices, the same images in every epoch; 0 leaves every JPEG to nvJPEG."""
-    from launcher.rank.data.encoded import on_cpu
-
-    assert sum(on_cpu(i, 0.25) for i in range(1000)) in range(245, 256)
-    assert all(1 <= sum(on_cpu(i, 0.25) for i in range(s, s + 8)) <= 3 for s in range(992))  # every batch its part
-    assert not any(on_cpu(i, 0.0) for i in range(100)) and all(on_cpu(i, 1.0) for i in range(100))
-    files = write_images(tmp_path, ["jpg"] * 8)
-    ds = EncodedTrainDataset(images_of(files), cpu_share=0.5)
-    decoded = [i for i in range(8) if ds[(0, i)].payload.dim() == 3]
-    assert 3 <= len(decoded) <= 5 and decoded == [i for i in range(8) if ds[(5, i)].payload.dim() == 3]
-    assert torch.equal(ds[(0, decoded[0])].payload, decode_on_cpu(Path(files[decoded[0]]).read_bytes())[0])
-    assert all(EncodedTrainDataset(images_of(files))[(0, i)].payload.dim() == 1 for i in range(8))
-    quarter, problems = _plan(["loader.augment_on=gpu", "loader.cpu_decode=0.25"])
-    assert problems == [] and quarter.cpu_decode == 0.25
-    assert "the workers read the files and decode 25 % of the JPEGs, nvJPEG the rest" in describe(quarter, None, None)
-    cpu_pipeline, problems = _plan(["loader.augment_on=cpu", "loader.cpu_decode=0.25"])
-    assert not problems and "loader.cpu_decode=0.25 changes nothing here" in " ".join(cpu_pipeline.notes)
-    assert cpu_pipeline.cpu_decode == 0.0
 
 
 def test_a_batch_crosses_from_its_worker_as_one_tensor(tmp_path):
@@ -479,9 +456,6 @@ def test_auto_takes_the_cpu_pipeline_for_what_only_it_does_and_says_so(override)
     ("+train.extra.copy_paste=0.1", "loader.augment_on=cpu"),
     ("train.cache=ram", "train.cache=shared"),
     ("loader.augment_on=gpus", "auto, cpu or gpu"),
-    ("loader.cpu_decode=1.5", "loader.cpu_decode=1.5: expected a share between 0 and 1"),
-    ("loader.cpu_decode=true", "loader.cpu_decode=True: expected a share between 0 and 1"),
-    ("loader.cpu_decode=half", "loader.cpu_decode='half': expected a share between 0 and 1"),
 ])
 def test_what_the_gpu_input_cannot_do_is_refused_with_the_setting_that_can(override, advice):
     _, problems = _plan(["loader.augment_on=gpu", override])

@@ -231,20 +231,10 @@ def cpu_only_settings(train: dict) -> list[tuple[str, str]]:
     return needs
 
 
-def cpu_decode_share(loader: dict) -> float | None:
-    """loader.cpu_decode as a share between 0 and 1, or None when it is not one."""
-    share = loader.get("cpu_decode") or 0.0
-    valid = isinstance(share, (int, float)) and not isinstance(share, bool) and 0 <= share <= 1
-    return float(share) if valid else None
-
-
 def input_problems(loader: dict, train: dict, *, augment_on: str) -> list[Problem]:
     """What the chosen input pipeline cannot do, with the setting that can."""
     problems: list[Problem] = []
     one_of(loader.get("augment_on", "auto"), AUGMENT_ON, "loader.augment_on", problems, "auto, cpu or gpu")
-    if cpu_decode_share(loader) is None:
-        problems.append(Problem(f"loader.cpu_decode={loader.get('cpu_decode')!r}: expected a share between 0 and 1 of "
-                                "the JPEGs the loader's workers decode on the CPU, e.g. loader.cpu_decode=0.25"))
     if augment_on == "gpu":
         problems += [Problem(f"{setting}: {advice}") for setting, advice in cpu_only_settings(train)]
     return problems

@@ -101,9 +101,6 @@ def _count_text(data: DatasetInfo) -> str:
 def _input_text(plan: LaunchPlan) -> str:
     if plan.augment_on == "cpu":
         return "CPU: Ultralytics' decode and transforms in the workers"
-    if plan.device == "cuda" and plan.cpu_decode:
-        return (f"GPU: the workers read the files and decode {100 * plan.cpu_decode:.0f} % of the JPEGs, nvJPEG "
-                "the rest, one pass augments")
     if plan.device == "cuda":
         return "GPU: the workers read the files, nvJPEG decodes, one pass augments"
     return "the GPU pipeline's tensor maths, run on the CPU (slow: for tests)"

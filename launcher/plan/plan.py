@@ -82,7 +82,6 @@ class LaunchPlan:
     # they have measured, the batch and why (rank/step/auto_batch.py); {} for a batch given as a number
     auto_batch: dict = field(default_factory=dict)
     augment_on: str = "cpu"  # loader.augment_on resolved: gpu (bytes in, decode and augmentation on the GPU) | cpu
-    cpu_decode: float = 0.0  # loader.cpu_decode with the GPU input: the share of the JPEGs the workers decode
     # per split: the images Ultralytics uses and drops, and why (inputs/labels.py); train_images counts the usable
     images: dict = field(default_factory=dict)
 
@@ -156,9 +155,6 @@ def make_plan(
     augment_on, why = checks.augment_on(loader, train, top.device, max(1, hw.cpu_count // top.nproc))
     notes += [why] if why else []
     problems += checks.input_problems(loader, train, augment_on=augment_on)
-    if augment_on == "cpu" and loader.get("cpu_decode"):
-        notes.append(f"loader.cpu_decode={loader['cpu_decode']} changes nothing here: with the CPU pipeline the "
-                     "loader's workers decode every image")
     problems += checks.integration_problems(cfg.get("log") or {})
     problems += checks.val_problems(cfg.get("val") or {}, train)
     workers, threads = _loader_threads(loader, top, hw, problems, notes, augment_on)
@@ -208,7 +204,6 @@ def make_plan(
         notes=tuple(notes),
         cuda_graphs=checks.uses_cuda_graphs(train, device=top.device, mode=top.mode),
         augment_on=augment_on,
-        cpu_decode=(checks.cpu_decode_share(loader) or 0.0) if augment_on == "gpu" else 0.0,
         auto_batch=auto_batch,
         images=dict(data.checks) if data is not None else {},
     )

@@ -69,7 +69,7 @@ def training_set(cfg: dict, plan: LaunchPlan, hyp, data: dict, device: torch.dev
                 "re-derives each box from the warped polygon (tighter under rotation and shear)")
         images = EncodedImages.of(inner)
         dataset = EncodedTrainDataset(images, labels=inner.labels, decode_all=device.type != "cuda",
-                                      cache=caches.get("train"), cpu_share=plan.cpu_decode)
+                                      cache=caches.get("train"))
         augment = GpuAugment(inner.imgsz, hyp, out_dtype=input_dtype)
         gpu_input = GpuInput(augment, Decoder(device, images.files, log), device=device,
                              capacity=buffer_capacity(len(images), plan.batch_per_rank), close_at=close_at,

@@ -4,8 +4,7 @@ A loader worker reads the file (or takes its bytes from the node-shared cache, w
 and does not decode it, except where the GPU decoder cannot: a file that is not a JPEG (PNG, BMP, WebP, ...), and a
 JPEG whose EXIF orientation is not upright (nvJPEG ignores it; OpenCV, and so Ultralytics, applies it). Those are
 decoded here, by torchvision's decoders on the CPU (torchvision_ops.py), into the planar RGB the GPU decoder would
-give. On a CPU rank everything is decoded here (`decode_all`): there is no GPU to do it. With `loader.cpu_decode`
-(`cpu_share`) a share of the JPEGs is decoded here too, taking that much work off a GPU decode that bounds the input.
+give. On a CPU rank everything is decoded here (`decode_all`): there is no GPU to do it.
 
     dataset = EncodedTrainDataset(EncodedImages.of(ultralytics_dataset), decode_all=device.type == "cpu")
     # with train.cache=shared: cache=image_cache.ensure_file_cache(files, ...), the files' bytes mapped
@@ -139,9 +138,8 @@ class EncodedTrainDataset(Dataset):
     """(epoch, index) keys, as sampler.EpochBatchSampler gives them, to EncodedSamples; `collate_fn` makes a batch."""
 
     def __init__(self, images: EncodedImages, *, labels: list[dict] | None = None, decode_all: bool = False,
-                 cache=None, cpu_share: float = 0.0):
+                 cache=None):
         self.images, self.decode_all = images, decode_all
-        self.cpu_share = cpu_share  # loader.cpu_decode: the JPEGs decoded here anyway, spread evenly (on_cpu)
         self.labels = labels  # Ultralytics' label dicts, what its trainer reads off a training set (class weights)
         self.cache = cache  # an image_cache.ImageCache of the files' bytes, or None
         self._rows = cache.rows(images.files) if cache is not None else None
@@ -158,23 +156,13 @@ class EncodedTrainDataset(Dataset):
     def __getitem__(self, key: tuple[int, int]) -> EncodedSample:
         epoch, index = key
         data = self.read(index)
-        if (not self.decode_all and not on_cpu(index, self.cpu_share) and bytes(data[:3]) == JPEG_MAGIC
-                and exif_orientation(data) == 1):
+        if not self.decode_all and bytes(data[:3]) == JPEG_MAGIC and exif_orientation(data) == 1:
             return EncodedSample(epoch, index, torch.frombuffer(bytearray(data), dtype=torch.uint8), "")
         image, error = decode_on_cpu(data)
         return EncodedSample(epoch, index, image, error)
 
     def collate_fn(self, samples: list[EncodedSample]) -> EncodedBatch:
         return EncodedBatch.of(samples, self.images)
-
-
-GOLDEN = (5 ** 0.5 - 1) / 2  # index x GOLDEN mod 1 spreads any share evenly over the images (a low-discrepancy walk)
-
-
-def on_cpu(index: int, share: float) -> bool:
-    """Whether image `index` is one of the `share` of the images the workers decode themselves (loader.cpu_decode):
-    the same images every epoch, about share x n of any n consecutive indices."""
-    return share > 0 and (index * GOLDEN) % 1.0 < share
 
 
 def decode_on_cpu(data) -> tuple[torch.Tensor, str]:
