@@ -742,9 +742,17 @@ def test_the_pipelined_validation_pass_computes_what_the_serial_pass_computes(tm
                                    stream=stream))
     serial, pipelined, again = passes
     assert pipelined.batches == serial.batches == 5  # batches of 16, 16, 16, 16, 8: the last replays a graph of 8 rows
-    with torch.inference_mode(), forward.autocast():  # the short graph computes what the network computes
-        eager = model(last.img.half() / 255)
-        assert torch.allclose(forward(last.img)[: last.n].float(), eager.float(), rtol=1e-3, atol=1e-3)
+    # The short graph computes what the network computes for those rows, to fp16's rounding: the captured graph may
+    # run another GEMM kernel than eager, and an ulp of the head's fp16 logits moves a box coordinate by up to
+    # imgsz / 4 ulps (the 1e-3 tolerance this had failed on an H100). Another image's rows, or stale ones, are
+    # pixels off.
+    with torch.inference_mode(), forward.autocast():
+        eager = model(last.img.half() / 255).float()
+        graphed = forward(last.img)[: last.n].float()
+        worst = (graphed - eager).abs().flatten().argmax()
+        assert torch.allclose(graphed, eager, rtol=1e-2, atol=0.1), (
+            f"worst at {np.unravel_index(int(worst), eager.shape)}: graph {graphed.flatten()[worst]:.6g}, eager "
+            f"{eager.flatten()[worst]:.6g}")
     assert len(serial.stats["conf"]) > 500 and serial.stats["tp"].any()  # detections, some of them true
     for r in (pipelined, again):
         assert all(np.array_equal(r.stats[k], serial.stats[k]) for k in serial.stats)
