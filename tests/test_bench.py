@@ -68,6 +68,16 @@ def cell(**kw):
                             "prepare": {"waiting_ms": 40.0, "working_ms": 7.0, "blocked_ms": 1.0, "busy": 0.15}}},
          "input-bound: GPU 70 % busy, 30 % of step time waiting for data; set train.cache=shared"),
         ({"pipeline_efficiency": 0.74}, "host-bound: 74 % of the data-free ceiling"),
+        # below the ceiling with little data wait: an input thread that works (nearly) a whole step per batch paces
+        # the loop (an H100 lease: the decode thread 52.5 ms of a 55.1 ms step); one with time to spare does not
+        ({"pipeline_efficiency": 0.89, "step_ms": 55.1,
+          "input_threads": {"decode": {"waiting_ms": 0.3, "working_ms": 52.5, "blocked_ms": 3.3, "busy": 0.94},
+                            "prepare": {"waiting_ms": 28.3, "working_ms": 27.6, "blocked_ms": 0.0, "busy": 0.49}}},
+         "input-paced: 89 % of the data-free ceiling with 2 % data wait; the input's decode thread (reads the "
+         "loader's batches, decodes) bounds it: 52 ms of work a batch against a 55 ms step"),
+        ({"pipeline_efficiency": 0.89, "step_ms": 55.1,
+          "input_threads": {"decode": {"waiting_ms": 0.3, "working_ms": 30.0, "blocked_ms": 25.0, "busy": 0.54}}},
+         "host-bound: 89 % of the data-free ceiling"),
         ({"gpu_util": 46.0}, "step-bound: GPU 46 % busy"),
         ({"size": 4, "efficiency": 0.8}, "scaling-bound: 80 % efficiency at 4 devices"),
         ({}, "fed: GPU 95 % busy, 2 % data wait"),

@@ -15,6 +15,7 @@ from launcher.plan.keys import conf_dir
 INPUT_BOUND = 0.10  # data wait above this share of step time: starved
 PIPELINE_OK = 0.90  # end-to-end at or above this share of the data-free ceiling: the pipeline keeps up
 GPU_BUSY = 85.0  # percent: below this with data ready, the step itself is host- or launch-bound
+THREAD_SATURATED = 0.90  # an input thread working this share of the step per batch paces the loop
 SCALING_OK = 0.90  # efficiency below this at size > 1: communication or a straggler
 
 
@@ -83,6 +84,9 @@ def verdict(c: dict) -> str:
                or input_bound_advice(c.get("input_gpu_ms_per_image") is not None))
         )
     if pipe is not None and pipe < PIPELINE_OK:
+        paced = input_thread_bound(c.get("input_threads"), c.get("step_ms"), saturated=THREAD_SATURATED)
+        if paced:  # the thread hands over a batch no sooner than the step takes one: the GPU idles between steps
+            return f"input-paced: {100 * pipe:.0f} % of the data-free ceiling with {100 * wait:.0f} % data wait; {paced}"
         return (
             f"host-bound: {100 * pipe:.0f} % of the data-free ceiling with {100 * wait:.0f} % data wait; the loader "
             f"competes with the training process for the CPU (fewer loader.workers, or more cores per GPU)"

@@ -120,16 +120,20 @@ def input_bound_advice(gpu_input: bool, workers: int | None = None) -> str:
 THREAD_WORDS = {"decode": "decode thread (reads the loader's batches, decodes)", "prepare": "augmenting thread"}
 
 
-def input_thread_bound(threads: dict | None, step_ms: float | None) -> str | None:
+def input_thread_bound(threads: dict | None, step_ms: float | None, *, saturated: float = 0.0) -> str | None:
     """Which of the GPU input's threads bounds it, in words, when a rank (or a ddp-bench cell) waits for data: None
     for the loader's workers (input_bound_advice's case), when the decoding thread waits for them longer than it
-    works; else the thread that works longest per batch. `threads`: per thread, pipeline.ThreadTime.per_batch_ms."""
+    works; else the thread that works longest per batch. `threads`: per thread, pipeline.ThreadTime.per_batch_ms.
+    `saturated` > 0: only a thread whose work per batch is at least that share of the step (None without a step):
+    a loop at less than its data-free ceiling with little data wait is paced by such a thread, not by the CPU."""
     if not threads:
         return None
     first = threads.get("decode") or threads.get("prepare")
     if first["waiting_ms"] is not None and first["waiting_ms"] > (first["working_ms"] or 0.0):
         return None  # the workers: the usual advice
     name, t = max(threads.items(), key=lambda item: item[1]["working_ms"] or 0.0)
+    if saturated and (not step_ms or (t["working_ms"] or 0.0) < saturated * step_ms):
+        return None
     step = f" against a {step_ms:.0f} ms step" if step_ms else ""
     return (f"the input's {THREAD_WORDS.get(name, name)} bounds it: {t['working_ms']:.0f} ms of work a batch{step}, "
             f"busy {100 * (t['busy'] or 0.0):.0f} % of its time; more loader workers or a cache would not help")
