@@ -69,7 +69,8 @@ def cell(**kw):
          "input-bound: GPU 70 % busy, 30 % of step time waiting for data; set train.cache=shared"),
         ({"pipeline_efficiency": 0.74}, "host-bound: 74 % of the data-free ceiling"),
         # below the ceiling with little data wait: an input thread that works (nearly) a whole step per batch paces
-        # the loop (an H100 lease: the decode thread 52.5 ms of a 55.1 ms step); one with time to spare does not
+        # the loop (as the decoding thread did on a lease: docs/benchmarks/README.md, section 6); one with time to
+        # spare does not
         ({"pipeline_efficiency": 0.89, "step_ms": 55.1,
           "input_threads": {"decode": {"waiting_ms": 0.3, "working_ms": 52.5, "blocked_ms": 3.3, "busy": 0.94},
                             "prepare": {"waiting_ms": 28.3, "working_ms": 27.6, "blocked_ms": 0.0, "busy": 0.49}}},
