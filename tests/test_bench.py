@@ -29,6 +29,18 @@ def test_bad_bench_requests_are_named():
     assert len(problems) == 3 and "unknown mode 'fsdp'" in problems[0]
 
 
+def test_variants_run_beside_the_defaults_cell_unless_one_of_them_is_the_defaults():
+    """bench.variants measures levers against the defaults: each (mode, size) cell runs with the defaults first, then
+    once per variant; a variant with no overrides is the defaults already, and no unnamed cell is added."""
+    levers = {"cache": ["train.cache=shared"], "gpu": ["loader.augment_on=gpu"]}
+    cells, _ = plan_cells([1, 2], ["ddp"], None, gpu_count=2, cpu_count=16, on_gpu=True, variants=levers)
+    assert [(c.size, c.variant, c.overrides_) for c in cells] == [
+        (1, "", ()), (1, "cache", ("train.cache=shared",)), (1, "gpu", ("loader.augment_on=gpu",)),
+        (2, "", ()), (2, "cache", ("train.cache=shared",)), (2, "gpu", ("loader.augment_on=gpu",))]
+    cells, _ = plan_cells([1], ["ddp"], None, gpu_count=1, cpu_count=16, on_gpu=True, variants={"base": [], **levers})
+    assert [c.variant for c in cells] == ["base", "cache", "gpu"]
+
+
 @pytest.mark.parametrize("kind", [["bench.kind=time_to_model"], ["bench.kind=throughput", "bench.sizes=[1]",
                                                                   "bench.modes=[single]"]])
 def test_a_variants_bad_value_or_unknown_key_is_refused_before_any_side_runs(tmp_path, kind):

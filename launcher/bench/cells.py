@@ -40,8 +40,9 @@ def plan_cells(
 ) -> tuple[list[Cell], list[str]]:
     """Cells in run order (smallest first, so a slow machine shows results early), and problems with the request.
 
-    With `variants` ({name: [key=value, ...]}), every (mode, size) cell runs once per variant: the levers of a
-    configuration measured side by side, one change at a time.
+    With `variants` ({name: [key=value, ...]}), every (mode, size) cell runs once per variant, after the same cell with
+    the defaults (variant ""): the levers of a configuration measured side by side, one change at a time. A variant
+    with no overrides (e.g. base:[]) is the defaults under that name, and no unnamed cell is added.
     """
     problems = [f"bench.modes: unknown mode {m!r} (expected {', '.join(MODES)})" for m in modes if m not in MODES]
     problems += [f"bench.sizes: {s!r} is not a positive integer" for s in sizes if not isinstance(s, int) or s < 1]
@@ -51,6 +52,8 @@ def plan_cells(
         return [], problems
     available = gpu_count if on_gpu else cpu_count
     unit = "GPU(s)" if on_gpu else "CPU core(s) for CPU ranks"
+    named = dict(variants or {})
+    runs = named if any(not overrides for overrides in named.values()) else {"": [], **named}
     cells = []
     for size in sorted(set(sizes)):
         for mode in (m for m in MODES if m in modes):
@@ -61,7 +64,7 @@ def plan_cells(
                 skip = f"needs {size} {unit}; this machine has {available}"
             elif mode == "dp" and not on_gpu and size > 1:
                 skip = "DataParallel over several devices needs GPUs (on the CPU it is one device)"
-            for name, overrides in (variants or {"": []}).items():
+            for name, overrides in runs.items():
                 cells.append(Cell(mode, size, skip, name, tuple(overrides or ())))
     if baseline == "ultralytics":
         cells.insert(0, Cell("ultralytics", 1, "" if (on_gpu or cpu_count >= 1) else "no device"))

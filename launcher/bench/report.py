@@ -217,7 +217,7 @@ def markdown(report: dict) -> str:
                 f"{_fmt(t['blocked_ms'], '.1f')}" for name, t in c["input_threads"].items()))
     variants = (report["settings"].get("variants") or {})
     if variants:
-        lines += ["", "Variants (config overrides of each cell):"]
+        lines += ["", "Variants (config overrides of each cell; a cell without a variant's name has the defaults):"]
         lines += [f"- {name or 'base'}: {' '.join(ov) if ov else '(none)'}" for name, ov in variants.items()]
     if report.get("notes"):
         lines += ["", "Notes:"] + [f"- {n}" for n in report["notes"]]
