@@ -191,6 +191,7 @@ def test_dry_run_turns_machine_problems_into_warnings_but_not_config_errors():
         (["train.graph_scope=step"], "train.graph_scope='step': expected auto or network"),
         (["train.steps_in_flight=-1"], "train.steps_in_flight=-1: expected a whole number >= 0"),
         (["train.steps_in_flight=two"], "train.steps_in_flight='two': expected a whole number >= 0"),
+        (["train.cudnn_benchmark=fast"], "train.cudnn_benchmark='fast': expected true or false"),
         (["val.engine=turbo"], "val.engine='turbo': expected auto, fast or ultralytics"),
         (["val.batch=0"], "val.batch=0: must be >= 1"),
         (["val.cuda_graphs=maybe"], "val.cuda_graphs='maybe': expected auto, true or false"),

@@ -323,7 +323,8 @@ def uses_cuda_graphs(train: dict, *, device: str, mode: str) -> bool:
 
 
 def step_problems(train: dict, optim: dict, *, device: str, mode: str, hw: Hardware) -> list[Problem]:
-    """The step's speed settings: train.compile, train.cuda_graphs, train.steps_in_flight, optim.fused."""
+    """The step's speed settings: train.compile, train.cuda_graphs, train.cudnn_benchmark, train.steps_in_flight,
+    optim.fused."""
     problems: list[Problem] = []
     one_of(optim.get("fused", "auto"), FUSED_VALUES, "optim.fused", problems, "auto, true or false")
     in_flight = train.get("steps_in_flight", 1)
@@ -332,6 +333,8 @@ def step_problems(train: dict, optim: dict, *, device: str, mode: str, hw: Hardw
                                 "for the GPU at every step's end; 1: it queues the next step while the GPU runs this one)"))
     one_of(train.get("cuda_graphs", "auto"), GRAPHS_VALUES, "train.cuda_graphs", problems, "auto, true or false")
     one_of(train.get("graph_scope", "auto"), ("auto", "network"), "train.graph_scope", problems, "auto or network")
+    if not isinstance(train.get("cudnn_benchmark", False), bool):
+        problems.append(Problem(f"train.cudnn_benchmark={train.get('cudnn_benchmark')!r}: expected true or false"))
     graphs = train.get("cuda_graphs", "auto") is True  # asked for explicitly; `auto` gives way (uses_cuda_graphs)
     if graphs and mode == "dp":
         problems.append(Problem("train.cuda_graphs=true is not supported with mode=dp; use mode=ddp"))

@@ -101,6 +101,8 @@ class Rank:
         self.hyp = build.hyperparameters(cfg, plan, folder.path, self.local_rank)
         torch.set_num_threads(plan.threads_per_rank)  # importing Ultralytics changed it
         build.seed(self.hyp, self.rank, world)
+        # timed once per shape, before any graph is captured: the graphs replay what it chose
+        torch.backends.cudnn.benchmark = self.device.type == "cuda" and bool(train.get("cudnn_benchmark", False))
         self._stamp("hyperparameters_and_seeds")
         self.data = build.dataset_info(self.hyp)
         self._stamp("dataset_check")
