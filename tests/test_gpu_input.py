@@ -485,11 +485,14 @@ def test_what_the_gpu_input_cannot_do_is_refused_with_the_setting_that_can(overr
     assert any(advice in p.message for p in problems), [p.message for p in problems]
 
 
-def test_decode_batches_is_noted_as_doing_nothing_with_the_cpu_pipeline():
+def test_decode_batches_is_noted_where_it_does_nothing_the_cpu_pipeline_or_no_input_threads():
     plan, problems = _plan(["loader.augment_on=cpu", "loader.decode_batches=2"])
     assert not problems and any("loader.decode_batches=2 changes nothing here" in n for n in plan.notes)
     plan, problems = _plan(["loader.augment_on=gpu", "loader.decode_batches=2"])
     assert not problems and not any("decode_batches" in n for n in plan.notes)
+    plan, problems = _plan(["loader.augment_on=gpu", "loader.decode_batches=2", "loader.fetch_ahead=false"])
+    assert not problems and any("decode_batches=2 changes nothing here: with loader.fetch_ahead=false" in n
+                                for n in plan.notes)
 
 
 def test_mixup_and_cutmix_are_the_gpu_inputs_too():
