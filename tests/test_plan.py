@@ -192,6 +192,9 @@ def test_dry_run_turns_machine_problems_into_warnings_but_not_config_errors():
         (["train.steps_in_flight=-1"], "train.steps_in_flight=-1: expected a whole number >= 0"),
         (["train.steps_in_flight=two"], "train.steps_in_flight='two': expected a whole number >= 0"),
         (["train.cudnn_benchmark=fast"], "train.cudnn_benchmark='fast': expected true or false"),
+        (["train.cuda_connections=0"], "train.cuda_connections=0: expected a whole number from 1 to 32"),
+        (["train.cuda_connections=64"], "train.cuda_connections=64: expected a whole number from 1 to 32"),
+        (["train.cuda_connections=many"], "train.cuda_connections='many': expected a whole number from 1 to 32"),
         (["val.engine=turbo"], "val.engine='turbo': expected auto, fast or ultralytics"),
         (["val.batch=0"], "val.batch=0: must be >= 1"),
         (["val.cuda_graphs=maybe"], "val.cuda_graphs='maybe': expected auto, true or false"),
@@ -389,3 +392,19 @@ def test_an_install_without_bytecode_is_found_by_its_files_alone(tmp_path, monke
     py_compile.compile(source, cfile=importlib.util.cache_from_source(source))
     assert bytecode_kept("somepkg", writable=read_only) is True  # compiled in the image
     assert bytecode_kept("not_installed_anywhere") is True
+
+
+# --- the ranks' CUDA environment -----------------------------------------------------------------------------
+def test_gpu_ranks_get_more_hardware_queues_than_cudas_default():
+    # With CUDA's 8 queues the input's decode kernels waited behind the step's (docs/benchmarks/README.md, section 6)
+    plan, problems = plan_for(["gpus=2"])
+    assert not problems and plan.env["CUDA_DEVICE_MAX_CONNECTIONS"] == "32"
+    plan, _ = plan_for(["gpus=2", "train.cuda_connections=8"])
+    assert plan.env["CUDA_DEVICE_MAX_CONNECTIONS"] == "8"
+
+
+@pytest.mark.parametrize("overrides,hw", [(["gpus=2", "train.cuda_connections=null"], GPU_BOX), (["gpus=0"], CPU_BOX)])
+def test_cuda_connections_left_to_the_environment(overrides, hw):
+    plan, problems = plan_for(overrides, hw=hw)
+    assert not problems and "CUDA_DEVICE_MAX_CONNECTIONS" not in plan.env
+

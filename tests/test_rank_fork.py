@@ -40,7 +40,8 @@ def _imported_and_rank_environments(overrides: list[str], hw, tmp_path: Path):
                          ids=["defaults", "cache", "one-rank", "nccl-toggles"])
 def test_a_plans_ranks_are_forked_when_only_what_is_read_after_the_fork_differs(overrides, tmp_path):
     """The default launch gets the forked ranks: the plan's environment (offline settings, thread counts, gloo and
-    NCCL toggles, the bytecode folder) differs from the warm torchrun's only where nothing imported has read it."""
+    NCCL toggles, the bytecode folder, CUDA's queue count) differs from the warm torchrun's only where nothing
+    imported has read it."""
     imported, rank_env, argv = _imported_and_rank_environments(overrides, replace(GPU_BOX, bytecode_kept=False),
                                                                tmp_path)
     assert refusal(imported, rank_env, argv, maps=CPU_MAPS) is None

@@ -40,7 +40,8 @@ WORKER_MODULE = "launcher.rank.worker"  # the rank's entry: `--module` of torchr
 AFTER_FORK = frozenset({
     "OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS",
     "MASTER_ADDR", "MASTER_PORT", "GLOO_SOCKET_IFNAME", "MPLCONFIGDIR", "MPLBACKEND", "HF_HUB_OFFLINE",
-    "CUDA_VISIBLE_DEVICES",  # read when a rank first touches CUDA, which the warm torchrun never does (refusal)
+    # read when a rank first touches CUDA, which the warm torchrun never does (refusal)
+    "CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_MAX_CONNECTIONS",
 })
 AFTER_FORK_PREFIXES = ("DDP_LAUNCH_", "PET_", "TORCHELASTIC_", "YOLO_", "NCCL_", "TORCH_NCCL_")
 # Dispositions torchrun's agent changes before it starts the ranks (its signals_to_handle, and the launcher's USR1).

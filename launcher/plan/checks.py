@@ -323,8 +323,8 @@ def uses_cuda_graphs(train: dict, *, device: str, mode: str) -> bool:
 
 
 def step_problems(train: dict, optim: dict, *, device: str, mode: str, hw: Hardware) -> list[Problem]:
-    """The step's speed settings: train.compile, train.cuda_graphs, train.cudnn_benchmark, train.steps_in_flight,
-    optim.fused."""
+    """The step's speed settings: train.compile, train.cuda_graphs, train.cudnn_benchmark, train.cuda_connections,
+    train.steps_in_flight, optim.fused."""
     problems: list[Problem] = []
     one_of(optim.get("fused", "auto"), FUSED_VALUES, "optim.fused", problems, "auto, true or false")
     in_flight = train.get("steps_in_flight", 1)
@@ -335,6 +335,11 @@ def step_problems(train: dict, optim: dict, *, device: str, mode: str, hw: Hardw
     one_of(train.get("graph_scope", "auto"), ("auto", "network"), "train.graph_scope", problems, "auto or network")
     if not isinstance(train.get("cudnn_benchmark", False), bool):
         problems.append(Problem(f"train.cudnn_benchmark={train.get('cudnn_benchmark')!r}: expected true or false"))
+    connections = train.get("cuda_connections", 32)
+    if connections is not None and (isinstance(connections, bool) or not isinstance(connections, int)
+                                    or not 1 <= connections <= 32):
+        problems.append(Problem(f"train.cuda_connections={connections!r}: expected a whole number from 1 to 32 "
+                                "(CUDA_DEVICE_MAX_CONNECTIONS), or null for CUDA's default"))
     graphs = train.get("cuda_graphs", "auto") is True  # asked for explicitly; `auto` gives way (uses_cuda_graphs)
     if graphs and mode == "dp":
         problems.append(Problem("train.cuda_graphs=true is not supported with mode=dp; use mode=ddp"))

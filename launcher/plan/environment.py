@@ -68,6 +68,16 @@ def thread_environment(threads_per_rank: int) -> dict[str, str]:
     return {"OMP_NUM_THREADS": n, "MKL_NUM_THREADS": n, "OPENBLAS_NUM_THREADS": n}
 
 
+def cuda_environment(connections, device: str) -> dict[str, str]:
+    """`train.cuda_connections` on CUDA ranks: how many hardware queues the GPU takes their kernels from. With CUDA's
+    default of 8, the ranks' streams (the step's, the input's, nvJPEG's inside torchvision, validation's) share
+    queues, and a kernel waits behind every kernel queued before it in its queue, whichever stream that came from:
+    the decode's small kernels then wait for the step's. Read when a rank first touches CUDA. None: unset here."""
+    if device != "cuda" or connections is None:
+        return {}
+    return {"CUDA_DEVICE_MAX_CONNECTIONS": str(connections)}
+
+
 def distributed_environment(dist_cfg: dict, single_node: bool = False) -> dict[str, str]:
     """NCCL and torch.distributed toggles from `dist.*`; `dist.debug=true` turns on the useful set at once.
 
