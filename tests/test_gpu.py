@@ -141,8 +141,7 @@ def test_a_compiled_network_takes_the_same_step_as_the_eager_one():
 
 @pytest.mark.parametrize("augment_on", ["gpu", "cpu"])
 def test_one_gpu_trains_with_every_lever_on(tmp_path, cache_dir, augment_on):
-    levers = ["train.cuda_graphs=true", f"loader.augment_on={augment_on}", "train.cache=shared", "mode=ddp", "gpus=1",
-              "loader.decode_batches=2"]  # with the GPU input, two loader batches per nvJPEG call
+    levers = ["train.cuda_graphs=true", f"loader.augment_on={augment_on}", "train.cache=shared", "mode=ddp", "gpus=1"]
     r = ddp_launch([*TINY, "train.epochs=3", *levers], cwd=tmp_path)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     summary = json.loads((run_dir_of(r) / "summary.json").read_text())

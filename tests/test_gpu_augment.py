@@ -742,13 +742,12 @@ def test_on_cuda_a_mixed_batch_is_the_cpu_maths_batch(ul, data, out_dtype):
 def test_a_run_trains_with_device_augmentation_on_the_cpu(tmp_path, cache_dir):
     """loader.augment_on=gpu end to end on CPU tensors: file bytes and labels from the workers (served by the
     node-shared cache of the files), decode, the image buffer, the one-pass render, MixUp and CutMix (epoch 0; epoch 1
-    is close_mosaic's), batches prepared by the background threads (two loader batches per decode call:
-    loader.decode_batches=2), the target count taken where the labels are made."""
+    is close_mosaic's), batches prepared by the background threads, the target count taken where the labels are made."""
     import json
 
     from tests.conftest import TINY, ddp_launch, run_dir_of
 
-    r = ddp_launch([*TINY, "train.epochs=2", "loader.augment_on=gpu", "train.cache=shared", "loader.decode_batches=2",
+    r = ddp_launch([*TINY, "train.epochs=2", "loader.augment_on=gpu", "train.cache=shared",
                     "+train.extra.mixup=0.5", "+train.extra.cutmix=0.5"], cwd=tmp_path)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     summary = json.loads((run_dir_of(r) / "summary.json").read_text())

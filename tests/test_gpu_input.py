@@ -106,26 +106,6 @@ def encoded_batch_of(files: list[str], decode_all: bool):
     return ds.collate_fn([ds[(0, i)] for i in range(len(files))])
 
 
-def test_the_decoder_decodes_several_batches_in_one_call_as_it_decodes_each(tmp_path):
-    """loader.decode_batches: Decoder.many gives each batch what a call of its own gives (images, failures, the
-    damaged file named once), with every batch's JPEGs in one decode call."""
-    files = write_images(tmp_path, ["jpg", "png", "corrupt", "jpg", "grey", "jpg"])
-    ds = EncodedTrainDataset(images_of(files), decode_all=False)
-    first, second = (ds.collate_fn([ds[(0, i)] for i in part]) for part in ((0, 1, 2), (3, 4, 5)))
-    alone_log, together_log, calls = [], [], []
-    alone = [Decoder(torch.device("cpu"), files, alone_log.append)(b) for b in (first, second)]
-    together = Decoder(torch.device("cpu"), files, together_log.append)
-    decode_jpegs = together._decode_jpegs
-    together._decode_jpegs = lambda data: calls.append(len(data)) or decode_jpegs(data)
-    many = together.many([first, second])
-    assert calls == [5]  # the five JPEG payloads (the PNG comes decoded) of both batches in one call
-    assert together_log == alone_log and len(together_log) == 1 and files[2] in together_log[0]
-    for (images, failed), (ref_images, ref_failed) in zip(many, alone):
-        assert failed == ref_failed
-        assert all((a is None and b is None) or torch.equal(a, b) for a, b in zip(images, ref_images))
-    assert [f for _, f in many] == [[False, False, True], [False, False, False]]
-
-
 # --- the kernels ------------------------------------------------------------------------------------------------------
 def compare_in_interpreter() -> None:
     """Run in a process started with TRITON_INTERPRET=1: the Triton kernels, on CPU tensors, against the twins."""
@@ -473,9 +453,6 @@ def test_auto_takes_the_cpu_pipeline_for_what_only_it_does_and_says_so(override)
 
 
 @pytest.mark.parametrize(("override", "advice"), [
-    ("loader.decode_batches=0", "loader.decode_batches=0: must be >= 1"),
-    ("loader.decode_batches=8", "loader.decode_batches=8: at most 4 loader batches per nvJPEG call"),
-    ("loader.decode_batches=two", "loader.decode_batches='two': expected an integer >= 1"),
     ("+train.extra.copy_paste=0.1", "loader.augment_on=cpu"),
     ("train.cache=ram", "train.cache=shared"),
     ("loader.augment_on=gpus", "auto, cpu or gpu"),
@@ -483,16 +460,6 @@ def test_auto_takes_the_cpu_pipeline_for_what_only_it_does_and_says_so(override)
 def test_what_the_gpu_input_cannot_do_is_refused_with_the_setting_that_can(override, advice):
     _, problems = _plan(["loader.augment_on=gpu", override])
     assert any(advice in p.message for p in problems), [p.message for p in problems]
-
-
-def test_decode_batches_is_noted_where_it_does_nothing_the_cpu_pipeline_or_no_input_threads():
-    plan, problems = _plan(["loader.augment_on=cpu", "loader.decode_batches=2"])
-    assert not problems and any("loader.decode_batches=2 changes nothing here" in n for n in plan.notes)
-    plan, problems = _plan(["loader.augment_on=gpu", "loader.decode_batches=2"])
-    assert not problems and not any("decode_batches" in n for n in plan.notes)
-    plan, problems = _plan(["loader.augment_on=gpu", "loader.decode_batches=2", "loader.fetch_ahead=false"])
-    assert not problems and any("decode_batches=2 changes nothing here: with loader.fetch_ahead=false" in n
-                                for n in plan.notes)
 
 
 def test_mixup_and_cutmix_are_the_gpu_inputs_too():

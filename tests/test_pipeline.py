@@ -193,29 +193,3 @@ def test_each_input_thread_says_where_its_time_went_across_iterators():
     assert times["decode"].blocked > 0.2  # the rest of the 0.5 s the loop stayed away: both queues full
     assert 0 < decoding["busy"] < 1 and decoding["waiting_ms"] < decoding["working_ms"]
     assert pipe.thread_times()["prepare"].batches == times["prepare"].batches  # closed: kept, and no more
-
-
-def test_the_decoding_thread_decodes_several_loader_batches_in_one_call():
-    """loader.decode_batches=2: the decoding thread reads two loader batches and decodes them in one call
-    (decode_many); the steps still get every batch once, in order, and a call's time (here 30 ms, whatever its size)
-    is shared by its batches in the thread's figures."""
-    calls = []
-
-    def decode_many(raws):
-        calls.append(list(raws))
-        time.sleep(0.03)
-        return [10 * r for r in raws]
-
-    def decode(raw):
-        raise AssertionError("a batch decoded alone")
-
-    pipe = TrainInputs(SlowLoader(Clock(), 0.0), FakeSampler(), torch.device("cpu"),
-                       lambda raw, ni: {"raw": raw, "ni": ni}, decode=decode, decode_many=decode_many,
-                       decode_batches=2, background=True)
-    pipe.begin_epoch(0, 0, first_ni=0)
-    got = [pipe.next(ni) for ni in range(6)]
-    times = pipe.thread_times()
-    pipe.close()
-    assert [b["raw"] for b in got] == [10, 20, 30, 40, 50, 60] and [b["ni"] for b in got] == list(range(6))
-    assert calls[:3] == [[1, 2], [3, 4], [5, 6]]
-    assert 15 <= times["decode"].per_batch_ms()["working_ms"] < 30  # one 30 ms call per two batches

@@ -18,7 +18,6 @@ from launcher.problems import Problem
 AMP_VALUES = (True, False, "bf16")
 CACHE_VALUES = (False, "ram", "disk", "shared")
 AUGMENT_ON = ("auto", "cpu", "gpu")
-MAX_DECODE_BATCHES = 4
 # log.integrations: Ultralytics' settings key -> the package its callbacks need (also its pip name)
 INTEGRATIONS = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow", "clearml": "clearml",
                 "comet": "comet_ml", "dvc": "dvclive"}
@@ -236,10 +235,6 @@ def input_problems(loader: dict, train: dict, *, augment_on: str) -> list[Proble
     """What the chosen input pipeline cannot do, with the setting that can."""
     problems: list[Problem] = []
     one_of(loader.get("augment_on", "auto"), AUGMENT_ON, "loader.augment_on", problems, "auto, cpu or gpu")
-    group = as_int(loader.get("decode_batches", 1), "loader.decode_batches", problems, 1)
-    if group is not None and group > MAX_DECODE_BATCHES:
-        problems.append(Problem(f"loader.decode_batches={group}: at most {MAX_DECODE_BATCHES} loader batches per "
-                                "nvJPEG call (each holds its decoded images on the GPU until augmented)"))
     if augment_on == "gpu":
         problems += [Problem(f"{setting}: {advice}") for setting, advice in cpu_only_settings(train)]
     return problems

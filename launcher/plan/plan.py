@@ -155,10 +155,6 @@ def make_plan(
     augment_on, why = checks.augment_on(loader, train, top.device, max(1, hw.cpu_count // top.nproc))
     notes += [why] if why else []
     problems += checks.input_problems(loader, train, augment_on=augment_on)
-    if loader.get("decode_batches", 1) != 1 and (augment_on == "cpu" or loader.get("fetch_ahead", True) is False):
-        why = ("with the CPU pipeline the loader's workers decode every image" if augment_on == "cpu" else
-               "with loader.fetch_ahead=false the training thread decodes each batch itself, one call per batch")
-        notes.append(f"loader.decode_batches={loader['decode_batches']} changes nothing here: {why}")
     problems += checks.integration_problems(cfg.get("log") or {})
     problems += checks.val_problems(cfg.get("val") or {}, train)
     workers, threads = _loader_threads(loader, top, hw, problems, notes, augment_on)

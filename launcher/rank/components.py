@@ -162,8 +162,6 @@ class Rank:
         self.inputs = TrainInputs(
             loader, self.sampler, self.device, self._prepare,
             decode=self.gpu_input.decoded if self.gpu_input is not None else None,
-            decode_many=self.gpu_input.decoded_many if self.gpu_input is not None else None,
-            decode_batches=int(loader_cfg.get("decode_batches", 1)),
             fetch_ahead=bool(loader_cfg.get("fetch_ahead", True)), persistent=bool(loader_cfg["persistent_workers"]),
             background=self.gpu_input is not None and bool(loader_cfg.get("fetch_ahead", True)),
         )

@@ -58,33 +58,27 @@ class Decoder:
         self.reported: set[int] = set()  # images already named in the log
 
     def __call__(self, batch: EncodedBatch) -> tuple[list[torch.Tensor | None], list[bool]]:
-        return self.many([batch])[0]
-
-    def many(self, batches: list[EncodedBatch]) -> list[tuple[list[torch.Tensor | None], list[bool]]]:
-        """Each batch's (images, failed), the JPEGs of all of them decoded in one nvJPEG call."""
-        out = [([None] * len(b.payloads), [False] * len(b.payloads)) for b in batches]
-        encoded = [(k, i) for k, b in enumerate(batches) for i, p in enumerate(b.payloads) if p.dim() == 1]
-        for (images, failed), batch in zip(out, batches):
-            for i, payload in enumerate(batch.payloads):
-                if payload.dim() == 3:
-                    if payload.numel() == 0:
-                        failed[i] = True
-                        self._report(batch.indices[i], batch.errors[i])
-                    else:
-                        images[i] = payload.to(self.device, non_blocking=True)
+        images: list[torch.Tensor | None] = [None] * len(batch.payloads)
+        failed = [False] * len(images)
+        encoded = [i for i, p in enumerate(batch.payloads) if p.dim() == 1]
+        for i, payload in enumerate(batch.payloads):
+            if payload.dim() == 3:
+                if payload.numel() == 0:
+                    failed[i] = True
+                    self._report(batch.indices[i], batch.errors[i])
+                else:
+                    images[i] = payload.to(self.device, non_blocking=True)
         if encoded:
-            decoded = self._decode_jpegs([batches[k].payloads[i] for k, i in encoded])
-            for (k, i), image in zip(encoded, decoded):
-                images, failed = out[k]
+            for i, image in zip(encoded, self._decode_jpegs([batch.payloads[i] for i in encoded])):
                 if image is None:
-                    image, error = decode_on_cpu(batches[k].payloads[i].numpy())
+                    image, error = decode_on_cpu(batch.payloads[i].numpy())
                     if image.numel() == 0:
                         failed[i] = True
-                        self._report(batches[k].indices[i], error)
+                        self._report(batch.indices[i], error)
                         continue
                     image = image.to(self.device)
                 images[i] = image
-        return out
+        return images, failed
 
     def _decode_jpegs(self, data: list[torch.Tensor]) -> list[torch.Tensor | None]:
         if self.device.type != "cuda":  # a CPU rank's workers decode everything; this serves a stray JPEG
@@ -173,10 +167,6 @@ class GpuInput:
 
     def decoded(self, batch: EncodedBatch) -> Decoded:
         return Decoded(batch, *self.decode(batch))
-
-    def decoded_many(self, batches: list[EncodedBatch]) -> list[Decoded]:
-        """decoded() of each batch, their JPEGs in one nvJPEG call (loader.decode_batches)."""
-        return [Decoded(b, *result) for b, result in zip(batches, self.decode.many(batches))]
 
     def __call__(self, batch: EncodedBatch | Decoded, generator: torch.Generator) -> dict:
         start = self._event()

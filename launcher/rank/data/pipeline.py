@@ -15,9 +15,7 @@ of their own, on a high-priority stream of their own, `AHEAD` batches ahead of t
 the training thread only launches steps, and waits (data wait) only when nothing is ready. Two threads, because
 nvJPEG's batched decode (`decode`) waits for the device several times longer than it computes while the step runs,
 and the rest (the augmentation's launches, the box count) should not wait behind it: one thread reads the loader and
-decodes, the other augments what the first decoded. With `decode_batches` > 1 (`loader.decode_batches`) the
-decoding thread reads that many loader batches and decodes them in one call (`decode_many`): where a call's wait
-for the device is paid per call rather than per image, those batches share it.
+decodes, the other augments what the first decoded.
 """
 
 from __future__ import annotations
@@ -117,14 +115,10 @@ class TrainInputs:
     step `ni`. `decode` (None: nothing) is the part that waits: with `background` it has a thread of its own."""
 
     def __init__(self, loader, sampler, device: torch.device, prepare: Callable[[object, int], dict], *,
-                 decode: Callable[[object], object] | None = None,
-                 decode_many: Callable[[list], list] | None = None, decode_batches: int = 1,
-                 fetch_ahead: bool = True, persistent: bool = True, background: bool = False, clock=time.perf_counter):
+                 decode: Callable[[object], object] | None = None, fetch_ahead: bool = True, persistent: bool = True,
+                 background: bool = False, clock=time.perf_counter):
         self.loader, self.sampler, self.device = loader, sampler, device
         self.decode, self._prepare_decoded = decode, prepare
-        # the background decoding thread: `decode_batches` loader batches per call of decode_many
-        self.decode_many = decode_many if decode_many is not None and decode_batches > 1 else None
-        self.decode_batches = decode_batches if self.decode_many is not None else 1
         self.fetch_ahead, self.persistent, self.clock = fetch_ahead, persistent, clock
         self.background = background
         self._worker: _Preparer | None = None
@@ -198,8 +192,7 @@ class TrainInputs:
         self.sampler.start_at(epoch, first_step)
         self._iterator = iter(self.loader)
         if self.background:
-            self._worker = _Preparer(self._iterator, self._prepare_decoded, self.device, first_ni, self.decode,
-                                     self.decode_many, self.decode_batches)
+            self._worker = _Preparer(self._iterator, self._prepare_decoded, self.device, first_ni, self.decode)
 
     def thread_times(self) -> dict[str, ThreadTime]:
         """With `background`: each input thread's time so far ("decode": reads the loader and decodes; "prepare":
@@ -227,13 +220,11 @@ class _Preparer:
     decodes, the other prepares what it decoded; both issue work to the same stream, so the device runs it in order
     and the allocator's stream of every tensor is the stream that uses it."""
 
-    def __init__(self, iterator, prepare, device: torch.device, first_ni: int, decode=None, decode_many=None,
-                 group: int = 1):
+    def __init__(self, iterator, prepare, device: torch.device, first_ni: int, decode=None):
         self.iterator, self.prepare, self.device, self.decode = iterator, prepare, device, decode
-        self.decode_many, self.group = decode_many, group  # `group` loader batches per decode_many call
         self.stream = torch.cuda.Stream(device=device, priority=-1) if device.type == "cuda" else None
         self.ready: queue.Queue = queue.Queue(maxsize=AHEAD)
-        self.decoded: queue.Queue | None = queue.Queue(maxsize=max(AHEAD, group)) if decode is not None else None
+        self.decoded: queue.Queue | None = queue.Queue(maxsize=AHEAD) if decode is not None else None
         self.expected = first_ni  # the step the next take() is for
         # each thread adds to its own (the training thread reads them: a copy, never reset)
         self.times = {"prepare": ThreadTime(), **({"decode": ThreadTime()} if decode is not None else {})}
@@ -259,16 +250,15 @@ class _Preparer:
             with self._on_stream():
                 while not self._stop.is_set():
                     start = clock()
-                    raws = [next(self.iterator) for _ in range(self.group)]
+                    raw = next(self.iterator)
                     read = clock()
-                    decoded = self.decode_many(raws) if self.group > 1 else [self.decode(raws[0])]
+                    decoded = self.decode(raw)
                     done = clock()
-                    for one in decoded:
-                        self._put(self.decoded, (True, one))
+                    self._put(self.decoded, (True, decoded))
                     times.waiting += read - start
                     times.working += done - read
                     times.blocked += clock() - done
-                    times.batches += len(decoded)
+                    times.batches += 1
         except BaseException as e:  # noqa: BLE001 - handed on to the preparing thread, which hands it on
             self._put(self.decoded, (False, e))
 
