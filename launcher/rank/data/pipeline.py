@@ -15,7 +15,9 @@ of their own, on a high-priority stream of their own, `AHEAD` batches ahead of t
 the training thread only launches steps, and waits (data wait) only when nothing is ready. Two threads, because
 nvJPEG's batched decode (`decode`) waits for the device several times longer than it computes while the step runs,
 and the rest (the augmentation's launches, the box count) should not wait behind it: one thread reads the loader and
-decodes, the other augments what the first decoded.
+decodes, the other augments what the first decoded. Neither keeps up unless the GPU takes kernels from more
+hardware queues than CUDA's default 8 (`train.cuda_connections`, plan/environment.py): with 8, the decode's kernels
+on torchvision's stream queue behind the step's.
 """
 
 from __future__ import annotations
