@@ -407,4 +407,3 @@ def test_gpu_ranks_get_more_hardware_queues_than_cudas_default():
 def test_cuda_connections_left_to_the_environment(overrides, hw):
     plan, problems = plan_for(overrides, hw=hw)
     assert not problems and "CUDA_DEVICE_MAX_CONNECTIONS" not in plan.env
-

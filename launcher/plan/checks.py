@@ -12,7 +12,7 @@ from pathlib import Path
 
 from launcher.inputs import ultralytics_files
 from launcher.machine.hardware import Hardware
-from launcher.plan.environment import BYTECODE_OFF, NCCL_DEBUG_LEVELS, TORCH_DEBUG_LEVELS
+from launcher.plan.environment import BYTECODE_OFF, CUDA_CONNECTIONS, NCCL_DEBUG_LEVELS, TORCH_DEBUG_LEVELS
 from launcher.problems import Problem
 
 AMP_VALUES = (True, False, "bf16")
@@ -330,11 +330,11 @@ def step_problems(train: dict, optim: dict, *, device: str, mode: str, hw: Hardw
     one_of(train.get("graph_scope", "auto"), ("auto", "network"), "train.graph_scope", problems, "auto or network")
     if not isinstance(train.get("cudnn_benchmark", False), bool):
         problems.append(Problem(f"train.cudnn_benchmark={train.get('cudnn_benchmark')!r}: expected true or false"))
-    connections = train.get("cuda_connections", 32)
+    connections = train.get("cuda_connections", CUDA_CONNECTIONS)
     if connections is not None and (isinstance(connections, bool) or not isinstance(connections, int)
-                                    or not 1 <= connections <= 32):
-        problems.append(Problem(f"train.cuda_connections={connections!r}: expected a whole number from 1 to 32 "
-                                "(CUDA_DEVICE_MAX_CONNECTIONS), or null for CUDA's default"))
+                                    or not 1 <= connections <= CUDA_CONNECTIONS):
+        problems.append(Problem(f"train.cuda_connections={connections!r}: expected a whole number from 1 to "
+                                f"{CUDA_CONNECTIONS} (CUDA_DEVICE_MAX_CONNECTIONS), or null for CUDA's default"))
     graphs = train.get("cuda_graphs", "auto") is True  # asked for explicitly; `auto` gives way (uses_cuda_graphs)
     if graphs and mode == "dp":
         problems.append(Problem("train.cuda_graphs=true is not supported with mode=dp; use mode=ddp"))

@@ -17,6 +17,8 @@ TORCH_DEBUG_LEVELS = ("OFF", "INFO", "DETAIL")
 LAUNCH_STARTED = "DDP_LAUNCH_STARTED"
 TORCHRUN_STARTED = "DDP_LAUNCH_TORCHRUN_STARTED"
 FORK_RANKS = "DDP_LAUNCH_FORK_RANKS"  # 0: torchrun starts fresh interpreters, never forks (launch/rank_fork.py)
+# CUDA_DEVICE_MAX_CONNECTIONS' ceiling, and train.cuda_connections' default: as many hardware queues as CUDA gives
+CUDA_CONNECTIONS = 32
 
 
 def ultralytics_home(cache_dir: Path) -> Path:

@@ -17,8 +17,9 @@ from launcher.inputs.data import DatasetInfo
 from launcher.machine.hardware import Hardware
 from launcher.plan import checks, keys, lr
 from launcher.plan.checks import as_int
-from launcher.plan.environment import (bytecode_environment, cuda_environment, distributed_environment,
-                                      interpreter_environment, offline_environment, thread_environment)
+from launcher.plan.environment import (CUDA_CONNECTIONS, bytecode_environment, cuda_environment,
+                                      distributed_environment, interpreter_environment, offline_environment,
+                                      thread_environment)
 from launcher.problems import Problem
 
 MODES = ("auto", "ddp", "dp", "single")
@@ -180,7 +181,7 @@ def make_plan(
         **interpreter_environment(bytecode),
         **thread_environment(threads),
         **distributed_environment(dist, single_node),
-        **cuda_environment(train.get("cuda_connections", 32), top.device),
+        **cuda_environment(train.get("cuda_connections", CUDA_CONNECTIONS), top.device),
     }
 
     plan = LaunchPlan(
