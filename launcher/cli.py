@@ -1,5 +1,5 @@
-"""`ddp-launch`: start what can overlap the planning, compose the config with Hydra, then hand it to the launch side
-(launch/start.py).
+"""`ddp-launch`: start what can overlap the planning, put Ultralytics' keys in ddp-launch's terms
+(plan/ultralytics_keys.py), compose the config with Hydra, then hand it to the launch side (launch/start.py).
 
 First thing, before Hydra's imports (tenths of a second, more where imports are slow), the warm torchrun and the
 compilation of the ranks' bytecode start (launch/warm_torchrun.py, launch/bytecode.py): only the standard library
@@ -41,7 +41,7 @@ def command_line_overrides(cfg) -> dict:
     return {k: OmegaConf.select(cfg, k) for k in keys}
 
 
-def compose_and_launch() -> None:
+def compose_and_launch(translated: list[str]) -> None:
     """Hydra's app: compose the config (once per job of a sweep), launch each job; exits with the worst code."""
     import hydra
     from hydra.core.hydra_config import HydraConfig
@@ -56,11 +56,13 @@ def compose_and_launch() -> None:
     def launch(cfg: DictConfig) -> int:
         run_dir = RunFolderGuard.meant(Path(HydraConfig.get().runtime.output_dir)).resolve()
         resolved = OmegaConf.to_container(cfg, resolve=True)
+        jobs.announce(HydraConfig.get(), run_dir)
         if resolved.get("resume"):
             overrides = {k: v for k, v in command_line_overrides(cfg).items() if k != "resume"}
-            code = jobs.run(lambda: start.resume(Path(str(resolved["resume"])), overrides, run_dir))
+            code = jobs.run(lambda: start.resume(start.resume_target(resolved["resume"], Path(os.getcwd())),
+                                                 overrides, run_dir), run_dir)
         else:
-            code = jobs.run(lambda: start.start(resolved, run_dir, Path(os.getcwd())))
+            code = jobs.run(lambda: start.start(resolved, run_dir, Path(os.getcwd()), translated=translated), run_dir)
         if code == EXIT_PLAN_ERROR:
             RunFolderGuard.remove_if_refused(run_dir)
         return code
@@ -74,15 +76,23 @@ def compose_and_launch() -> None:
 
 def main() -> None:
     os.environ[LAUNCH_STARTED] = repr(STARTED)  # torchrun and the ranks inherit it
-    start_ahead(sys.argv[1:])  # nothing for --help and the other information flags (warm_torchrun.wanted)
-    from launcher.entry import GROUPS, conf_dir, print_help_if_asked
+    argv = sys.argv[1:]
+    if "--version" in argv:
+        from launcher.machine.report import version_lines
+
+        print("\n".join(version_lines()))
+        return
+    start_ahead(argv)  # nothing for --help and the other information flags (warm_torchrun.wanted)
+    from launcher.entry import GROUPS, conf_dir, print_help_if_asked, translated_or_exit
 
     conf = Path(conf_dir())
-    if print_help_if_asked(sys.argv[1:], "ddp-launch", "train Ultralytics YOLO on every GPU and node, through torchrun",
+    if print_help_if_asked(argv, "ddp-launch", "train Ultralytics YOLO on every GPU and node, through torchrun",
                            groups={g: GROUPS[g] for g in ("model", "data", "launcher", "experiment")},
                            files=[(conf / "config.yaml", "")]):
         return
-    compose_and_launch()
+    translation = translated_or_exit(argv)  # Ultralytics' keys as typed (epochs=3, batch=64, device=0,1, ...)
+    sys.argv = [sys.argv[0], *translation.argv]  # what Hydra's app reads
+    compose_and_launch(translation.shown)
 
 
 if __name__ == "__main__":

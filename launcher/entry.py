@@ -19,12 +19,30 @@ EXIT_PLAN_ERROR = 2
 
 
 class Jobs:
-    """The exit codes of one invocation's jobs (a Hydra sweep runs several); the worst is the invocation's."""
+    """The jobs of one invocation (a Hydra sweep runs several): each announced as it starts, its exit code kept; the
+    worst code is the invocation's, and a sweep ends with a table of its jobs."""
 
     def __init__(self):
         self.codes: list[int] = []
+        self.rows: list[tuple[int, str, int, Path]] = []  # (job number, overrides, exit code, run folder)
+        self.sweep_size: int | None = None
+        self._current: tuple[int, str] | None = None
 
-    def run(self, action) -> int:
+    def announce(self, hydra_cfg, run_dir: Path) -> None:
+        """In a sweep, a line before each job: its number, its overrides, its run folder."""
+        from hydra.types import RunMode
+
+        if hydra_cfg.mode != RunMode.MULTIRUN:
+            return
+        if self.sweep_size is None:
+            self.sweep_size = sweep_size(sys.argv[1:])
+        overrides = " ".join(hydra_cfg.overrides.task)
+        self._current = (int(hydra_cfg.job.num), overrides)
+        of = f" of {self.sweep_size}" if self.sweep_size else ""
+        print(f"\n==== sweep job {self._current[0] + 1}{of}: {overrides or '(no overrides)'} -> {run_dir} ====",
+              flush=True)
+
+    def run(self, action, run_dir: Path | None = None) -> int:
         """`action()`'s exit code; a PlanError is the user's to fix: its message, no traceback, exit code 2."""
         try:
             code = action()
@@ -32,10 +50,56 @@ class Jobs:
             print(f"ERROR: {e}", file=sys.stderr, flush=True)
             code = EXIT_PLAN_ERROR
         self.codes.append(code)
+        if self._current is not None and run_dir is not None:
+            self.rows.append((*self._current, code, run_dir))
         return code
 
     def exit(self) -> None:
+        if self.rows:
+            print("\n" + sweep_table(self.rows), flush=True)
         sys.exit(max(self.codes, default=0))  # --help, --cfg: no job ran
+
+
+def sweep_size(args: list[str]) -> int | None:
+    """How many jobs a sweep's overrides make (the product of each swept key's values); None if Hydra cannot say."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    try:
+        parsed = OverridesParser.create().parse_overrides([a for a in args if "=" in a and not a.startswith("-")])
+        size = 1
+        for override in parsed:
+            if override.is_sweep_override():
+                size *= len(list(override.sweep_string_iterator()))
+        return size
+    except Exception:  # noqa: BLE001 - a count in a progress line, never a reason to stop
+        return None
+
+
+def sweep_table(rows: list[tuple[int, str, int, Path]]) -> str:
+    """The sweep's jobs at its end: number, outcome and exit code, mAP50-95, run folder, overrides."""
+    lines = [f"sweep: {len(rows)} job(s)", f"{'job':<5}{'outcome':<13}{'mAP50-95':<10}{'run folder':<50} overrides"]
+    for number, overrides, code, run_dir in rows:
+        summary = RunFolder(run_dir).summary() or {}
+        outcome = {0: "finished" if summary else "planned", EXIT_PLAN_ERROR: "refused"}.get(code, "failed")
+        score = summary.get("map50_95")
+        lines.append(f"{number + 1:<5}{f'{outcome} ({code})':<13}{'-' if score is None else f'{score:.4f}':<10}"
+                     f"{str(run_dir):<50} {overrides}")
+    return "\n".join(lines)
+
+
+def translated_or_exit(argv: list[str]):
+    """`argv` with Ultralytics' keys in ddp-launch's terms (plan/ultralytics_keys.py); a key that cannot apply ends the
+    invocation here, before Hydra composes: a line per key saying what to type, exit code 2."""
+    from launcher.plan.ultralytics_keys import translate
+
+    translation = translate(argv)
+    if translation.problems:
+        from launcher.launch.warm_torchrun import warm
+
+        warm.discard()
+        print(f"ERROR: {PlanError(translation.problems)}", file=sys.stderr, flush=True)
+        sys.exit(EXIT_PLAN_ERROR)
+    return translation
 
 
 # --- the run folder, before Hydra writes into it ------------------------------------------------------------------

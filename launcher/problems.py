@@ -22,7 +22,11 @@ class Problem:
     environment: bool = False
 
 
-class PlanError(Exception):
+class LaunchError(Exception):
+    """What ddp-launch raises for a user to act on (from Python; the command prints the same message)."""
+
+
+class PlanError(LaunchError):
     """Raised before any process starts; the message lists every problem found, not just the first."""
 
     def __init__(self, problems: list[Problem]):
@@ -34,3 +38,11 @@ class PlanError(Exception):
 def config_problems(messages: list[str]) -> list[Problem]:
     return [Problem(m) for m in messages]
 
+
+
+class RunFailed(LaunchError):
+    """The run started and did not finish; `code` is what `ddp-launch` would have exited with."""
+
+    def __init__(self, code: int, run_dir):
+        super().__init__(f"the run in {run_dir} ended with exit code {code}: see {run_dir}/logs")
+        self.code, self.run_dir = code, run_dir

@@ -38,6 +38,19 @@ def cache_dir(tmp_path_factory) -> Path:
     return path
 
 
+@pytest.fixture(scope="session")
+def checkpoint(tmp_path_factory) -> Path:
+    """A real Ultralytics checkpoint to start from: yolov8n with 80 classes (as published), untrained weights, saved
+    in the layout `yolo train` writes (the model in half precision, no EMA)."""
+    import torch
+    from ultralytics.nn.tasks import DetectionModel
+
+    path = tmp_path_factory.mktemp("weights") / "yolov8n.pt"
+    torch.save({"model": DetectionModel("yolov8n.yaml", nc=80, verbose=False).half(), "ema": None, "train_args": {},
+                "epoch": -1}, path)
+    return path
+
+
 def compose_config(overrides: list[str] | None = None) -> dict:
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         cfg = compose("config", overrides=overrides or [])

@@ -51,8 +51,8 @@ def test_a_refused_plan_raises_with_the_commands_message(tmp_path, cache_dir, mo
         api.train(["train.imgsz=65"])
     assert not (tmp_path / "runs").exists()  # refused before anything was written
     assert len(started) == 1 and started[0].poll() is not None  # the torchrun started ahead is gone
-    with pytest.raises(ValueError, match="ddp-launch resume=RUN_DIR"):
-        api.train(["resume=/some/run"])
+    with pytest.raises(PlanError, match="not a ddp-launch run folder"):
+        api.train(resume="/some/run")
 
 
 def test_the_benchmark_plans_from_python(tmp_path, cache_dir, monkeypatch, capsys):

@@ -34,12 +34,12 @@ def custom_data(tmp_path) -> Path:
     return f
 
 
-def required_values(group: str, option: str, tmp_path: Path, custom_data: Path) -> list[str]:
+def required_values(group: str, option: str, checkpoint: Path, custom_data: Path) -> list[str]:
     """Options that need a value from the user (??? in the YAML) get one that exists."""
     if (group, option) == ("model", "checkpoint"):
-        pt = tmp_path / "start.pt"
-        pt.write_bytes(b"not loaded by a dry run")
-        return [f"model.weights={pt}"]
+        return [f"model.weights={checkpoint}"]
+    if (group, option) == ("model", "custom"):
+        return ["model.cfg=yolo11n.yaml"]
     if (group, option) == ("data", "custom"):
         return [f"data.path={custom_data}"]
     return []
@@ -52,8 +52,8 @@ def dry_run(overrides: list[str], tmp_path: Path, capsys) -> str:
 
 
 @pytest.mark.parametrize("group,option", [(g, o) for g in GROUPS for o in options(g)])
-def test_every_group_option_composes_and_dry_runs(group, option, tmp_path, custom_data, capsys, cache_dir):
-    out = dry_run([f"{group}={option}", *required_values(group, option, tmp_path, custom_data)], tmp_path, capsys)
+def test_every_group_option_composes_and_dry_runs(group, option, tmp_path, custom_data, checkpoint, capsys, cache_dir):
+    out = dry_run([f"{group}={option}", *required_values(group, option, checkpoint, custom_data)], tmp_path, capsys)
     assert "torchrun command" in out and "dry run: nothing started" in out
 
 

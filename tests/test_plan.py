@@ -321,7 +321,7 @@ def test_auto_batch_on_the_cpu_is_the_default_with_a_note():
     plan, problems = plan_for(["gpus=0", "train.batch_per_device=auto"], hw=CPU_BOX)
     assert not problems and plan.batch_per_device == 16 and not plan.auto_batch
     assert any("train.batch_per_device=auto measures GPU memory; on the CPU it is 16" in n for n in plan.notes)
-    from launcher.plan.plan import AUTO_BATCH_ON_CPU, DEFAULT_MEMORY_FRACTION
+    from launcher.plan.batch import AUTO_BATCH_ON_CPU, DEFAULT_MEMORY_FRACTION
 
     shipped = compose_config()["train"]
     assert (AUTO_BATCH_ON_CPU, DEFAULT_MEMORY_FRACTION) == (shipped["batch_per_device"], shipped["memory_fraction"])

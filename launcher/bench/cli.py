@@ -19,10 +19,11 @@ from omegaconf import DictConfig, OmegaConf
 
 from launcher.bench import report, time_to_model, variants
 from launcher.bench.cells import Cell, plan_cells
-from launcher.entry import GROUPS, Jobs, RunFolderGuard, conf_dir, print_help_if_asked
+from launcher.entry import GROUPS, Jobs, RunFolderGuard, conf_dir, print_help_if_asked, translated_or_exit
 from launcher.inputs.data import resolve_data
 from launcher.inputs.models import resolve_model
 from launcher.launch import torchrun
+from launcher.launch.start import weight_dirs
 from launcher.launch.logs import LogStreamer, say
 from launcher.launch.ultralytics_home import prepare_ultralytics_home
 from launcher.machine import hardware
@@ -61,12 +62,13 @@ def run_bench(cfg: dict, run_dir: Path, base_dir: Path, command: str) -> int:
         cells, problems = [], time_to_model.problems(b, cfg["train"])
     else:
         cells, problems = [], [f"bench.kind={kind!r}: expected throughput or time_to_model"]
-    model, model_msgs = resolve_model(cfg["model"], base_dir)
+    model, model_msgs = resolve_model(cfg["model"], base_dir, weight_dirs(cfg))
     if problems or model_msgs:
         raise PlanError(config_problems(problems + model_msgs))
     dry_run = bool(cfg.get("dry_run"))
     data, data_problems = resolve_data(cfg["data"], base_dir, generate=not dry_run,
-                                      cache_dir=Path(cfg["paths"]["cache"]).expanduser())
+                                      cache_dir=Path(cfg["paths"]["cache"]).expanduser(),
+                                      datasets_dir=Path(cfg["paths"]["datasets"]))
     errors, warnings = check_plan(data_problems, dry_run=dry_run)
     errors += variants.plan_problems(cfg, hw, data, on_gpu)  # a bad variant is refused before any cell or side runs
     if errors:
@@ -196,6 +198,7 @@ def main() -> None:
                            groups={g: GROUPS[g] for g in ("model", "data", "bench")}, files=[(conf / "bench" / "default.yaml", "bench.")]):
         print("Every ddp-launch key works here too: ddp-launch --help lists them.")
         return
+    sys.argv = [sys.argv[0], *translated_or_exit(sys.argv[1:]).argv]  # Ultralytics' keys, as in ddp-launch
     _hydra_entry()
     jobs.exit()
 

@@ -131,10 +131,12 @@ def _split_problems(name: str, spec: dict, checks: dict[str, labels.SplitCheck])
     return problems
 
 
-def resolve_data(data_cfg: dict, base_dir: Path, *, generate: bool = True,
-                 cache_dir: Path | None = None) -> tuple[DatasetInfo | None, list[Problem]]:
+def resolve_data(data_cfg: dict, base_dir: Path, *, generate: bool = True, cache_dir: Path | None = None,
+                 datasets_dir: Path | None = None) -> tuple[DatasetInfo | None, list[Problem]]:
     """Resolve `data.*` to a DatasetInfo, every image and label checked (labels.py). `generate=False` (a dry run)
-    never writes the synthetic dataset nor the checks' cache; `cache_dir` (paths.cache) holds that cache."""
+    never writes the synthetic dataset nor the checks' cache; `cache_dir` (paths.cache) holds that cache. A data
+    YAML named without a folder that is not a file here but one Ultralytics ships (data=coco8.yaml) is read from
+    Ultralytics, its dataset under `datasets_dir` (paths.datasets) as Ultralytics' datasets_dir would hold it."""
     scan = {"cache_dir": Path(cache_dir) / "labels" if cache_dir else None, "write_cache": generate}
     name = str(data_cfg.get("name", "data"))
     kind = data_cfg.get("kind", "yaml")
@@ -170,6 +172,11 @@ def resolve_data(data_cfg: dict, base_dir: Path, *, generate: bool = True,
         return None, [Problem("data=custom needs data.path=/abs/path/to/data.yaml (an Ultralytics data YAML)")]
     yaml_path = Path(str(path)).expanduser()
     yaml_path = yaml_path if yaml_path.is_absolute() else base_dir / yaml_path
+    shipped = ultralytics_files.dataset_yaml(str(path)) if "/" not in str(path) else None
+    if not yaml_path.is_file() and shipped is not None and datasets_dir is not None:
+        raw = yaml.safe_load(shipped.read_text()) or {}
+        root = data_cfg.get("root") or str(Path(datasets_dir).expanduser() / str(raw.get("path") or shipped.stem))
+        return _from_yaml(name, shipped, root, allow, scan)
     if not yaml_path.is_file():
         return None, [Problem(f"data.path={path!r}: no such file ({yaml_path})", environment=True)]
     return _from_yaml(name, yaml_path, data_cfg.get("root"), allow, scan)

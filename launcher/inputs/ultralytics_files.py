@@ -113,3 +113,32 @@ def cfg_type_rules() -> dict:
     if missing:
         raise RuntimeError(f"ultralytics/cfg/__init__.py no longer defines {', '.join(sorted(missing))}")
     return rules
+
+
+@functools.cache
+def default_arg_sections() -> dict[str, str]:
+    """{key: the section of default.yaml it stands in} ("Train settings", "Predict settings", ...): which of
+    Ultralytics' arguments are training ones is said by the file's own section headers."""
+    sections, section = {}, ""
+    for line in (package_dir() / "cfg" / "default.yaml").read_text().splitlines():
+        header = re.match(r"#\s*(.+?)\s*-{3,}", line)
+        if header:
+            section = header[1]
+        elif re.match(r"[A-Za-z_]\w*:", line):
+            sections[line.split(":", 1)[0]] = section
+    return sections
+
+
+def user_weights_dir() -> Path | None:
+    """The weights folder of the user's own Ultralytics settings (settings.json's weights_dir, where `yolo` keeps
+    the weights it downloads), read from the file; None where there is none."""
+    import json
+    import os
+
+    home = os.environ.get("YOLO_CONFIG_DIR")
+    base = Path(home) if home else Path.home() / ".config" / "Ultralytics"
+    try:
+        folder = json.loads((base / "settings.json").read_text()).get("weights_dir")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return Path(folder) if folder else None

@@ -10,9 +10,10 @@ import copy
 import shutil
 from pathlib import Path
 
+from launcher.inputs import ultralytics_files
 from launcher.inputs.data import resolve_data
 from launcher.inputs.models import resolve_model
-from launcher.launch import environments
+from launcher.launch import environments, starting_weights
 from launcher.launch.logs import say
 from launcher.launch.outcome import say_finished
 from launcher.launch.ultralytics_home import prepare_ultralytics_home
@@ -29,9 +30,10 @@ RESUME_KEYS = ("gpus", "nproc", "nnodes", "node_rank", "mode", "dist.master_addr
                "dist.timeout_s", "dist.max_restarts")
 
 
-def start(cfg: dict, run_dir: Path, base_dir: Path, on_plan=None) -> int:
+def start(cfg: dict, run_dir: Path, base_dir: Path, on_plan=None, translated: list[str] = ()) -> int:
     """Plan the composed config, then start it (or print it: dry_run=true). Returns the exit code; PlanError when
-    the plan cannot run, before anything is written. `on_plan(plan)` sees the plan once it is checked (the API)."""
+    the plan cannot run, before anything is written. `on_plan(plan)` sees the plan once it is checked (the API);
+    `translated`, the Ultralytics keys typed and what they became (plan/ultralytics_keys.py), is shown with it."""
     dry_run = bool(cfg.get("dry_run"))
     env = environments.get(cfg["launcher"]["name"])
     cfg = env.planning_config(cfg)
@@ -43,18 +45,22 @@ def start(cfg: dict, run_dir: Path, base_dir: Path, on_plan=None) -> int:
     hw = env.hardware(cfg)
 
     # Config problems first: no point generating a dataset for a plan that cannot run.
-    model, model_msgs = resolve_model(cfg["model"], base_dir)
+    model, model_msgs = resolve_model(cfg["model"], base_dir, weight_dirs(cfg))
     _, early = make_plan(cfg, hw)
     errors, _ = check_plan(early + config_problems(model_msgs), dry_run=True)
     if errors:
         raise PlanError(errors + [p for p in early if p.environment and not dry_run])
 
-    data, data_problems = resolve_data(cfg["data"], base_dir, generate=not dry_run, cache_dir=_cache(cfg))
+    data, data_problems = resolve_data(cfg["data"], base_dir, generate=not dry_run, cache_dir=_cache(cfg),
+                                       datasets_dir=Path(cfg["paths"]["datasets"]))
+    if model is not None and data is not None:
+        model, weights_problems = starting_weights.check(model, data, _cache(cfg))
+        data_problems += weights_problems
     plan, problems = make_plan(cfg, hw, data, port_is_free=port_is_free)
     errors, warnings = check_plan(problems + config_problems(model_msgs) + data_problems, dry_run=dry_run)
 
     say("ddp-launch plan")
-    say(describe(plan, model, data))
+    say(describe(plan, model, data, translated=translated, cfg=cfg))
     say(f"run folder      {run_dir}")
     for w in env_warnings + warnings:
         say(f"WARNING: {w.message} (a real run would refuse)")
@@ -111,8 +117,37 @@ def resume(run_dir: Path, overrides: dict, fresh_dir: Path | None = None) -> int
     return env.resume(cfg, plan, folder)
 
 
+def resume_target(value, base_dir: Path) -> Path:
+    """The run folder `resume=VALUE` names, as Ultralytics reads resume: a run folder, a checkpoint inside one
+    (RUN/weights/last.pt), or true: the newest run under ./runs that has not finished."""
+    if value is True or str(value).lower() == "true":
+        runs = sorted((f.parent for f in (base_dir / "runs").glob("**/plan.json") if RunFolder(f.parent).is_run()),
+                      key=lambda folder: folder.stat().st_mtime)
+        unfinished = [f for f in runs if not RunFolder(f).finished()]
+        if not unfinished:
+            raise PlanError([Problem(f"resume=true: no unfinished run under {base_dir / 'runs'}; name the run folder: "
+                                     "resume=RUN_DIR")])
+        return unfinished[-1]
+    path = Path(str(value)).expanduser()
+    path = path if path.is_absolute() else base_dir / path
+    if path.suffix == ".pt":
+        folder = path.parent.parent if path.parent.name == "weights" else path.parent
+        if not RunFolder(folder).is_run():
+            raise PlanError([Problem(f"resume={value}: not inside a ddp-launch run folder (RUN/weights/last.pt); to "
+                                     f"start a new run from these weights use model={value}")])
+        return folder
+    return path
+
+
 def _cache(cfg: dict) -> Path:
     return Path(cfg["paths"]["cache"]).expanduser()
+
+
+def weight_dirs(cfg: dict) -> list[Path]:
+    """Where a weights file named without a folder is looked for after the current one: paths.weights (where
+    model.allow_download puts it), then the weights folder of the user's own Ultralytics settings."""
+    own = ultralytics_files.user_weights_dir()
+    return [Path(cfg["paths"]["weights"]).expanduser()] + ([own] if own else [])
 
 
 def _select(cfg: dict, key: str):

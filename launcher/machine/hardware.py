@@ -36,6 +36,7 @@ class Hardware:
     notes: tuple[str, ...] = field(default=())  # why GPU discovery found nothing (NVML, torch.cuda)
     ultralytics_version: str | None = SUPPORTED_VERSION  # the installed release (its package metadata)
     bytecode_kept: bool = True  # whether a fresh interpreter reads torch's compiled modules (bytecode_kept())
+    cuda_visible: str | None = None  # the launcher's CUDA_VISIBLE_DEVICES, which `device=` indices count within
 
     @property
     def gpu_count(self) -> int:
@@ -154,6 +155,7 @@ def detect() -> Hardware:
         notes=tuple(notes) if not gpus else (),
         ultralytics_version=installed_version(),
         bytecode_kept=bytecode_kept(),
+        cuda_visible=os.environ.get("CUDA_VISIBLE_DEVICES"),
     )
 
 
@@ -182,12 +184,17 @@ def _nccl_available() -> bool:
     """Whether torch here can use NCCL, read off torch/version.py, not by importing torch (seconds at every launch,
     on the planning's critical path): torch's Linux CUDA and ROCm builds include NCCL (RCCL), its wheels and conda's
     alike. A source build without NCCL is told so by its ranks' process group instead, before any step."""
+    return sys.platform.startswith("linux") and bool(torch_builds())
+
+
+def torch_builds() -> dict[str, str]:
+    """{"cuda" or "hip": the release} torch was built for, read off torch/version.py (cuda: Optional[str] = '13.0');
+    empty for a CPU build or no torch."""
     spec = importlib.util.find_spec("torch")
-    if not sys.platform.startswith("linux") or spec is None or not spec.submodule_search_locations:
-        return False
+    if spec is None or not spec.submodule_search_locations:
+        return {}
     try:
         text = (Path(next(iter(spec.submodule_search_locations))) / "version.py").read_text()
     except OSError:
-        return False
-    builds = re.findall(r"^(cuda|hip)\b[^=\n]*=\s*['\"]([^'\"]+)['\"]", text, flags=re.M)  # cuda: Optional[str] = '13.0'
-    return bool(builds)
+        return {}
+    return dict(re.findall(r"^(cuda|hip)\b[^=\n]*=\s*['\"]([^'\"]+)['\"]", text, flags=re.M))

@@ -15,9 +15,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from launcher.machine.hardware import Hardware, detect, usable_cpu_count
+from launcher.machine.hardware import Hardware, detect, torch_builds, usable_cpu_count
 
-PACKAGES = ("torch", "torchvision", "triton", "ultralytics", "hydra-core", "omegaconf", "nvidia-ml-py", "numpy",
+PACKAGES = ("ddp-launch", "torch", "torchvision", "triton", "ultralytics", "hydra-core", "omegaconf", "nvidia-ml-py", "numpy",
             "opencv-python", "opencv-python-headless", "pillow", "psutil")
 ENV_PREFIXES = ("CUDA_", "NCCL_", "TORCH_", "SLURM_JOB", "SLURM_NNODES", "SLURM_NTASKS", "OMP_NUM_THREADS")
 
@@ -37,6 +37,20 @@ def report(hw: Hardware | None = None, *, with_torch: bool = True) -> str:
     for title, body in sections:
         lines += ["", f"{title}:", *(f"  {line}" for line in body)]
     return "\n".join(lines) + "\n"
+
+
+def version_lines() -> list[str]:
+    """`ddp-launch --version`: its own release, Ultralytics', torch's and the CUDA torch was built for, read from the
+    packages' metadata and torch/version.py (importing torch would take seconds)."""
+    def version(name: str) -> str:
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            return "not installed"
+
+    return [f"ddp-launch {version('ddp-launch')}", f"ultralytics {version('ultralytics')}",
+            f"torch {version('torch')} (CUDA {torch_builds().get('cuda') or 'none: a CPU build'})",
+            f"python {platform.python_version()}"]
 
 
 def _versions(with_torch: bool) -> list[str]:

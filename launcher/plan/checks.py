@@ -13,6 +13,7 @@ from pathlib import Path
 from launcher.inputs import ultralytics_files
 from launcher.machine.hardware import Hardware
 from launcher.plan.environment import BYTECODE_OFF, CUDA_CONNECTIONS, NCCL_DEBUG_LEVELS, TORCH_DEBUG_LEVELS
+from launcher.plan.ultralytics_values import extra_problems
 from launcher.problems import Problem
 
 AMP_VALUES = (True, False, "bf16")
@@ -30,46 +31,6 @@ COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs", "ma
 FUSED_VALUES = ("auto", True, False)
 GRAPHS_VALUES = ("auto", True, False)
 FALLBACKS = ("none", "dp")  # what mode=auto does when DDP fails to start
-
-# Ultralytics train arguments that ddp-launch sets from its own keys; train.extra may not override them.
-OWNED_ULTRALYTICS_ARGS = {
-    "model": "model=...",
-    "data": "data=...",
-    "epochs": "train.epochs",
-    "batch": "train.batch_per_device",
-    "imgsz": "train.imgsz",
-    "device": "gpus",
-    "workers": "loader.workers",
-    "optimizer": "optim.name",
-    "lr0": "optim.base_lr",
-    "lrf": "optim.lrf",
-    "momentum": "optim.momentum",
-    "weight_decay": "optim.weight_decay",
-    "warmup_epochs": "optim.warmup_epochs",
-    "warmup_momentum": "optim.warmup_momentum",
-    "warmup_bias_lr": "optim.warmup_bias_lr",
-    "cos_lr": "optim.cos_lr",
-    "nbs": "optim.base_batch (ddp-launch turns Ultralytics' accumulation off: README)",
-    "amp": "train.amp",
-    "cache": "train.cache",
-    "close_mosaic": "train.close_mosaic",
-    "patience": "train.patience",
-    "seed": "seed",
-    "resume": "resume",
-    "save_period": "train.save_period",
-    "val": "train.val_interval",
-    "project": "hydra.run.dir",
-    "name": "hydra.run.dir",
-    "save_dir": "hydra.run.dir",
-    "exist_ok": "hydra.run.dir",
-    "pretrained": "model.weights",
-    "mode": "(not applicable)",
-    "task": "(ddp-launch trains detectors)",
-    "rect": "(rectangular batches cannot be shuffled across ranks)",
-    "time": "train.epochs",
-    "plots": "train.plots",
-}
-
 
 def as_int(value, key: str, problems: list[Problem], minimum: int = 0) -> int | None:
     """`value` when it is an integer >= minimum; else None, with the problem added."""
@@ -110,64 +71,6 @@ def train_problems(train: dict) -> list[Problem]:
     if isinstance(save_period, bool) or not isinstance(save_period, int):
         problems.append(Problem(f"train.save_period={save_period!r}: expected an integer (N: keep epochN.pt every N epochs; -1: off)"))
     return problems + extra_problems(train.get("extra") or {})
-
-
-def extra_problems(extra: dict) -> list[Problem]:
-    """train.extra passes Ultralytics train arguments through, except the ones ddp-launch sets itself; each value
-    is checked as Ultralytics' check_cfg would check it in every rank."""
-    known = ultralytics_files.default_train_args()
-    problems = []
-    for key, value in extra.items():
-        if key in OWNED_ULTRALYTICS_ARGS:
-            problems.append(Problem(f"train.extra.{key}: ddp-launch sets this itself; use {OWNED_ULTRALYTICS_ARGS[key]}"))
-        elif key not in known:
-            close = difflib.get_close_matches(key, list(known), n=1)
-            problems.append(Problem(f"train.extra.{key}: not an Ultralytics train argument"
-                                    + (f"; did you mean train.extra.{close[0]}?" if close else "")))
-        else:
-            wrong = ultralytics_value_problem(key, value, known[key])
-            if wrong:
-                problems.append(Problem(f"train.extra.{key}={value!r}: {wrong}"))
-    return problems
-
-
-def ultralytics_value_problem(key: str, value, default) -> str | None:
-    """What Ultralytics' check_cfg (ultralytics/cfg/__init__.py, 8.4.190) raises for `key=value`, in words; its type
-    tables are read from that file (inputs/ultralytics_files.py), its rules follow it branch by branch."""
-    rules = ultralytics_files.cfg_type_rules()
-    number = isinstance(value, (int, float))  # Ultralytics' FLOAT_OR_INT (a bool is an int there too)
-    typed = set().union(*(rules[t] for t in ("CFG_FLOAT_KEYS", "CFG_FRACTION_KEYS", "CFG_INT_KEYS", "CFG_BOOL_KEYS",
-                                             "CFG_STR_KEYS")), {"scale", "compile"})
-    if value is None:
-        return "must not be null" if default is not None and key in typed and key != "auto_augment" else None
-    if key in rules["CFG_FLOAT_KEYS"]:
-        return None if number else "expected a number"
-    if key == "scale":
-        if isinstance(value, (list, tuple)):
-            ok = len(value) == 2 and all(isinstance(x, (int, float)) for x in value)
-            return None if ok else "expected a number in [0, 1] or a pair of numbers"
-        return None if number and 0.0 <= value <= 1.0 else "expected a number in [0, 1] or a pair of numbers"
-    if key == "fraction":
-        if isinstance(value, list):
-            ok = len(value) in (2, 3) and all(value[:2]) and all(
-                (type(x) is int and x >= 0) or (type(x) is float and 0.0 <= x <= 1.0) for x in value)
-            return None if ok else "expected [train, val] or [train, val, test] counts or ratios"
-        ok = number and not isinstance(value, bool) and (0.0 < value <= 1.0 or (isinstance(value, int) and value > 1))
-        return None if ok else "expected a ratio in (0, 1] or a count of images > 1"
-    if key in rules["CFG_FRACTION_KEYS"]:
-        return None if number and 0.0 <= value <= 1.0 else "expected a number between 0.0 and 1.0"
-    if key in rules["CFG_INT_KEYS"]:
-        if not isinstance(value, int) and not (isinstance(value, float) and value.is_integer()):
-            return "expected an integer"
-        least = rules["CFG_INT_MIN"].get(key)
-        return f"must be >= {least}" if least is not None and value < least else None
-    if key in rules["CFG_BOOL_KEYS"]:
-        return None if isinstance(value, bool) else "expected true or false"
-    if key in rules["CFG_STR_KEYS"]:
-        return None if isinstance(value, str) else "expected a string"
-    if key == "compile":
-        return None if isinstance(value, (bool, str)) else "expected true, false or a torch.compile mode"
-    return None
 
 
 def unknown_key_problems(cfg: dict, known: dict, prefix: str = "") -> list[Problem]:

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from launcher.inputs import labels
 from launcher.inputs.data import DatasetInfo
 from launcher.inputs.models import ModelSpec
-from launcher.plan.plan import LaunchPlan, held_fraction
+from launcher.plan.batch import held_fraction
+from launcher.plan.plan import LaunchPlan
 
 
 def _rendezvous_text(plan: LaunchPlan) -> str:
@@ -23,13 +26,22 @@ def _rendezvous_text(plan: LaunchPlan) -> str:
     )
 
 
-def describe(plan: LaunchPlan, model: ModelSpec | None, data: DatasetInfo | None) -> str:
-    lines = [
+def describe(plan: LaunchPlan, model: ModelSpec | None, data: DatasetInfo | None, *, cfg: dict | None = None,
+             translated: list[str] = ()) -> str:
+    """The plan, a fact per line: the Ultralytics keys as they were translated, what trains from what and for how
+    long (every time), the topology and batch, the input, the data and the notes."""
+    lines = [f"{'translated' if i == 0 else '':<16}{t}" for i, t in enumerate(translated)]
+    if model is not None:
+        lines.append(f"model           {_model_text(model)}")
+    if cfg is not None:
+        lines.append(f"training        {_training_text(cfg)}")
+    lines += [
         f"mode            {plan.mode}" + (f" ({plan.backend})" if plan.backend else ""),
         f"topology        {plan.nnodes} node(s) x {plan.nproc_per_node} rank(s) = world size {plan.world_size}"
         + (f", node_rank {plan.node_rank}" if plan.nnodes > 1 else ""),
         "device          "
-        + (f"{plan.gpus_per_node} GPU(s) per node, cuda:LOCAL_RANK" if plan.device == "cuda" else "CPU"),
+        + (f"{plan.gpus_per_node} GPU(s) per node, cuda:LOCAL_RANK" if plan.device == "cuda" else "CPU")
+        + (f" (CUDA_VISIBLE_DEVICES={plan.env['CUDA_VISIBLE_DEVICES']})" if "CUDA_VISIBLE_DEVICES" in plan.env else ""),
         *batch_lines(plan),
     ]
     lines += [
@@ -40,14 +52,28 @@ def describe(plan: LaunchPlan, model: ModelSpec | None, data: DatasetInfo | None
         *([f"step            CUDA graphs {'on' if plan.cuda_graphs else 'off'} (train.cuda_graphs)"] if plan.device == "cuda" else []),
         f"restarts        {plan.max_restarts}; collective timeout {plan.timeout_s} s",
     ]
-    if model is not None:
-        lines.append(f"model           {model.cfg or ''}" + (f" from {model.weights}" if model.weights else ""))
     if data is not None:
         lines.append(f"data            {data.name}: {data.spec.get('path')} ({_count_text(data)})"
                      + (f" - {data.note}" if data.note else ""))
         lines += [f"data            {line}" for split, check in data.checks.items() for line in labels.describe(split, check)]
     lines += [f"note            {n}" for n in plan.notes]
     return "\n".join(lines)
+
+
+def _model_text(model: ModelSpec) -> str:
+    arch = Path(model.cfg).name if model.cfg else f"{model.arch or 'the architecture'} (the checkpoint's)"
+    return f"{arch}, {model.init_text()}"
+
+
+def _training_text(cfg: dict) -> str:
+    train, optim = cfg["train"], cfg["optim"]
+    mosaic = (f"mosaic off for the last {train['close_mosaic']}" if train.get("close_mosaic")
+              else "mosaic to the end")
+    interval = train.get("val_interval", 1)
+    val = ("validated every epoch" if interval == 1 else "validated after the last epoch only" if interval == 0
+           else f"validated every {interval} epochs")
+    return (f"{train['epochs']} epochs at {train['imgsz']} px, {str(optim['name']).upper().replace('ADAMW', 'AdamW')}, "
+            f"{mosaic}, {val}")
 
 
 def batch_lines(plan: LaunchPlan) -> list[str]:

@@ -8,14 +8,14 @@ warnings a dry run shows.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from launcher.inputs.data import DatasetInfo
 from launcher.machine.hardware import Hardware
-from launcher.plan import checks, keys, lr
+from launcher.plan import checks, keys
+from launcher.plan.batch import AUTO_BATCH_MULTIPLE, batch_fields, per_device_batch
 from launcher.plan.checks import as_int
 from launcher.plan.environment import (CUDA_CONNECTIONS, bytecode_environment, cuda_environment,
                                       distributed_environment, interpreter_environment, offline_environment,
@@ -26,12 +26,6 @@ MODES = ("auto", "ddp", "dp", "single")
 BACKENDS = ("auto", "nccl", "gloo")
 MULTI_NODE_DEFAULT_PORT = 29500  # torchrun's default; every node must agree on it, so it cannot be picked at random
 MAX_AUTO_WORKERS = 16
-AUTO_BATCH_MULTIPLE = 8  # train.batch_per_device=auto chooses a multiple of 8 (Tensor Core tiles, even shards)
-AUTO_BATCH_ON_CPU = 16  # conf/config.yaml's train.batch_per_device: what auto means without GPU memory to measure
-DEFAULT_MEMORY_FRACTION = 0.6  # conf/config.yaml's train.memory_fraction (Ultralytics' batch=-1 fills 60 %)
-# of the GPU above train.memory_fraction that a run with the auto batch may reserve (rank/step/auto_batch.py holds
-# its allocator there): the validation, the input pipeline and the allocator's fragmentation, which the probe leaves out
-AUTO_BATCH_HEADROOM = 0.1
 # With the input on the GPU a worker only reads files (and decodes the few that nvJPEG cannot): four keep a rank fed.
 MAX_AUTO_WORKERS_GPU_INPUT = 4
 
@@ -117,6 +111,7 @@ class _Topology:
     nproc: int
     devices_per_rank: int
     world_size: int
+    visible: str | None = None  # CUDA_VISIBLE_DEVICES for the ranks: the GPUs `device=` picked, None: as they are
 
 
 def make_plan(
@@ -137,16 +132,10 @@ def make_plan(
     devices = top.devices_per_rank * top.world_size
     problems += checks.batch_problems(train, device=top.device, mode=top.mode, devices=devices,
                                       multiple=AUTO_BATCH_MULTIPLE)
-    auto_batch: dict = {}
-    if train.get("batch_per_device") != "auto":
-        batch_per_device = as_int(train.get("batch_per_device"), "train.batch_per_device", problems, 1) or 1
-    elif top.device == "cpu":  # no GPU memory to measure: the shipped default, said in a note
-        batch_per_device = AUTO_BATCH_ON_CPU
-        notes.append(f"train.batch_per_device=auto measures GPU memory; on the CPU it is {AUTO_BATCH_ON_CPU} (the "
-                     "default; set a number to change it)")
-    else:
-        batch_per_device, auto_batch = None, _auto_batch_rule(train, top, data)
     train_images = data.train_images if data is not None else None
+    batch_per_device, auto_batch = per_device_batch(train, device=top.device, devices_per_rank=top.devices_per_rank,
+                                                    world_size=top.world_size, train_images=train_images,
+                                                    problems=problems, notes=notes)
     batch = batch_fields(cfg, batch_per_device, devices_per_rank=top.devices_per_rank, world_size=top.world_size,
                          train_images=train_images, problems=problems, notes=notes)
     problems += checks.optim_problems(optim)
@@ -182,6 +171,7 @@ def make_plan(
         **thread_environment(threads),
         **distributed_environment(dist, single_node),
         **cuda_environment(train.get("cuda_connections", CUDA_CONNECTIONS), top.device),
+        **({"CUDA_VISIBLE_DEVICES": top.visible} if top.visible else {}),
     }
 
     plan = LaunchPlan(
@@ -212,49 +202,6 @@ def make_plan(
     return plan, problems
 
 
-def batch_fields(cfg: dict, batch_per_device: int | None, *, devices_per_rank: int, world_size: int,
-                 train_images: int | None, problems: list[Problem], notes: list[str]) -> dict:
-    """The plan's fields that follow the per-device batch: accumulate, the batch per rank and the global batch, lr0
-    (optim.lr_scaling), and the warmup in steps. make_plan calls it with the configured batch; with_batch on the
-    ranks, with the one train.batch_per_device=auto measured (None: every field that needs it is None)."""
-    train, optim = cfg["train"], cfg["optim"]
-    base_batch = as_int(optim.get("base_batch"), "optim.base_batch", problems, 1) or 1
-    base_lr = optim.get("base_lr")
-    if not isinstance(base_lr, (int, float)) or isinstance(base_lr, bool) or base_lr <= 0:
-        problems.append(Problem(f"optim.base_lr={base_lr!r}: expected a number > 0"))
-        base_lr = 0.01
-    rule = optim.get("lr_scaling", "linear")
-    if not checks.one_of(rule, lr.LR_RULES, "optim.lr_scaling", problems):
-        rule = "none"
-    epochs = as_int(train.get("epochs"), "train.epochs", problems, 1) or 1
-    per_pass = None if batch_per_device is None else batch_per_device * devices_per_rank * world_size
-    accumulate = _accumulate(train, per_pass, problems)
-    fields = dict(batch_per_device=batch_per_device, batch_per_rank=None, global_batch=None, base_lr=float(base_lr),
-                  base_batch=base_batch, lr_scaling=rule, lr0=None, warmup_epochs=None, warmup_iterations=None,
-                  warmup_images=None, batches_per_epoch=None, accumulate=accumulate)
-    if batch_per_device is None:
-        return fields
-    batch_per_rank = batch_per_device * devices_per_rank * accumulate
-    global_batch = batch_per_rank * world_size
-    fields.update(accumulate=accumulate, batch_per_rank=batch_per_rank, global_batch=global_batch,
-                  lr0=lr.scaled_lr(float(base_lr), base_batch, global_batch, rule))
-    if train_images:
-        per_rank = math.ceil(train_images / world_size)  # DistributedSampler pads to equal shards
-        batches_per_epoch = math.ceil(per_rank / batch_per_rank)
-        warmup = lr.warmup_length(
-            warmup_epochs=float(optim.get("warmup_epochs", 0.0)),
-            warmup_images=optim.get("warmup_images"),
-            epochs=epochs,
-            batches_per_epoch=batches_per_epoch,
-            global_batch=global_batch,
-        )
-        fields.update(batches_per_epoch=batches_per_epoch, warmup_epochs=warmup.epochs,
-                      warmup_iterations=warmup.iterations, warmup_images=warmup.images)
-        if train_images < global_batch:
-            notes.append(f"the global batch ({global_batch}) is larger than the training set ({train_images} images)")
-    return fields
-
-
 def with_batch(plan: LaunchPlan, cfg: dict, batch_per_device: int, why: dict) -> LaunchPlan:
     """The plan once the ranks have measured train.batch_per_device=auto: every field that follows the batch from
     batch_fields, as make_plan would have planned it for that number; `why` (the measurement) kept in auto_batch."""
@@ -268,61 +215,9 @@ def with_batch(plan: LaunchPlan, cfg: dict, batch_per_device: int, why: dict) ->
                    auto_batch={**plan.auto_batch, **why, "batch_per_device": batch_per_device})
 
 
-def _auto_batch_rule(train: dict, top: _Topology, data: DatasetInfo | None) -> dict:
-    """What the ranks measure for train.batch_per_device=auto: the largest multiple of `multiple` whose step fits
-    `fraction` of the GPU's memory, dividing `divides` (train.global_batch's share per device: accumulate follows)
-    and at most `most` (more than a rank's share of the training set cannot fill a batch); None: no bound."""
-    fraction = train.get("memory_fraction", DEFAULT_MEMORY_FRACTION)
-    wanted, accumulate = train.get("global_batch"), train.get("accumulate", 1)
-    divides = wanted // (top.devices_per_rank * top.world_size) if _whole(wanted) else None
-    most = divides
-    if most is None and data is not None and data.train_images:
-        share = math.ceil(data.train_images / top.world_size) // (top.devices_per_rank * (accumulate if _whole(accumulate) else 1))
-        most = max(AUTO_BATCH_MULTIPLE, share // AUTO_BATCH_MULTIPLE * AUTO_BATCH_MULTIPLE)
-    return {"fraction": float(fraction) if checks.is_fraction(fraction) else DEFAULT_MEMORY_FRACTION,
-            "multiple": AUTO_BATCH_MULTIPLE, "divides": divides, "most": most,
-            "eager": train.get("compile", False) not in (False, None)}  # compiled per shape: measured eagerly
-
-
-def held_fraction(fraction: float) -> float:
-    """The share of the GPU's memory a run with train.batch_per_device=auto is held to once its batch is chosen."""
-    return min(1.0, fraction + AUTO_BATCH_HEADROOM)
-
-
-def _whole(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value > 0
-
-
-def _accumulate(train: dict, per_pass: int | None, problems: list[Problem]) -> int | None:
-    """Micro-batches per optimizer step: train.accumulate, or train.global_batch / the images of one pass over
-    every device (`per_pass`), which must divide it; None while the batch (train.batch_per_device=auto) is not
-    measured."""
-    accumulate = as_int(train.get("accumulate", 1), "train.accumulate", problems, 1) or 1
-    wanted = train.get("global_batch")
-    if wanted is None:
-        return accumulate
-    wanted = as_int(wanted, "train.global_batch", problems, 1)
-    if wanted is None:
-        return accumulate
-    if train.get("accumulate", 1) != 1:
-        problems.append(Problem(f"train.global_batch={wanted} and train.accumulate={train['accumulate']}: set one "
-                                "(train.global_batch decides accumulate)"))
-    elif per_pass is None:
-        return None
-    elif wanted % per_pass:
-        low, high = max(per_pass, wanted // per_pass * per_pass), (wanted // per_pass + 1) * per_pass
-        problems.append(Problem(f"train.global_batch={wanted}: not a multiple of the {per_pass} images one pass over "
-                                f"every device takes (batch_per_device x devices); use {low} or {high}, or change "
-                                "train.batch_per_device"))
-    else:
-        return wanted // per_pass
-    return 1
-
-
 def _topology(cfg: dict, hw: Hardware, problems: list[Problem], notes: list[str]) -> _Topology:
     """Mode, device, nodes and ranks; and whether this machine has the GPUs asked for."""
-    gpus = cfg.get("gpus", "auto")
-    gpus = hw.gpu_count if gpus == "auto" else (as_int(gpus, "gpus", problems) or 0)
+    gpus, visible = _gpus(cfg, hw, problems)
     device = "cuda" if gpus > 0 else "cpu"
     mode = cfg.get("mode", "auto")
     if not checks.one_of(mode, MODES, "mode", problems):
@@ -368,7 +263,9 @@ def _topology(cfg: dict, hw: Hardware, problems: list[Problem], notes: list[str]
         )
 
     # hardware checks are environment problems: a dry run shows the plan anyway
-    if gpus > 0 and hw.gpu_count == 0:
+    if cfg.get("device") is not None:
+        pass  # _gpus checked the GPUs device= names
+    elif gpus > 0 and hw.gpu_count == 0:
         problems.append(
             Problem(f"gpus={gpus} but {hw.describe_gpus()} on this machine; train on the CPU with gpus=0", environment=True)
         )
@@ -380,7 +277,41 @@ def _topology(cfg: dict, hw: Hardware, problems: list[Problem], notes: list[str]
                 environment=True,
             )
         )
-    return _Topology(mode, device, gpus, nnodes, node_rank, nproc, devices_per_rank, world_size)
+    return _Topology(mode, device, gpus, nnodes, node_rank, nproc, devices_per_rank, world_size, visible)
+
+
+def _gpus(cfg: dict, hw: Hardware, problems: list[Problem]) -> tuple[int, str | None]:
+    """(GPUs per node, the ranks' CUDA_VISIBLE_DEVICES or None): from `device` (Ultralytics' GPU indices, or cpu)
+    when it is set, else `gpus` (a number, or auto: every visible GPU)."""
+    gpus, device = cfg.get("gpus", "auto"), cfg.get("device")
+    if device is None:
+        return (hw.gpu_count if gpus == "auto" else (as_int(gpus, "gpus", problems) or 0)), None
+    if device == "cpu":
+        chosen: list[int] = []
+    elif isinstance(device, int) and not isinstance(device, bool) and device >= 0:
+        chosen = [device]
+    elif isinstance(device, list) and device and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0
+                                                     for i in device):
+        chosen = list(dict.fromkeys(device))
+    else:
+        problems.append(Problem(f"device={device!r}: expected GPU indices (device=0 or device=0,1) or device=cpu"))
+        return 0, None
+    if gpus not in ("auto", len(chosen)):
+        problems.append(Problem(f"device={device} picks {len(chosen)} GPU(s) but gpus={gpus}: set one of them"))
+    if (cfg.get("launcher") or {}).get("name") == "slurm" and chosen:
+        problems.append(Problem(f"device={device}: under launcher=slurm the allocation picks the GPUs; ask for "
+                                f"{len(chosen)} per node with slurm.gpus_per_node={len(chosen)}"))
+        return len(chosen), None
+    missing = [i for i in chosen if i >= hw.gpu_count]
+    if missing and hw.gpu_count:
+        problems.append(Problem(f"device={device}: this node has {hw.gpu_count} visible GPU(s) "
+                                f"({hw.describe_gpus()}); GPU {', '.join(map(str, missing))} is not one of them",
+                                environment=True))
+    if not chosen:
+        return 0, None
+    given = [v.strip() for v in hw.cuda_visible.split(",")] if hw.cuda_visible else None
+    visible = ",".join(given[i] if given and i < len(given) else str(i) for i in chosen)
+    return len(chosen), visible
 
 
 def _backend(dist: dict, top: _Topology, hw: Hardware, problems: list[Problem]) -> str | None:

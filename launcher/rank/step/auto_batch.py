@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from launcher.plan.plan import held_fraction
+from launcher.plan.batch import held_fraction
 from launcher.rank.data.pipeline import MAX_TARGETS, TARGETS_PER_IMAGE
 
 PROFILE = (8, 16, 32, 64)  # the sizes fitted (those the rule allows), smallest first; stops at the first that fails
