@@ -54,7 +54,7 @@ from launcher.rank.ultralytics.fast_validation import VAL_CONF, FastValidator, n
 from launcher.rank.ultralytics.validation import Validator
 from launcher.rank.validate.forward import InferenceForward
 from launcher.rank.validate.nms import batched_nms
-from launcher.run_folder import RunFolder
+from launcher.run_folder import DETAIL, RunFolder
 
 
 class EmaState:
@@ -144,11 +144,11 @@ class Rank:
 
         self._stamp("network")
         # 4. the loaders and the optimizer
-        self.cores = training_input.bind_cores(cfg, plan, self.device, self.local_rank, self.log)
+        self.cores = training_input.bind_cores(cfg, plan, self.device, self.local_rank, self.detail)
         self.close_at = mosaic_closes_at(int(train["epochs"]), int(train["close_mosaic"]))
         self.train_dataset, self.gpu_input = training_input.training_set(
             cfg, plan, self.hyp, self.data, self.device, caches=self.caches, stride=self.stride,
-            close_at=self.close_at, input_dtype=self.input_dtype, log=self.log)
+            close_at=self.close_at, input_dtype=self.input_dtype, log=self.log, detail=self.detail)
         if self.kernels is not None and self.gpu_input is not None:  # the first batch's kernels, after the graphs'
             self.input_kernels = self.kernels.then(self.gpu_input.warm_up)
         self.generator = torch.Generator(device=self.device) if self.gpu_input else None  # the augmentation's draws
@@ -226,7 +226,12 @@ class Rank:
             self.setup_memory[part] = round(torch.cuda.memory_reserved(self.device) / 2**30, 2)
 
     def log(self, msg: str) -> None:
+        """A line for the console (rank 0's) and the rank's log."""
         print(f"[rank {self.rank}] {msg}", flush=True)
+
+    def detail(self, msg: str) -> None:
+        """A diagnostic: in the rank's log, on the console only with log.verbose (run_folder.DETAIL)."""
+        print(f"[rank {self.rank}] {DETAIL} {msg}", flush=True)
 
     def checkpointer(self, layout, complete, finish, extra: dict | None = None) -> Checkpointer:
         """The checkpointer over every component (and `extra` ones: the early stop's memory); `layout` and
@@ -357,13 +362,16 @@ class Rank:
     def _take_batch(self, mine: dict) -> LaunchPlan:
         """The job's batch: the smallest any rank measured (a collective), and the plan for it, from the rules
         make_plan follows (plan.with_batch). Rank 0 writes it into plan.json (a restarted rank trains on it without
-        measuring again) and prints it, with the lr0 and warmup it gives, before the first step."""
+        measuring again) and prints it, with the lr0 and warmup it gives, before the first step (and the plan's notes
+        that the batch adds: the launcher printed the others)."""
         why = auto_batch.agree(self.comm.gather(mine))
+        planned = self.plan.notes
         self.plan = with_batch(self.plan, self.cfg, why["batch_per_device"], why)
         build.set_batch(self.hyp, self.plan)
         if self.rank == 0:
             self.folder.write_plan(self.plan)
-            for line in [auto_batch.explain(why), *batch_lines(self.plan), *self.plan.notes]:
+            for line in [auto_batch.explain(why), *batch_lines(self.plan),
+                         *(n for n in self.plan.notes if n not in planned)]:
                 self.log(line)
         return self.plan
 
@@ -380,7 +388,7 @@ class Rank:
         return FastValidator(self.val_loader, self.hyp, self.folder.path,
                              batch=checks.val_batch(val, self.plan.micro_batch), amp_dtype=self.amp_dtype,
                              cuda_graphs=self._val_graphs(), folded=val.get("fold_batchnorm", False) is True,
-                             device=self.device, on_batch=beat, log=self.log)
+                             device=self.device, on_batch=beat, log=self.log, detail=self.detail)
 
     def _val_graphs(self) -> bool:
         """val.cuda_graphs: the fast engine's forward replayed as CUDA graphs."""
@@ -438,7 +446,7 @@ class Rank:
             return False
         why_not = uses_captured_step(net, device=self.device, world_size=self.world, accumulate=self.plan.accumulate)
         if why_not is not None and net is self.net:
-            self.log(f"CUDA graphs: the network's forward and backward only ({why_not})")
+            self.detail(f"CUDA graphs: the network's forward and backward only ({why_not})")
         return why_not is None
 
     def _captured(self) -> CapturedStep | None:
@@ -464,8 +472,8 @@ class Rank:
             self.log(f"WARNING: {failure}; capturing the network only")
             return None
         torch.cuda.empty_cache()  # the warm-up's side-stream blocks (as _graphed)
-        self.log(f"CUDA graphs: the whole step's forward, loss and backward captured for batches of {plan.micro_batch}"
-                 " (a graph per padded target count, each captured when first needed)")
+        self.detail(f"CUDA graphs: the whole step's forward, loss and backward captured for batches of "
+                    f"{plan.micro_batch} (a graph per padded target count, each captured when first needed)")
         return step
 
     def _graphed(self) -> nn.Module | None:
@@ -484,9 +492,9 @@ class Rank:
         # the training stream can reuse: given back (train.batch_per_device=auto measured the capture's peak).
         torch.cuda.empty_cache()
         filled = self.sampler.filled
-        self.log(f"CUDA graphs: forward and backward captured for batches of {self.plan.micro_batch}"
-                 + (f"; each epoch's last batch filled with {filled} of the epoch's first images, so that it replays "
-                    "them too" if filled else ""))
+        self.detail(f"CUDA graphs: forward and backward captured for batches of {self.plan.micro_batch}"
+                    + (f"; each epoch's last batch filled with {filled} of the epoch's first images, so that it "
+                       "replays them too" if filled else ""))
         return graphed
 
     def close(self) -> None:
