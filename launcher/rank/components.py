@@ -40,6 +40,7 @@ from launcher.rank.data.sampler import EpochBatchSampler, mosaic_closes_at, samp
 from launcher.rank.dist import Comm, rank_info
 from launcher.rank.faults import FaultInjector
 from launcher.rank.heartbeat import Heartbeat, NoHeartbeat
+from launcher.rank.lines import rank_lines
 from launcher.rank.prewarm import Prewarm
 from launcher.rank.state import Checkpointer, TrainState, upgrade
 from launcher.rank.step import auto_batch
@@ -54,7 +55,7 @@ from launcher.rank.ultralytics.fast_validation import VAL_CONF, FastValidator, n
 from launcher.rank.ultralytics.validation import Validator
 from launcher.rank.validate.forward import InferenceForward
 from launcher.rank.validate.nms import batched_nms
-from launcher.run_folder import DETAIL, RunFolder
+from launcher.run_folder import RunFolder
 
 
 class EmaState:
@@ -78,6 +79,7 @@ class Rank:
     def __init__(self, cfg: dict, plan: LaunchPlan, folder: RunFolder, *, validation: bool = True):
         self.cfg, self.plan, self.folder = cfg, plan, folder
         self.rank, self.local_rank, world = rank_info()
+        self.log, self.detail = rank_lines(self.rank)  # a line for the console; a diagnostic
         self.world = world
         self.device = torch.device("cuda", self.local_rank) if plan.device == "cuda" else torch.device("cpu")
         self.setup_stamps: list[tuple[str, float]] = []  # where the start-up went (summary.json's timeline)
@@ -225,14 +227,6 @@ class Rank:
         if self.device.type == "cuda":  # what each part left reserved on the GPU (train.batch_per_device=auto's room)
             self.setup_memory[part] = round(torch.cuda.memory_reserved(self.device) / 2**30, 2)
 
-    def log(self, msg: str) -> None:
-        """A line for the console (rank 0's) and the rank's log."""
-        print(f"[rank {self.rank}] {msg}", flush=True)
-
-    def detail(self, msg: str) -> None:
-        """A diagnostic: in the rank's log, on the console only with log.verbose (run_folder.DETAIL)."""
-        print(f"[rank {self.rank}] {DETAIL} {msg}", flush=True)
-
     def checkpointer(self, layout, complete, finish, extra: dict | None = None) -> Checkpointer:
         """The checkpointer over every component (and `extra` ones: the early stop's memory); `layout` and
         `complete` give Ultralytics' keys (ultralytics/checkpoint.py's Layout), `finish` the final weights."""
@@ -362,16 +356,14 @@ class Rank:
     def _take_batch(self, mine: dict) -> LaunchPlan:
         """The job's batch: the smallest any rank measured (a collective), and the plan for it, from the rules
         make_plan follows (plan.with_batch). Rank 0 writes it into plan.json (a restarted rank trains on it without
-        measuring again) and prints it, with the lr0 and warmup it gives, before the first step (and the plan's notes
-        that the batch adds: the launcher printed the others)."""
+        measuring again) and prints it, with the lr0 and warmup (and new notes) it gives, before the first step."""
         why = auto_batch.agree(self.comm.gather(mine))
-        planned = self.plan.notes
-        self.plan = with_batch(self.plan, self.cfg, why["batch_per_device"], why)
+        planned, self.plan = self.plan.notes, with_batch(self.plan, self.cfg, why["batch_per_device"], why)
         build.set_batch(self.hyp, self.plan)
         if self.rank == 0:
             self.folder.write_plan(self.plan)
-            for line in [auto_batch.explain(why), *batch_lines(self.plan),
-                         *(n for n in self.plan.notes if n not in planned)]:
+            notes = [n for n in self.plan.notes if n not in planned]  # the launcher printed the others
+            for line in [auto_batch.explain(why), *batch_lines(self.plan), *notes]:
                 self.log(line)
         return self.plan
 
