@@ -4,7 +4,8 @@
     plan.json          the plan (launcher/plan)
     data.yaml          the dataset as the ranks see it
     torchrun.sh        a local run's exact command; job.sbatch for a SLURM run
-    logs/rank<N>.log   each rank's stdout and stderr
+    logs/rank<N>.log   each rank's stdout and stderr; its diagnostics tagged DETAIL (on the console with log.verbose)
+    logs/launcher.log  the launcher's diagnostics (on the console with log.verbose)
     ranks/rank<N>.json each rank's figures; ranks/rank<N>.failed.json the error of a rank that failed
     weights/           checkpoints
     summary.json       the outcome: "finished" (written by rank 0), "failed" or "stopped" (by the launcher)
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import tempfile
 import time
 import traceback
@@ -30,6 +32,15 @@ from launcher.problems import PlanError, Problem, plain_text
 
 FINISHED = "finished"
 TMP_MARK = ".tmp-"  # in the name of a file being written (a writer killed mid-write leaves it behind)
+# A diagnostic line of a log (after a rank's own tag): what ddp-launch measured or chose inside, for whoever looks into
+# the log; the console shows it only with log.verbose
+DETAIL = "[detail]"
+_DETAIL_LINE = re.compile(r"^(?:\[rank \d+\] )?\[detail\] ")
+
+
+def is_detail(line: str) -> bool:
+    """Whether a log line is a diagnostic (DETAIL)."""
+    return _DETAIL_LINE.match(line) is not None
 
 
 def atomic_write_bytes(path: Path, data: bytes, keep_previous: bool = False) -> None:
@@ -138,6 +149,10 @@ class RunFolder:
 
     def rank_log(self, rank: int) -> Path:
         return self.logs / f"rank{rank}.log"
+
+    @property
+    def launcher_log(self) -> Path:
+        return self.logs / "launcher.log"
 
     # --- what the ranks run -------------------------------------------------------------------------------------
     def is_run(self) -> bool:

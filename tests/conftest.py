@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -78,3 +79,22 @@ def run_dir_of(result: subprocess.CompletedProcess) -> Path:
         if line.startswith("run folder"):
             return Path(line.split(None, 2)[2])
     raise AssertionError(f"no run folder in the output:\n{result.stdout}\n{result.stderr}")
+
+
+# Ultralytics' validation table as its trainer prints it (DetectionValidator.get_desc, print_results)
+VALIDATION_HEADER = "                 Class     Images  Instances      Box(P          R      mAP50  mAP50-95)"
+TABLE_ROW = re.compile(r"^ *(\S.*?) +(\d+) +(\d+)(?: +[-+.\de]+){4}$")
+
+
+def validation_tables(console: str) -> list[list[str]]:
+    """Each validation table on the console: the class names of the rows under its header, in order."""
+    tables, rows = [], None
+    for line in console.splitlines():
+        if line == VALIDATION_HEADER:
+            rows = []
+            tables.append(rows)
+        elif rows is not None and (m := TABLE_ROW.match(line)):
+            rows.append(m[1])
+        else:
+            rows = None
+    return tables

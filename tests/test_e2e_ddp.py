@@ -12,7 +12,7 @@ import shlex
 import pytest
 import torch
 
-from tests.conftest import TINY, ddp_launch, run_dir_of
+from tests.conftest import TINY, ddp_launch, run_dir_of, validation_tables
 from tests.test_readme import readme_commands
 
 pytestmark = [pytest.mark.slow, pytest.mark.dist]
@@ -108,12 +108,12 @@ def test_the_run_folder_holds_config_plan_logs_weights_and_summary(run):
 def test_a_run_from_model_weights_with_adamw_follows_the_cosine_schedule(run, tmp_path):
     """model=checkpoint starts from the weights (Ultralytics' transfer), not from scratch; AdamW trains; with
     optim.cos_lr and no warmup every epoch's lr is lr0 x the cosine factor of Ultralytics' one-cycle schedule. Its
-    validations run on the EMA's folded copy (val.fold_batchnorm), made once."""
+    validations run on the EMA's folded copy (val.fold_batchnorm), made once; log.verbose shows the diagnostics."""
     _, first = run
     weights = json.loads((first / "summary.json").read_text())["weights"]
     args = ["model=checkpoint", f"model.weights={weights}", "optim.name=adamw", "optim.cos_lr=true",
             "optim.warmup_epochs=0", "optim.base_lr=0.002", "train.epochs=3", "train.plots=false",
-            "val.fold_batchnorm=true", *TINY]
+            "val.fold_batchnorm=true", "log.verbose=true", *TINY]
     r = ddp_launch(args, cwd=tmp_path)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     run_dir = run_dir_of(r)
@@ -123,6 +123,7 @@ def test_a_run_from_model_weights_with_adamw_follows_the_cosine_schedule(run, tm
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["loss_finite"] and summary["epochs_completed"] == 3
     assert len(re.findall(r"the EMA copied with \d+ BatchNorms folded", log)) == 1 and summary["map50_95"] >= 0
+    assert "[rank 0] [detail] validation: the EMA copied with " in r.stdout  # log.verbose: the diagnostics shown
     assert "optimizer: AdamW" in (run_dir / "args.yaml").read_text()
     rows = list(csv.DictReader(open(run_dir / "results.csv")))
     lrf = 0.01
@@ -135,5 +136,22 @@ def test_a_run_from_model_weights_with_adamw_follows_the_cosine_schedule(run, tm
 
 def test_rank_0_writes_the_plots_of_a_two_rank_run(run):
     _, run_dir = run
-    for plot in ("labels.jpg", "results.png", "BoxPR_curve.png", "confusion_matrix_normalized.png"):
+    for plot in ("labels.jpg", "results.png", "BoxPR_curve.png", "confusion_matrix_normalized.png",
+                 "train_batch0.jpg", "train_batch1.jpg", "train_batch2.jpg"):  # the first three training batches
         assert (run_dir / plot).stat().st_size > 0, plot
+    assert not (run_dir / "train_batch3.jpg").exists()
+
+
+def test_the_console_reads_like_ultralytics_with_its_tables_and_without_diagnostics(run):
+    """Each validation prints Ultralytics' header and `all` row; after the last, best.pt's table has a row per
+    class. ddp-launch's diagnostics (the attempt's header, the validation's timings) are in rank 0's log only."""
+    result, run_dir = run
+    import yaml
+
+    names = list(yaml.safe_load((run_dir / "data.yaml").read_text())["names"].values())
+    tables = validation_tables(result.stdout)
+    assert tables[:2] == [["all"], ["all"]], result.stdout[-3000:]  # epochs 3 and 4
+    assert tables[-1] == ["all", *names] and len(tables) == 3, tables  # best.pt's, validated again or not
+    log = (run_dir / "logs" / "rank0.log").read_text()
+    assert "[rank 0] [detail] validation: " in log and "[detail] ==== rank 0/2 " in log
+    assert "[detail]" not in result.stdout and "validation: " not in result.stdout and "====" not in result.stdout

@@ -742,13 +742,16 @@ def test_on_cuda_a_mixed_batch_is_the_cpu_maths_batch(ul, data, out_dtype):
 def test_a_run_trains_with_device_augmentation_on_the_cpu(tmp_path, cache_dir):
     """loader.augment_on=gpu end to end on CPU tensors: file bytes and labels from the workers (served by the
     node-shared cache of the files), decode, the image buffer, the one-pass render, MixUp and CutMix (epoch 0; epoch 1
-    is close_mosaic's), batches prepared by the background threads, the target count taken where the labels are made."""
+    is close_mosaic's), batches prepared by the background threads, the target count taken where the labels are made.
+    Its batches are drawn as train_batch<N>.jpg; Ultralytics' validation engine prints the fast one's tables."""
     import json
 
-    from tests.conftest import TINY, ddp_launch, run_dir_of
+    import yaml
+
+    from tests.conftest import TINY, ddp_launch, run_dir_of, validation_tables
 
     r = ddp_launch([*TINY, "train.epochs=2", "loader.augment_on=gpu", "train.cache=shared",
-                    "+train.extra.mixup=0.5", "+train.extra.cutmix=0.5"], cwd=tmp_path)
+                    "+train.extra.mixup=0.5", "+train.extra.cutmix=0.5", "val.engine=ultralytics"], cwd=tmp_path)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     summary = json.loads((run_dir_of(r) / "summary.json").read_text())
     assert summary["epochs_completed"] == 2
@@ -759,3 +762,8 @@ def test_a_run_trains_with_device_augmentation_on_the_cpu(tmp_path, cache_dir):
     assert all(t["batches"] > 0 and t["working_ms"] > 0 and 0 < t["busy"] <= 1 for t in threads.values()), threads
     log = (run_dir_of(r) / "logs" / "rank0.log").read_text()
     assert "the input's threads, ms per batch: decode thread (reads the loader's batches, decodes) waiting " in log
+    steps = 64 // 8  # per epoch: the first three batches, and the first three once mosaic closes (epoch 1)
+    for ni in (0, 1, 2, steps, steps + 1, steps + 2):
+        assert (run_dir_of(r) / f"train_batch{ni}.jpg").stat().st_size > 0, ni
+    names = list(yaml.safe_load((run_dir_of(r) / "data.yaml").read_text())["names"].values())
+    assert validation_tables(r.stdout) == [["all"], ["all"], ["all", *names]], r.stdout[-3000:]

@@ -38,6 +38,37 @@ def test_every_ranks_lines_are_prefixed_with_their_rank_and_filtered(tmp_path):
     assert sorted(out.getvalue().splitlines()) == ["[rank0] rank 0 here", "[rank1] rank 1 here"]
 
 
+def test_diagnostics_stay_in_the_logs_unless_log_verbose_asks_for_them(tmp_path):
+    """Lines a rank tags as diagnostics (run_folder.DETAIL: the attempt's header, timings, cores, CUDA graphs) are
+    left off the console; log.verbose (or dist.debug) shows them. Warnings and the rest always reach it."""
+    log = tmp_path / "rank0.log"
+    lines = ["[detail] ==== rank 0/2 local_rank 0 pid 1 attempt 0 ====", "[rank 0] training 2 epoch(s)",
+             "[rank 0] [detail] validation: 64 images in 0.26 s", "                   all         64        176",
+             "[rank 0] WARNING input-bound: 40 % of step time waiting for data", "[rank 0] [detail] cores: 0-3"]
+    shown = {}
+    for verbose in (False, True):
+        log.write_text("")
+        out = io.StringIO()
+        streamer = LogStreamer([log], prefix=False, out=out, verbose=verbose)
+        log.write_text("\n".join(lines) + "\n")
+        streamer.pump()
+        shown[verbose] = out.getvalue().splitlines()
+    assert shown[False] == [lines[1], lines[3], lines[4]]
+    assert shown[True] == lines
+    assert logs.verbose_console({"log": {"verbose": True}, "dist": {"debug": False}})
+    assert logs.verbose_console({"log": {"verbose": False}, "dist": {"debug": True}})
+    assert not logs.verbose_console({"log": {"verbose": False}, "dist": {"debug": False}})
+
+
+def test_the_launchers_diagnostics_go_to_its_log_and_to_the_console_with_verbose(tmp_path, capsys):
+    launcher_log = RunFolder(tmp_path / "run").launcher_log
+    logs.note("compiling the ranks' bytecode", launcher_log, verbose=False)
+    assert capsys.readouterr().out == ""
+    logs.note("compiling again", launcher_log, verbose=True)
+    assert capsys.readouterr().out == "compiling again\n"
+    assert launcher_log.read_text() == "compiling the ranks' bytecode\ncompiling again\n"
+
+
 def test_a_last_line_without_a_newline_is_shown_when_the_run_ends(tmp_path):
     log = tmp_path / "rank0.log"
     out = io.StringIO()
@@ -84,7 +115,7 @@ def test_in_a_file_under_slurm_or_for_every_rank_the_lines_stay_lines(tmp_path, 
 
 
 def test_the_time_left_counts_steps_at_their_mean_time_and_the_epoch_boundaries():
-    from launcher.rank.hooks import Eta, clock_text
+    from launcher.rank.progress import Eta, clock_text
 
     t = [0.0]
     eta = Eta(clock=lambda: t[0])

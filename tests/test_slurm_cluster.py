@@ -208,7 +208,7 @@ def test_a_signalled_job_checkpoints_requeues_and_resumes_to_the_configured_epoc
     assert "got SIGUSR1" in log
     assert "SLURM_RESTART_COUNT=1" in log and "resuming from weights/last.pt" in log
 
-    attempts = re.split(r"^==== rank 0/2 .*$", rank_log.read_text(), flags=re.M)[1:]
+    attempts = re.split(r"^(?:\[detail\] )?==== rank 0/2 .*$", rank_log.read_text(), flags=re.M)[1:]
     assert len(attempts) == 2, "rank 0 should have started twice (before and after the requeue)"
     assert rank_log.read_text().count("forked from torchrun ====") == 2  # USR1 reached the forked ranks ignored
     first, second = completed_epochs(attempts[0]), completed_epochs(attempts[1])

@@ -1,5 +1,6 @@
 """log.integrations: Ultralytics' TensorBoard callbacks on rank 0 write an event file into the run folder that
-TensorBoard's own reader parses, with the losses results.csv holds; unknown or missing integrations are refused."""
+TensorBoard's own reader parses, with the losses results.csv holds and ddp-launch's images/s and data wait; unknown or
+missing integrations are refused."""
 
 from __future__ import annotations
 
@@ -26,6 +27,10 @@ def test_tensorboard_writes_the_epochs_losses_and_metrics_into_the_run_folder(tm
     events.Reload()
     tags = set(events.Tags()["scalars"])
     assert {"train/box_loss", "train/cls_loss", "lr/pg0", "metrics/mAP50(B)"} <= tags, tags
+    # ddp-launch's own figures beside them, as summary.json names them; the first epoch is the meter's warm-up
+    images_per_s = events.Scalars("ddp_launch/images_per_s")
+    assert [e.step for e in images_per_s] == [2] and images_per_s[0].value > 0
+    assert [e.step for e in events.Scalars("ddp_launch/data_wait")] == [2]
     rows = list(csv.DictReader(open(run_dir / "results.csv")))
     logged = [(e.step, e.value) for e in events.Scalars("train/box_loss")]
     assert logged == [(i + 1, pytest.approx(float(row["train/box_loss"]), abs=1e-5)) for i, row in enumerate(rows)]

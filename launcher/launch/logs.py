@@ -1,7 +1,9 @@
 """What reaches the console while a run goes on: the launcher's own lines, and the rank logs as they grow.
 
 Ranks write their logs to files (rank/worker.py points their stdout and stderr there, so nothing is lost when one
-crashes); the launcher follows those files and copies what they gain to its own stdout.
+crashes); the launcher follows those files and copies what they gain to its own stdout, less their diagnostics
+(lines tagged run_folder.DETAIL) unless log.verbose asks for them: the console reads like Ultralytics' trainer, with
+ddp-launch's plan and result; the log files keep every line.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ import sys
 import threading
 from pathlib import Path
 
+from launcher.run_folder import is_detail
+
 # rank 0's progress line (rank/hooks.py, Progress): what the live bar is drawn from
 PROGRESS_LINE = re.compile(r"^(?:\[rank 0\] )?epoch (\d+)/(\d+) step (\d+)/(\d+) \| (.*)$")
 
@@ -21,6 +25,24 @@ def say(msg: str = "", prefix: str = "") -> None:
         print(f"{prefix}{msg}", flush=True)
     except OSError:
         console_gone(sys.stdout)
+
+
+def verbose_console(cfg: dict) -> bool:
+    """log.verbose: the diagnostics on the console too; dist.debug shows everything."""
+    return bool((cfg.get("log") or {}).get("verbose")) or bool((cfg.get("dist") or {}).get("debug"))
+
+
+def note(msg: str, log_file: Path, verbose: bool) -> None:
+    """A launcher's diagnostic: appended to `log_file` (the run's logs/launcher.log), and on the console with
+    `verbose` (log.verbose)."""
+    if verbose:
+        say(msg)
+    try:
+        log_file.parent.mkdir(parents=True, exist_ok=True)
+        with open(log_file, "a") as f:
+            f.write(msg + "\n")
+    except OSError:
+        pass  # a diagnostic never stops a launch
 
 
 def console_gone(stream) -> None:
@@ -72,17 +94,18 @@ class QuietStop:
 class LogStreamer(threading.Thread):
     """Copies what rank log files gain to the console while the job runs (rank 0 only, or every rank).
 
-    `keep` filters lines; with `prefix` each line is shown as "[rank1] ...". A line still being written (no newline
-    yet) is held back until it ends, or until stop(). With `bar` (default: rank 0 alone, on a terminal, outside a
-    SLURM job) rank 0's progress lines become a live bar per epoch, the other lines printed above it; the log files
-    keep every line.
+    `keep` filters lines; diagnostics (run_folder.DETAIL) are left out unless `verbose`; with `prefix` each line is
+    shown as "[rank1] ...". A line still being written (no newline yet) is held back until it ends, or until stop().
+    With `bar` (default: rank 0 alone, on a terminal, outside a SLURM job) rank 0's progress lines become a live bar
+    per epoch, the other lines printed above it; the log files keep every line.
     """
 
     def __init__(self, files: list[Path], prefix: bool, out=None, period: float = 0.2, keep=None,
-                 bar: bool | None = None):
+                 bar: bool | None = None, verbose: bool = False):
         super().__init__(daemon=True)
         self.files, self.prefix, self.period = files, prefix, period
-        self.keep = keep or (lambda line: True)
+        wanted = keep or (lambda line: True)
+        self.keep = wanted if verbose else (lambda line: wanted(line) and not is_detail(line))
         self.out = out or sys.stdout
         if bar is None:
             bar = not prefix and _is_terminal(self.out) and "SLURM_JOB_ID" not in os.environ

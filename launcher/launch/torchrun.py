@@ -69,7 +69,7 @@ def format_command(cmd: list[str], env: dict[str, str]) -> str:
 
 
 def run_torchrun(
-    cmd: list[str], env: dict[str, str], log_files: list[Path], prefix: bool, keep=None
+    cmd: list[str], env: dict[str, str], log_files: list[Path], prefix: bool, keep=None, verbose: bool = False
 ) -> tuple[int, int | None]:
     """Run torchrun to completion. Returns (exit code, the signal that stopped the launcher or None).
 
@@ -78,9 +78,10 @@ def run_torchrun(
     from the kernel if the launcher dies without a word (parent_death.PARENT_DEATH_SIGNAL). torchrun's stderr reaches the console
     without the traceback it prints when it is stopped (logs.QuietStop); torchrun is the warm one that `ddp-launch` started
     before planning, when there is one (warm_torchrun.py); its per-attempt folders (by default an empty
-    /tmp/torchelastic_* left by every launch) go to a private temporary folder, removed when torchrun ends.
+    /tmp/torchelastic_* left by every launch) go to a private temporary folder, removed when torchrun ends. The rank
+    logs' diagnostics reach the console only with `verbose` (log.verbose).
     """
-    streamer = LogStreamer(log_files, prefix=prefix, keep=keep)
+    streamer = LogStreamer(log_files, prefix=prefix, keep=keep, verbose=verbose)
     scratch = None
     if "PET_LOG_DIR" not in os.environ and "PET_LOG_DIR" not in env:  # torchrun's --log-dir, from the environment
         scratch = tempfile.mkdtemp(prefix="ddp-launch-torchrun-")

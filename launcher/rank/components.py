@@ -40,6 +40,7 @@ from launcher.rank.data.sampler import EpochBatchSampler, mosaic_closes_at, samp
 from launcher.rank.dist import Comm, rank_info
 from launcher.rank.faults import FaultInjector
 from launcher.rank.heartbeat import Heartbeat, NoHeartbeat
+from launcher.rank.lines import rank_lines
 from launcher.rank.prewarm import Prewarm
 from launcher.rank.state import Checkpointer, TrainState, upgrade
 from launcher.rank.step import auto_batch
@@ -78,6 +79,7 @@ class Rank:
     def __init__(self, cfg: dict, plan: LaunchPlan, folder: RunFolder, *, validation: bool = True):
         self.cfg, self.plan, self.folder = cfg, plan, folder
         self.rank, self.local_rank, world = rank_info()
+        self.log, self.detail = rank_lines(self.rank)  # a line for the console; a diagnostic
         self.world = world
         self.device = torch.device("cuda", self.local_rank) if plan.device == "cuda" else torch.device("cpu")
         self.setup_stamps: list[tuple[str, float]] = []  # where the start-up went (summary.json's timeline)
@@ -144,11 +146,11 @@ class Rank:
 
         self._stamp("network")
         # 4. the loaders and the optimizer
-        self.cores = training_input.bind_cores(cfg, plan, self.device, self.local_rank, self.log)
+        self.cores = training_input.bind_cores(cfg, plan, self.device, self.local_rank, self.detail)
         self.close_at = mosaic_closes_at(int(train["epochs"]), int(train["close_mosaic"]))
         self.train_dataset, self.gpu_input = training_input.training_set(
             cfg, plan, self.hyp, self.data, self.device, caches=self.caches, stride=self.stride,
-            close_at=self.close_at, input_dtype=self.input_dtype, log=self.log)
+            close_at=self.close_at, input_dtype=self.input_dtype, log=self.log, detail=self.detail)
         if self.kernels is not None and self.gpu_input is not None:  # the first batch's kernels, after the graphs'
             self.input_kernels = self.kernels.then(self.gpu_input.warm_up)
         self.generator = torch.Generator(device=self.device) if self.gpu_input else None  # the augmentation's draws
@@ -224,9 +226,6 @@ class Rank:
         self.setup_stamps.append((part, time.time()))
         if self.device.type == "cuda":  # what each part left reserved on the GPU (train.batch_per_device=auto's room)
             self.setup_memory[part] = round(torch.cuda.memory_reserved(self.device) / 2**30, 2)
-
-    def log(self, msg: str) -> None:
-        print(f"[rank {self.rank}] {msg}", flush=True)
 
     def checkpointer(self, layout, complete, finish, extra: dict | None = None) -> Checkpointer:
         """The checkpointer over every component (and `extra` ones: the early stop's memory); `layout` and
@@ -357,13 +356,14 @@ class Rank:
     def _take_batch(self, mine: dict) -> LaunchPlan:
         """The job's batch: the smallest any rank measured (a collective), and the plan for it, from the rules
         make_plan follows (plan.with_batch). Rank 0 writes it into plan.json (a restarted rank trains on it without
-        measuring again) and prints it, with the lr0 and warmup it gives, before the first step."""
+        measuring again) and prints it, with the lr0 and warmup (and new notes) it gives, before the first step."""
         why = auto_batch.agree(self.comm.gather(mine))
-        self.plan = with_batch(self.plan, self.cfg, why["batch_per_device"], why)
+        planned, self.plan = self.plan.notes, with_batch(self.plan, self.cfg, why["batch_per_device"], why)
         build.set_batch(self.hyp, self.plan)
         if self.rank == 0:
             self.folder.write_plan(self.plan)
-            for line in [auto_batch.explain(why), *batch_lines(self.plan), *self.plan.notes]:
+            notes = [n for n in self.plan.notes if n not in planned]  # the launcher printed the others
+            for line in [auto_batch.explain(why), *batch_lines(self.plan), *notes]:
                 self.log(line)
         return self.plan
 
@@ -380,7 +380,7 @@ class Rank:
         return FastValidator(self.val_loader, self.hyp, self.folder.path,
                              batch=checks.val_batch(val, self.plan.micro_batch), amp_dtype=self.amp_dtype,
                              cuda_graphs=self._val_graphs(), folded=val.get("fold_batchnorm", False) is True,
-                             device=self.device, on_batch=beat, log=self.log)
+                             device=self.device, on_batch=beat, log=self.log, detail=self.detail)
 
     def _val_graphs(self) -> bool:
         """val.cuda_graphs: the fast engine's forward replayed as CUDA graphs."""
@@ -438,7 +438,7 @@ class Rank:
             return False
         why_not = uses_captured_step(net, device=self.device, world_size=self.world, accumulate=self.plan.accumulate)
         if why_not is not None and net is self.net:
-            self.log(f"CUDA graphs: the network's forward and backward only ({why_not})")
+            self.detail(f"CUDA graphs: the network's forward and backward only ({why_not})")
         return why_not is None
 
     def _captured(self) -> CapturedStep | None:
@@ -464,8 +464,8 @@ class Rank:
             self.log(f"WARNING: {failure}; capturing the network only")
             return None
         torch.cuda.empty_cache()  # the warm-up's side-stream blocks (as _graphed)
-        self.log(f"CUDA graphs: the whole step's forward, loss and backward captured for batches of {plan.micro_batch}"
-                 " (a graph per padded target count, each captured when first needed)")
+        self.detail(f"CUDA graphs: the whole step's forward, loss and backward captured for batches of "
+                    f"{plan.micro_batch} (a graph per padded target count, each captured when first needed)")
         return step
 
     def _graphed(self) -> nn.Module | None:
@@ -484,9 +484,9 @@ class Rank:
         # the training stream can reuse: given back (train.batch_per_device=auto measured the capture's peak).
         torch.cuda.empty_cache()
         filled = self.sampler.filled
-        self.log(f"CUDA graphs: forward and backward captured for batches of {self.plan.micro_batch}"
-                 + (f"; each epoch's last batch filled with {filled} of the epoch's first images, so that it replays "
-                    "them too" if filled else ""))
+        self.detail(f"CUDA graphs: forward and backward captured for batches of {self.plan.micro_batch}"
+                    + (f"; each epoch's last batch filled with {filled} of the epoch's first images, so that it "
+                       "replays them too" if filled else ""))
         return graphed
 
     def close(self) -> None:

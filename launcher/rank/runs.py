@@ -3,6 +3,7 @@ a ddp-bench cell. Each builds its hook list here, in one place; the order of a l
 
 A training run, per step: Meter stamps the batch in hand (before_launch) and the step's end as soon as it is launched
 (after_launch), before the next batch is fetched ahead and before any other host work of the boundary; then
+TrainBatchPlots (rank 0, train.plots) copies the first batches for train_batch<N>.jpg, queued behind the step; then
 (after_step):
   Heartbeat       the watchdog sees the step done;
   RecordSamples   (debug.record_samples) the images just trained on;
@@ -11,13 +12,15 @@ A training run, per step: Meter stamps the batch in hand (before_launch) and the
   ReadAhead       once, after the first step: the validation loader's workers, and a thread keeping what they
                   read in host memory, start on the split; after each later step, once it is read, a slice of it
                   is copied to the device;
-  Progress        a line every log.interval_steps steps.
+  Progress        a line every log.interval_steps steps, and on rank 0 whenever ~1.5 s passed since its last.
 and per epoch (after_epoch):
   Meter           pauses: validation and checkpoints are not training time;
+  EpochFigures    (log.integrations) the epoch's images/s, data wait, GPU use and memory, gathered from every rank;
   ModelEpochs     the loss's and the EMA's end-of-epoch updates, before the EMA is validated;
   Evaluate        validation (every rank, sharded) at the interval and after the last epoch;
   ResultsCsv      rank 0's row, with this epoch's metrics: written before the checkpoint, which embeds results.csv;
-  Tracking        rank 0's Ultralytics integration callbacks (log.integrations), with the epoch's losses and metrics;
+  Tracking        rank 0's Ultralytics integration callbacks (log.integrations), with the epoch's losses and metrics
+                  and EpochFigures';
   EarlyStop       rank 0 decides on the new fitness, before the checkpoint records its memory;
   Checkpoint      rank 0's last.pt / best.pt / epochN.pt, written in a thread while the next epoch trains (the
                   last epoch's as the final weights);
@@ -30,7 +33,7 @@ epoch's start before closing mosaic, its training end before the validation, the
 after_train work), and Timed wraps Evaluate (each validation, the final one) and Checkpoint (the stripped weights).
 LRSchedule and ModelEpochs act before each epoch (lr, train mode) and LRSchedule before each step
 (warmup). after_train runs in list order: the final validation of best.pt (its plots held for the plotter's
-thread), the integrations' end (after the plots they may upload are drawn), the final weights (a best.pt of an
+thread; its table per class, or the last validation's when that was best.pt's), the integrations' end (after the plots they may upload are drawn), the final weights (a best.pt of an
 earlier epoch stripped: here the run's time to a model ends), then the plots drawn and waited for. InputTime
 (loader.augment_on=gpu) only reads the input's GPU time and its threads' at its window's start and at the end.
 """
@@ -46,12 +49,15 @@ from torch.profiler import profile
 from launcher.plan.plan import LaunchPlan
 from launcher.rank import checkpoint_io
 from launcher.rank import hooks as h
+from launcher.rank import progress
 from launcher.rank.components import Rank
 from launcher.rank.loop import Hook, TrainLoop
 from launcher.rank.metrics import report, results, step_profile
+from launcher.rank.metrics.epoch_figures import EpochFigures
 from launcher.rank.metrics.gpu_monitor import GpuMonitor
 from launcher.rank.metrics.meter import StepMeter
 from launcher.rank.metrics.timeline import Timed, Timeline, TimelineEdges
+from launcher.rank.train_batches import TrainBatchPlots
 from launcher.rank.ultralytics import build, checkpoint
 from launcher.rank.ultralytics.fast_validation import FastValidator
 from launcher.rank.ultralytics.plots import Plotter
@@ -92,9 +98,10 @@ def train(cfg: dict, plan: LaunchPlan, folder: RunFolder, stamps: dict | None = 
         integrations = cfg.get("log", {}).get("integrations") or []
         input_time = h.InputTime(r.gpu_input, r.inputs, METER_SKIP_STEPS) if r.gpu_input else None
         plotter = Plotter(folder.path, r.log) if on_rank0 and train_cfg.get("plots", True) else None
+        figures = EpochFigures(meter, monitor, r.device, r.comm, r.heartbeat) if integrations else None
         evaluate = h.Evaluate(lambda loop: _validate(r, loop, plotter), lambda loop, w: _validate(r, loop, plotter, w),
                               lambda: _best_weights(r, checkpointer), interval=int(train_cfg["val_interval"]),
-                              comm=r.comm, device=r.device, log=r.log)
+                              comm=r.comm, device=r.device, log=r.log, final_table=r.validator.print_table)
         save = h.Checkpoint(checkpointer, int(train_cfg["save_period"]), lambda written: _strip(r, written)) \
             if on_rank0 else None
         if on_rank0:
@@ -106,6 +113,8 @@ def train(cfg: dict, plan: LaunchPlan, folder: RunFolder, stamps: dict | None = 
             h.ModelEpochs(train_mode=lambda: build.train_mode(r.net, r.frozen),
                           close_at=r.close_at, criterion=r.net.criterion, ema=r.ema, net=r.net, log=r.log),
             h.Meter(meter, r.inputs, monitor),
+            figures,
+            TrainBatchPlots(plotter, r.sampler.batches_per_epoch, r.close_at) if plotter else None,
             h.Heartbeat(r.heartbeat),
             samples,
             h.FaultInjection(r.faults),
@@ -116,13 +125,14 @@ def train(cfg: dict, plan: LaunchPlan, folder: RunFolder, stamps: dict | None = 
             h.ResultsCsv(folder.path / "results.csv", r.validator.metric_keys, r.schedule.lrs, label_loss_items)
             if on_rank0 else None,
             Tracking(list(integrations), run_dir=folder.path, hyp=r.hyp, data=r.data, net=r.net, lrs=r.schedule.lrs,
-                     log=r.log, plots_drawn=plotter.drain if plotter else None) if on_rank0 and integrations else None,
+                     log=r.log, plots_drawn=plotter.drain if plotter else None, figures=lambda: figures.latest)
+            if on_rank0 and integrations else None,
             early_stop,
             save,
             h.Plots(plotter, folder.path / "results.csv", r.train_dataset.labels, r.data["names"]) if plotter else None,
-            h.Progress(meter, r.optimizer, r.device, r.rank, int(cfg.get("log", {}).get("interval_steps", 20)),
-                       r.log, monitor),
-            h.InputBoundWarning(meter, plan.workers_per_rank, r.log, monitor, gpu_input=r.gpu_input is not None,
+            progress.Progress(meter, r.optimizer, r.device, r.rank, int(cfg.get("log", {}).get("interval_steps", 20)),
+                              r.log, monitor, warmup_steps=plan.warmup_iterations or 0),
+            progress.InputBoundWarning(meter, plan.workers_per_rank, r.log, monitor, gpu_input=r.gpu_input is not None,
                                 inputs=r.inputs),
             input_time,
             h.AgreeToStop(r.comm, r.heartbeat),
@@ -139,7 +149,7 @@ def train(cfg: dict, plan: LaunchPlan, folder: RunFolder, stamps: dict | None = 
         loop.run()
         r.log(f"{state.epoch + 1 - first_epoch} epoch(s) in {(time.time() - started) / 60:.2f} min")
         if input_time is not None and input_time.line():
-            r.log(input_time.line())
+            r.detail(input_time.line())
         reports = _reports(r, meter, monitor, samples, input_time)
         if r.rank != 0:
             return None
@@ -205,7 +215,8 @@ def _validate(r: Rank, loop: TrainLoop, plotter: Plotter | None, weights=_EMA):
     validator's in rank 0's plotter thread (`plotter`: None on the other ranks)."""
     final = weights is not _EMA or loop.final_epoch
     kwargs = dict(device=r.device, data=r.data, amp=r.amp_dtype is not None, loss_items=r.step.loss_items or r.state.tloss,
-                  epoch=r.state.epoch, epochs=loop.epochs, plots=final and bool(r.cfg["train"].get("plots", True)))
+                  epoch=r.state.epoch, epochs=loop.epochs, plots=final and bool(r.cfg["train"].get("plots", True)),
+                  per_class=weights is not _EMA)
     if kwargs["plots"] and plotter is not None and isinstance(r.validator, FastValidator):
         kwargs["draw"] = plotter.later
     if weights is _EMA:

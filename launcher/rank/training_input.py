@@ -37,15 +37,16 @@ def image_caches(cfg: dict, plan: LaunchPlan, data: dict, imgsz: int, log) -> di
     return caches
 
 
-def bind_cores(cfg: dict, plan: LaunchPlan, device: torch.device, local_rank: int, log) -> affinity.CoreSplit | None:
-    """loader.bind_cores on a GPU node: this process on its own cores, its loader workers on the others."""
+def bind_cores(cfg: dict, plan: LaunchPlan, device: torch.device, local_rank: int, detail) -> affinity.CoreSplit | None:
+    """loader.bind_cores on a GPU node: this process on its own cores, its loader workers on the others (said through
+    `detail`, the rank log's diagnostics)."""
     if not cfg["loader"].get("bind_cores", True) or device.type != "cuda":
         return None
     split = affinity.split_cores(affinity.available_cores(), local_rank, plan.nproc_per_node, plan.workers_per_rank)
     if split is not None:
         affinity.bind_process(split.main)
-        log(f"cores: training process on {affinity.core_list(split.main)}, loader workers on "
-            f"{affinity.core_list(split.workers)}")
+        detail(f"cores: training process on {affinity.core_list(split.main)}, loader workers on "
+               f"{affinity.core_list(split.workers)}")
     return split
 
 
@@ -55,14 +56,14 @@ def on_worker_cores(cores: affinity.CoreSplit | None, inner):
 
 
 def training_set(cfg: dict, plan: LaunchPlan, hyp, data: dict, device: torch.device, *, caches: dict, stride: int,
-                 close_at: int | None, input_dtype: torch.dtype, log):
+                 close_at: int | None, input_dtype: torch.dtype, log, detail=None):
     """(dataset, gpu_input): Ultralytics' augmenting training set and None (loader.augment_on=cpu), or the files'
     bytes and labels and the GpuInput that decodes and augments them on `device` (gpu; on the CPU the same tensor
-    maths, computed by the training process)."""
+    maths, computed by the training process). `log` warns; `detail` (default `log`) takes the diagnostics."""
     loader_cfg = cfg["loader"]
     if plan.augment_on == "gpu":
         if device.type != "cuda":
-            log("loader.augment_on=gpu on the CPU: the same tensor maths, computed by the training process")
+            (detail or log)("loader.augment_on=gpu on the CPU: the same tensor maths, computed by the training process")
         inner = datasets.raw_train_dataset(hyp, data, plan.batch_per_rank)  # labels, checks
         if any(len(label.get("segments", [])) for label in inner.labels):
             log("WARNING label files with polygons: the GPU input pipeline warps their boxes, where Ultralytics "

@@ -20,7 +20,7 @@ STARTED = time.time()  # this process's start, for rank 0's timeline (rank/metri
 
 from launcher.problems import plain_text
 from launcher.rank.signals import stop_when_orphaned
-from launcher.run_folder import RunFolder
+from launcher.run_folder import DETAIL, RunFolder
 
 
 def redirect_output(log_file: Path) -> None:
@@ -63,8 +63,8 @@ def main(argv: list[str] | None = None, started: float | None = None, how: str =
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     redirect_output(folder.rank_log(rank))
     stop_when_orphaned()  # torchrun killed outright: this rank stops too (signals.py)
-    print(
-        f"==== rank {rank}/{os.environ.get('WORLD_SIZE', '1')} local_rank {os.environ.get('LOCAL_RANK', '0')} "
+    print(  # where each attempt starts in the log; a diagnostic on the console
+        f"{DETAIL} ==== rank {rank}/{os.environ.get('WORLD_SIZE', '1')} local_rank {os.environ.get('LOCAL_RANK', '0')} "
         f"pid {os.getpid()} attempt {attempt} rendezvous {os.environ.get('MASTER_ADDR', '-')}:"
         f"{os.environ.get('MASTER_PORT', '-')} {time.strftime('%Y-%m-%d %H:%M:%S')}{how} ====",
         flush=True,

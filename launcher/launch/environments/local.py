@@ -12,7 +12,7 @@ from pathlib import Path
 
 from launcher.inputs.data import resolve_data
 from launcher.launch import bytecode, torchrun
-from launcher.launch.logs import say
+from launcher.launch.logs import note, say, verbose_console
 from launcher.launch.outcome import report
 from launcher.launch.parent_death import parent_death_signal
 from launcher.machine import hardware
@@ -64,21 +64,25 @@ class LocalEnvironment:
         """Start torchrun for a planned run folder, stream rank 0 (or every rank), and report the outcome."""
         first_rank = plan.node_rank * plan.nproc_per_node
         shown = range(first_rank, first_rank + plan.nproc_per_node) if cfg["dist"]["debug"] else [first_rank]
-        self._compile_bytecode(plan)
+        verbose = verbose_console(cfg)
+        compiling = self._compile_bytecode(plan)
+        if compiling:
+            note(compiling, folder.launcher_log, verbose)
         say(f"\nstarting {plan.nproc_per_node} rank(s); logs in {folder.logs}\n")
         cmd = torchrun.local_command(plan, folder.path)
-        code, signum = torchrun.run_torchrun(cmd, plan.env, [folder.rank_log(r) for r in shown], prefix=len(shown) > 1)
+        code, signum = torchrun.run_torchrun(cmd, plan.env, [folder.rank_log(r) for r in shown], prefix=len(shown) > 1,
+                                             verbose=verbose)
         return report(folder, code, signum, plan.node_rank)
 
-    def _compile_bytecode(self, plan: LaunchPlan) -> None:
+    def _compile_bytecode(self, plan: LaunchPlan) -> str | None:
         """The ranks' bytecode folder (paths.bytecode), compiled beside torchrun's start where it is still empty or
-        stale; once per machine. A folder the user set through PYTHONPYCACHEPREFIX is theirs: not touched."""
+        stale; once per machine. A folder the user set through PYTHONPYCACHEPREFIX is theirs: not touched. Returns
+        the line that says a compilation started (a diagnostic), or None."""
         if self._compiling is not None and self._compiling.poll() is None:
-            return  # still compiling for the launch before (the DataParallel fallback)
+            return None  # still compiling for the launch before (the DataParallel fallback)
         started = bytecode.start_for(plan.env, plan.cpus_per_node, parent_death_signal())
         self._compiling, line = started or (None, None)
-        if line:
-            say(line)
+        return line
 
     def _dp_fallback(self, cfg: dict, plan: LaunchPlan, folder: RunFolder) -> LaunchPlan | None:
         """The DataParallel plan to retry with: mode=auto, dist.fallback=dp, and a rank reported that its process

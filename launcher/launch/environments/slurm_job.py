@@ -34,6 +34,7 @@ from pathlib import Path
 
 from launcher.launch import bytecode, torchrun, warm_torchrun
 from launcher.launch.logs import say as _say
+from launcher.launch.logs import verbose_console
 from launcher.launch.outcome import report
 from launcher.launch.parent_death import parent_death_signal
 from launcher.machine.hardware import usable_cpu_count
@@ -159,7 +160,7 @@ def _run(run_dir_arg: str) -> int:
     compiling = bytecode.start_for(plan.env, usable_cpu_count(), parent_death_signal())
     if compiling is not None:
         say(compiling[1])
-    code, signum = torchrun.run_torchrun(cmd, {}, logs, prefix=False)
+    code, signum = torchrun.run_torchrun(cmd, {}, logs, prefix=False, verbose=verbose_console(cfg))
 
     action, exit_code = decide(code, signum, folder.finished(), node_id, bool(cfg["slurm"]["requeue"]))
     if action == "requeue":

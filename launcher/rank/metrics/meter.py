@@ -151,6 +151,11 @@ class StepMeter:
         self._recent = [0.0, 0.0, 0]
         return (images / seconds, wait / seconds) if seconds > 0 else (0.0, 0.0)
 
+    def totals(self) -> tuple[float, float, int]:
+        """(seconds, data-wait seconds, images) measured so far: two readings' difference is a part of the run's."""
+        self._settle(0)
+        return self.window_s, self.window_wait_s, self.window_images
+
     def summary(self) -> MeterSummary:
         self._settle(0)
         w = self.window_s

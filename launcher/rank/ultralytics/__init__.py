@@ -7,6 +7,9 @@ E2ELoss(model, loss_fn), DetectionValidator, callbacks.get_default_callbacks, YO
 
 Reaches into internals, each in one place:
 - validation.py: the trainer attributes DetectionValidator reads in training mode (a stand-in trainer).
+- results_table.py: DetectionValidator.print_results called with `training` and `args.verbose` switched (the rows
+  per class outside final_eval), and the TQDM that BaseValidator.__call__ reads from its module swapped for a
+  disabled one while Ultralytics' engine validates.
 - fast_validation.py: a DetectionValidator that runs no batch: init_metrics, its metrics.stats, confusion_matrix,
   seen, speed, plot_val_samples/plot_predictions, finalize_metrics and print_results called directly (the
   statistics it would have collected are rank/validate/'s, in its layout); get_stats' work done by class_metrics.

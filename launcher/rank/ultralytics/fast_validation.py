@@ -39,6 +39,7 @@ from launcher.rank.dist import Comm
 from launcher.rank.ultralytics import class_metrics, datasets
 from launcher.rank.ultralytics.folded import FoldedCopy
 from launcher.rank.ultralytics.plots import PLOT_LOCK
+from launcher.rank.ultralytics.results_table import print_table
 from launcher.rank.ultralytics.validation import label_loss_items
 from launcher.rank.validate.confusion import confusion_counts
 from launcher.rank.validate.engine import NmsSettings, detections_of, run_pass
@@ -71,17 +72,18 @@ class FastValidator:
     `folded` (val.fold_batchnorm, off by default): the forward on a copy of the EMA with BatchNorm folded (folded.py),
     in the AMP dtype on CUDA, instead of the EMA under autocast: a faster forward, which the pass was not bound by
     when last measured, and the first validation pays for the copy (docs/benchmarks/h200-validation/README.md).
-    `device`: the rank's, where read_ahead warms the folded forward's kernels up."""
+    `device`: the rank's, where read_ahead warms the folded forward's kernels up. `log` warns; `detail` (default `log`)
+    takes the diagnostics (where the split is, each pass's time)."""
 
     def __init__(self, loader, hyp, run_dir, *, batch: int, amp_dtype: torch.dtype | None, cuda_graphs: bool = True,
                  pipelined: bool = True, folded: bool = False, device: torch.device | None = None, on_batch=None,
-                 log=print):
+                 log=print, detail=None):
         self.loader, self.batch, self.amp_dtype, self.cuda_graphs = loader, batch, amp_dtype, cuda_graphs
         self.pipelined, self.fold, self.device = pipelined, folded, device
         self.folded: FoldedCopy | None = None
         self.warming: kernels.WarmUp | None = None  # the validation's Triton kernels, compiled during training
         self._amp_dtype: torch.dtype | None = None  # this validation's autocast type (None on CPU or without AMP)
-        self.on_batch, self.log = on_batch or (lambda: None), log
+        self.on_batch, self.log, self.detail = on_batch or (lambda: None), log, detail or log
         self.validator = DetectionValidator(loader, save_dir=run_dir, args=copy(hyp))
         self.split: PreloadedSplit | None = None
         self.reading: SplitReader | None = None  # the split being read during training (read_ahead)
@@ -140,13 +142,14 @@ class FastValidator:
             copied = "" if ahead is None else f", {ahead / 2**20:.0f} MiB of it copied to the device between steps"
             took = (f"read during training in {read_s:.2f} s{copied}, then waited for and placed in "
                     f"{self.timing['preload_s']:.2f} s")
-        self.log(f"validation: {len(self.split)} images ({shapes}) {where}, {took} ({mib:.0f} MiB)")
+        self.detail(f"validation: {len(self.split)} images ({shapes}) {where}, {took} ({mib:.0f} MiB)")
 
     def validate(self, ema, comm: Comm, *, device, data, amp: bool, loss_items: dict, epoch: int, epochs: int,
-                 plots: bool = False, draw=None):
+                 plots: bool = False, draw=None, per_class: bool = False):
         """`plots` (the same on every rank): Ultralytics' plots of this validation, drawn by rank 0: now, or, given
         `draw` (rank 0's Plotter.later), in the plotter's thread from a copy of what they need, so that the weights
-        need not wait for them."""
+        need not wait for them. Rank 0 writes Ultralytics' table (results_table.py): with `per_class`, a row per
+        class too."""
         if comm.distributed:  # BaseTrainer.validate: rank 0's EMA buffers (BatchNorm statistics) on every rank
             comm.broadcast_from_rank0(list(ema.ema.buffers()))
         if self.split is None:
@@ -164,19 +167,22 @@ class FastValidator:
         self._amp_dtype = self.amp_dtype if amp and device.type == "cuda" else None
         if self.warming is not None:  # once: its kernels are compiled before the first launch
             warming, self.warming = self.warming.join(), None
-            self.log(f"validation: its kernels compiled during training in {warming.seconds:.2f} s" if not warming.error
-                     else f"WARNING: compiling the validation's kernels during training failed ({warming.error})")
+            if warming.error:
+                self.log(f"WARNING: compiling the validation's kernels during training failed ({warming.error})")
+            else:
+                self.detail(f"validation: its kernels compiled during training in {warming.seconds:.2f} s")
         if self.fold and (self.folded is None or self.folded.source is not model):
             folding = time.perf_counter()
             self.folded = FoldedCopy(model, self._amp_dtype or torch.float32)
-            self.log(f"validation: the EMA copied with {self.folded.folded} BatchNorms folded, in "
-                     f"{str(self.folded.dtype).removeprefix('torch.')}, in {time.perf_counter() - folding:.2f} s")
+            self.detail(f"validation: the EMA copied with {self.folded.folded} BatchNorms folded, in "
+                        f"{str(self.folded.dtype).removeprefix('torch.')}, in {time.perf_counter() - folding:.2f} s")
         elif self.folded is not None:
             self.folded.refresh()  # the EMA's weights now
         network = self.folded.model if self.fold else model
         if self.forward is None or self.forward.model is not network:
             self.forward = InferenceForward(network, device, batch=self.batch, graphs=self.cuda_graphs,
-                                            amp_dtype=None if self.fold else self._amp_dtype, log=self.log)
+                                            amp_dtype=None if self.fold else self._amp_dtype, log=self.log,
+                                            detail=self.detail)
         plotted: list = []
         confusion: list[torch.Tensor] = []  # each batch's confusion counts, on the device until the pass ends
 
@@ -213,11 +219,12 @@ class FastValidator:
         finished = time.perf_counter()
         elapsed = finished - started
         self.timing.update(pass_s=elapsed, images_per_s=result.images / elapsed if elapsed else 0.0)
-        self.log(f"validation: {result.images} images in {elapsed:.2f} s ({self.timing['images_per_s']:.0f} images/s)")
+        self.detail(f"validation: {result.images} images in {elapsed:.2f} s "
+                    f"({self.timing['images_per_s']:.0f} images/s)")
         if first and ends:  # where a slow first pass went: its first batch (the graph's capture), or every batch
             steps = [b - a for a, b in zip([started, *ends], [*ends, finished])]
-            self.log(f"validation: the first pass batch by batch: {', '.join(f'{x:.3f}' for x in steps[:-1])} s, then "
-                     f"{steps[-1]:.3f} s to its end")
+            self.detail(f"validation: the first pass batch by batch: {', '.join(f'{x:.3f}' for x in steps[:-1])} s, "
+                        f"then {steps[-1]:.3f} s to its end")
         loss = {k: (v_.cpu() / max(result.batches, 1)).float() for k, v_ in result.loss.items()}
         mine = {"stats": result.stats, "loss": loss, "images": result.images,
                 "matrix": v.confusion_matrix.matrix if plots else None}
@@ -237,12 +244,12 @@ class FastValidator:
         stats = v.metrics.results_dict
         v.metrics.clear_stats()
         if first:  # on the host, and as long as the detections are many: an untrained model's, at conf 0.001
-            self.log(f"validation: the metrics over {detections} detections in "
-                     f"{time.perf_counter() - metrics_started:.2f} s")
+            self.detail(f"validation: the metrics over {detections} detections in "
+                        f"{time.perf_counter() - metrics_started:.2f} s")
         v.speed = {"preprocess": 0.0, "inference": 1e3 * elapsed / max(result.images, 1), "loss": 0.0,
                    "postprocess": 0.0}
         v.finalize_metrics()
-        v.print_results()
+        print_table(v, per_class=per_class)
         if drawing is not None:
             if draw is None:
                 with PLOT_LOCK:  # matplotlib's pyplot is not thread-safe (plots.py)
@@ -257,6 +264,10 @@ class FastValidator:
         """The EMA's own loss items under autocast to the AMP dtype, whichever forward made `preds` (its BCE in fp32)."""
         with autocast_to(self.forward.device, self._amp_dtype):
             return model.loss(targets, preds)[1]
+
+    def print_table(self) -> None:
+        """Rank 0: the last validation's table again, with a row per class."""
+        print_table(self.validator, per_class=True)
 
     def validate_weights(self, weights: dict[str, torch.Tensor], ema, comm: Comm, **kwargs):
         """best.pt's EMA in the EMA's place, loaded in place (the captured graphs read the same tensors)."""

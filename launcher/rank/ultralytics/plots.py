@@ -1,6 +1,9 @@
 """Ultralytics' training plots, written by rank 0 into the run folder (`train.plots`, on by default).
 
 * labels.jpg: the training labels' classes, positions and sizes (`plot_labels`), at the start;
+* train_batch<N>.jpg: the run's first training batches (and the first ones after mosaic closes) with their boxes, as
+  Ultralytics' trainer plots them (plot_training_samples' plot_images), from host copies (`train_batch`, fed by
+  rank/train_batches.py);
 * results.png: the losses, metrics and learning rates of results.csv by epoch (`plot_results`), once, after the
   run's last epoch (as Ultralytics draws it), held with the final validation's plots (`later`);
 * the final validation's curves (PR, F1, P, R) and confusion matrices, and its first batches with labels and
@@ -46,6 +49,11 @@ class Plotter:
         if self.usable:
             self.later("results.png", _plot_results, csv, self.run_dir)
 
+    def train_batch(self, batch: dict, ni: int, copied=None) -> None:
+        """train_batch<ni>.jpg of `batch` (host tensors: img, cls, bboxes, batch_idx; im_file), drawn once `copied`
+        (an event behind their copy from the device, or None) has completed."""
+        self.now(f"train_batch{ni}.jpg", _plot_train_batch, batch, self.run_dir / f"train_batch{ni}.jpg", copied)
+
     def now(self, what: str, fn, *args) -> None:
         """`fn(*args)` in the plotter's thread under PLOT_LOCK, after what is queued; a failure is a warning."""
         self.pending = [f for f in self.pending if not f.done()]
@@ -88,3 +96,13 @@ def _plot_results(csv: Path, run_dir: Path) -> None:
     from ultralytics.utils.plotting import plot_results
 
     plot_results(file=csv, dir=run_dir)
+
+
+def _plot_train_batch(batch: dict, file: Path, copied) -> None:
+    from ultralytics.utils.plotting import plot_images
+
+    if copied is not None:
+        copied.synchronize()
+    labels = {k: batch[k] for k in ("cls", "bboxes", "batch_idx")}
+    labels["img"] = batch["img"].float()  # the network's input: [0, 1], perhaps half precision
+    plot_images(labels=labels, paths=batch["im_file"], fname=file, threaded=False)

@@ -6,6 +6,9 @@ reaches the network unless the user names an integration. A named one is switche
 shared settings file is left as it is), its callbacks module is imported from Ultralytics, and this hook calls its
 callbacks at the trainer events they expect, with a view of the run in the trainer's place: save_dir (the run
 folder, where TensorBoard writes its event file), args, data, model, epoch/epochs, tloss, lr, metrics, best/last.
+Each epoch's metrics carry ddp-launch's own figures beside Ultralytics' (metrics/epoch_figures.py: images/s, data
+wait, GPU utilisation, peak GPU memory, under "ddp_launch/"), so that every integration records them as it records
+the mAP.
 TensorBoard's callbacks are tested (tests/test_tracking.py); the others receive the same view, and a callback that
 reads something the view lacks is reported as a warning, never ending the run.
 
@@ -28,14 +31,16 @@ MODULES = {"tensorboard": "tensorboard", "wandb": "wb", "mlflow": "mlflow", "cle
 
 
 class Tracking(Hook):
-    """Rank 0: Ultralytics' integration callbacks, at the start, after each epoch (after validation and results.csv)
-    and at the end, once `plots_drawn()` has returned (the final validation's plots, drawn in a thread, are among
-    the files an integration uploads at the end)."""
+    """Rank 0: Ultralytics' integration callbacks, at the start, after each epoch (after validation and results.csv;
+    `figures()` adds ddp-launch's to the epoch's metrics) and at the end, once `plots_drawn()` has returned (the
+    final validation's plots, drawn in a thread, are among the files an integration uploads at the end)."""
 
-    def __init__(self, names: list[str], *, run_dir: Path, hyp, data: dict, net, lrs, log, plots_drawn=None):
+    def __init__(self, names: list[str], *, run_dir: Path, hyp, data: dict, net, lrs, log, plots_drawn=None,
+                 figures=None):
         from ultralytics.utils import SETTINGS
 
         self.log, self.lrs, self.plots_drawn = log, lrs, plots_drawn
+        self.figures = figures or dict  # the epoch's own figures, {name: value}
         self.callbacks: dict[str, list] = defaultdict(list)
         for name in names:
             dict.__setitem__(SETTINGS, name, True)  # this process only: JSONDict's own __setitem__ writes the file
@@ -66,7 +71,7 @@ class Tracking(Hook):
         state = loop.state
         self.view.epoch, self.view.tloss = state.epoch, dict(state.tloss or {})
         self.view.lr = self.lrs()
-        self.view.metrics = dict(state.metrics or {}) if state.validated else {}
+        self.view.metrics = {**(dict(state.metrics or {}) if state.validated else {}), **self.figures()}
         self._fire("on_train_epoch_end")
         self._fire("on_fit_epoch_end")
 

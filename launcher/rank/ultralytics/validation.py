@@ -12,11 +12,11 @@ from copy import copy
 from types import SimpleNamespace
 
 import torch
-from ultralytics.models.yolo.detect import DetectionValidator
 from ultralytics.utils import callbacks
 
 from launcher.rank.dist import Comm
 from launcher.rank.ultralytics.plots import PLOT_LOCK
+from launcher.rank.ultralytics.results_table import TableValidator, no_progress_bar, print_table
 
 
 def label_loss_items(loss_items: dict | None, prefix: str = "train") -> dict:
@@ -43,31 +43,36 @@ class Validator:
         hooks = callbacks.get_default_callbacks()
         if on_batch is not None:
             hooks["on_val_batch_end"].append(lambda _validator: on_batch())
-        self.validator = DetectionValidator(loader, save_dir=run_dir, args=copy(hyp), _callbacks=hooks)
+        self.validator = TableValidator(loader, save_dir=run_dir, args=copy(hyp), _callbacks=hooks)
 
     @property
     def metric_keys(self) -> list[str]:
         return list(self.validator.metrics.keys)
 
     def validate(self, ema, comm: Comm, *, device, data, amp: bool, loss_items: dict, epoch: int, epochs: int,
-                 plots: bool = False):
+                 plots: bool = False, per_class: bool = False):
         """`plots`: Ultralytics' validation plots (curves, confusion matrices, batches), drawn by rank 0, this time;
-        every rank must pass the same value."""
+        every rank must pass the same value. Rank 0 writes the table (results_table.py): with `per_class`, a row per
+        class too."""
         if comm.distributed:  # BaseTrainer.validate: rank 0's EMA buffers (BatchNorm statistics) on every rank
             comm.broadcast_from_rank0(list(ema.ema.buffers()))
         view = _TrainerView(device=device, data=data, amp=amp, ema=ema, loss_items=loss_items, epoch=epoch,
                             epochs=epochs, world_size=comm.world_size, plots=plots)
         # the same on every rank: with plots the validator also sums the confusion matrix over the ranks (a collective);
         # only rank 0 draws (Ultralytics checks RANK), so only rank 0 keeps the other plots waiting
-        self.validator.args.plots = plots
+        self.validator.args.plots, self.validator.per_class = plots, per_class
         try:
-            with PLOT_LOCK if plots and comm.rank == 0 else nullcontext():
+            with PLOT_LOCK if plots and comm.rank == 0 else nullcontext(), no_progress_bar():
                 metrics = self.validator(trainer=view)
         finally:
-            self.validator.args.plots = False
+            self.validator.args.plots, self.validator.per_class = False, False
         if metrics is None:
             return None, None
         return metrics, metrics.pop("fitness", None)
+
+    def print_table(self) -> None:
+        """Rank 0: the last validation's table again, with a row per class."""
+        print_table(self.validator, per_class=True)
 
     def validate_weights(self, weights: dict[str, torch.Tensor], ema, comm: Comm, **kwargs):
         """Validate other weights (best.pt's EMA at the end of a run) in the EMA's place: rank 0's `weights` (None on

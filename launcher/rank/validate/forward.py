@@ -35,11 +35,14 @@ def autocast_to(device: torch.device, dtype: torch.dtype | None):
 class InferenceForward:
     """`forward(img_uint8)` -> the model's eval output for those n images (tensors may hold more rows: slice [:n]).
     `amp_dtype`: autocast's type, None for none; `input_dtype`: the images' type, by default fp16 under fp16 autocast
-    (as Ultralytics' validator feeds them), else the model's own."""
+    (as Ultralytics' validator feeds them), else the model's own. `log` warns; `detail` (default `log`) takes the
+    diagnostics (each capture's time)."""
 
     def __init__(self, model: torch.nn.Module, device: torch.device, *, batch: int,
-                 amp_dtype: torch.dtype | None, graphs: bool, input_dtype: torch.dtype | None = None, log=print):
+                 amp_dtype: torch.dtype | None, graphs: bool, input_dtype: torch.dtype | None = None, log=print,
+                 detail=None):
         self.model, self.device, self.batch, self.amp_dtype, self.log = model, device, batch, amp_dtype, log
+        self.detail = detail or log
         if input_dtype is None:
             first = next(model.parameters(), None)
             own = first.dtype if first is not None and first.is_floating_point() else torch.float32
@@ -111,5 +114,5 @@ class InferenceForward:
         kept = tuple(getattr(head, name) for name in ("anchors", "strides") if isinstance(getattr(head, name, None),
                                                                                           torch.Tensor))
         self._captured[key] = (graph, static, tuple(leaves), spec, kept)
-        self.log(f"validation forward captured as a CUDA graph for batches of {rows} x {shape[0]}x{shape[1]} in "
-                 f"{time.perf_counter() - started:.2f} s")
+        self.detail(f"validation forward captured as a CUDA graph for batches of {rows} x {shape[0]}x{shape[1]} in "
+                    f"{time.perf_counter() - started:.2f} s")
