@@ -42,6 +42,16 @@ def test_a_refused_job_is_reported_and_the_sweep_goes_on_to_exit_with_the_worst_
     assert r.stdout.count("dry run: nothing started") == 1  # the job after the refused one ran
 
 
+def test_a_sweep_names_each_job_as_it_starts_and_ends_with_a_table_of_outcomes(tmp_path, cache_dir):
+    r = ddp_launch(["-m", "dry_run=true", "train.imgsz=65,64"], cwd=tmp_path)
+    (planned,) = job_folders(tmp_path)  # the refused job's folder is never written
+    assert f"==== sweep job 1 of 2: dry_run=True train.imgsz=65 -> {planned.parent}/0 ====" in r.stdout
+    assert f"==== sweep job 2 of 2: dry_run=True train.imgsz=64 -> {planned} ====" in r.stdout
+    table = r.stdout[r.stdout.index("sweep: 2 job(s)"):].splitlines()
+    assert table[1].split() == ["job", "outcome", "mAP50-95", "run", "folder", "overrides"]
+    assert table[2].split()[:4] == ["1", "refused", "(2)", "-"] and table[3].split()[:4] == ["2", "planned", "(0)", "-"]
+
+
 @pytest.mark.slow
 def test_a_sweep_trains_every_job_into_its_own_run_folder(tmp_path, cache_dir):
     r = ddp_launch(["-m", "train.epochs=1", "seed=1,2", *TINY_RUN], cwd=tmp_path)

@@ -172,6 +172,7 @@ def resolve_data(data_cfg: dict, base_dir: Path, *, generate: bool = True, cache
         return None, [Problem("data=custom needs data.path=/abs/path/to/data.yaml (an Ultralytics data YAML)")]
     yaml_path = Path(str(path)).expanduser()
     yaml_path = yaml_path if yaml_path.is_absolute() else base_dir / yaml_path
+    name = yaml_path.stem if name == "custom" else name  # data=coco8.yaml is "coco8" in every message
     shipped = ultralytics_files.dataset_yaml(str(path)) if "/" not in str(path) else None
     if not yaml_path.is_file() and shipped is not None and datasets_dir is not None:
         raw = yaml.safe_load(shipped.read_text()) or {}

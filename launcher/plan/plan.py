@@ -296,6 +296,7 @@ def _gpus(cfg: dict, hw: Hardware, problems: list[Problem]) -> tuple[int, str | 
     else:
         problems.append(Problem(f"device={device!r}: expected GPU indices (device=0 or device=0,1) or device=cpu"))
         return 0, None
+    device = ",".join(map(str, chosen)) or "cpu"  # as the user typed it (device=0,1), in the messages below
     if gpus not in ("auto", len(chosen)):
         problems.append(Problem(f"device={device} picks {len(chosen)} GPU(s) but gpus={gpus}: set one of them"))
     if (cfg.get("launcher") or {}).get("name") == "slurm" and chosen:
