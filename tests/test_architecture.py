@@ -1,5 +1,5 @@
-"""The tree is the architecture (README, "Architecture"): each room imports only what lies beneath it, there is no
-import cycle, one package talks to Ultralytics, and the launcher process never loads it."""
+"""The tree is the architecture (docs/how-it-works.md, "Architecture"): each room imports only what lies beneath it,
+there is no import cycle, one package talks to Ultralytics, and the launcher process never loads it."""
 
 from __future__ import annotations
 
