@@ -165,3 +165,22 @@ def test_a_run_typed_with_ultralytics_keys_trains_into_project_name(tmp_path, ca
     assert (cfg["train"]["epochs"], cfg["train"]["imgsz"], cfg["optim"]["base_lr"]) == (2, 64, 0.02)
     assert cfg["train"]["extra"]["mosaic"] == 0.5
     assert (run / "weights" / "best.pt").is_file()
+
+
+def test_data_takes_an_absolute_path_as_ultralytics_does(tmp_path, cache_dir):
+    root = tmp_path / "elsewhere" / "ds"
+    for split in ("train", "val"):
+        (root / "images" / split).mkdir(parents=True)
+        (root / "images" / split / "a.jpg").write_bytes(b"")
+    (root / "data.yaml").write_text("path: .\ntrain: images/train\nval: images/val\nnames: [thing]\n")
+    r = ddp_launch([f"data={root / 'data.yaml'}", "gpus=0", "dry_run=true"], cwd=tmp_path)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert f"data={root / 'data.yaml'} -> data=custom data.path='{root / 'data.yaml'}'" in r.stdout
+    assert f"data            data: {root}" in r.stdout
+
+
+def test_ddp_bench_refuses_a_global_batch_its_cells_would_split_differently(tmp_path, cache_dir):
+    r = ddp_launch(["batch=64", "gpus=0", "bench.sizes=[1,2]", "bench.modes=[ddp]", "dry_run=true"], cwd=tmp_path,
+                   tool="ddp-bench")
+    assert r.returncode == 2
+    assert "batch=64: ddp-bench compares its cells at one batch per device; set train.batch_per_device=N" in r.stderr

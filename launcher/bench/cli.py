@@ -55,6 +55,10 @@ def run_bench(cfg: dict, run_dir: Path, base_dir: Path, command: str) -> int:
         if b.get("earlier") is not None:
             problems.append("bench.earlier is for bench.kind=time_to_model (a throughput cell is measured in one "
                             "invocation); leave it out")
+        if cfg["train"].get("batch") is not None and max(b["sizes"], default=1) > 1:
+            problems.append(f"batch={cfg['train']['batch']}: ddp-bench compares its cells at one batch per device; set "
+                            "train.batch_per_device=N (batch is Ultralytics' global batch, split differently in each "
+                            "cell)")
         cells, cell_problems = plan_cells(list(b["sizes"]), list(b["modes"]), b["baseline"], hw.gpu_count,
                                           hw.cpu_count, on_gpu, None if problems else b.get("variants") or None)
         problems += cell_problems
