@@ -165,7 +165,7 @@ def test_an_empty_validation_folder_is_refused_and_a_dry_run_warns(dataset, tmp_
     out = io.StringIO()
     with redirect_stdout(out):
         assert launch({**cfg, "dry_run": True}, tmp_path / "dry", tmp_path) == 0
-    assert "WARNING: dataset 'custom': no images under" in out.getvalue()
+    assert "WARNING: dataset 'data': no images under" in out.getvalue()
 
 
 def test_a_split_with_no_usable_image_or_no_label_file_is_refused(tmp_path):
@@ -176,7 +176,7 @@ def test_a_split_with_no_usable_image_or_no_label_file_is_refused(tmp_path):
     data.write_text(yaml.safe_dump({"train": "images/train", "val": "images/val", "names": NAMES}))
     _, problems = resolve_data({"name": "custom", "path": str(data)}, tmp_path)
     assert [p.message for p in problems] == [
-        f"dataset 'custom': none of the 1 train images under {root}/images/train can be used "
+        f"dataset 'data': none of the 1 train images under {root}/images/train can be used "
         f"(1 {labels.UNIDENTIFIED}); fix or replace them"]
     (root / "images" / "train" / "random.jpg").write_bytes(_jpeg())
     shutil.rmtree(root / "labels" / "train")

@@ -238,7 +238,8 @@ def test_the_benchmark_on_the_cpu_reports_both_sides_and_parts_that_add_up(tmp_p
     sides = {s["name"]: s for s in report["sides"]}
     assert set(sides) == {"ultralytics", "ddp_launch", "ddp_launch-folded"}
     assert sides["ddp_launch-folded"]["command_line"][-1] == "val.fold_batchnorm=true"
-    logs = {name: (out / f"{name}-seed0" / "console.log").read_text() for name in ("ddp_launch", "ddp_launch-folded")}
+    logs = {name: (out / f"{name}-seed0" / "run" / "logs" / "rank0.log").read_text()
+            for name in ("ddp_launch", "ddp_launch-folded")}
     assert "BatchNorms folded" in logs["ddp_launch-folded"] and "BatchNorms folded" not in logs["ddp_launch"]
     assert report["variants"]["folded"]["vs_defaults"] > 0
     md = (out / "bench.md").read_text()

@@ -53,7 +53,7 @@ def _check_yaml(raw, source: str) -> list[str]:
 
 
 def _from_yaml(
-    name: str, yaml_path: Path, root: str | None, allow_download: bool, scan: dict
+    name: str, yaml_path: Path, root: str | None, allow_download: bool, scan: dict, *, user_yaml: bool = False
 ) -> tuple[DatasetInfo | None, list[Problem]]:
     source = str(yaml_path)
     try:
@@ -97,7 +97,7 @@ def _from_yaml(
         msg = (
             f"dataset '{name}' not found: {', '.join(missing)} does not exist. "
             f"Put the dataset there, or point to it with {where}"
-            + (" (or fix data.path)" if name == "custom" else "")
+            + (" (or fix data.path)" if user_yaml else "")
             + ". ddp-launch never downloads datasets"
         )
         if has_script:
@@ -180,4 +180,4 @@ def resolve_data(data_cfg: dict, base_dir: Path, *, generate: bool = True, cache
         return _from_yaml(name, shipped, root, allow, scan)
     if not yaml_path.is_file():
         return None, [Problem(f"data.path={path!r}: no such file ({yaml_path})", environment=True)]
-    return _from_yaml(name, yaml_path, data_cfg.get("root"), allow, scan)
+    return _from_yaml(name, yaml_path, data_cfg.get("root"), allow, scan, user_yaml=True)
