@@ -111,7 +111,7 @@ def test_verdicts_are_cached_by_size_and_mtime(dataset, tmp_path, monkeypatch):
     root, cache = dataset.parent, tmp_path / "cache"
     first = labels.check_split([str(root / "images" / "train")], len(NAMES), cache_dir=cache)
     calls = []
-    monkeypatch.setattr(labels, "check_pair", lambda *a: calls.append(a[0]) or (None, None))
+    monkeypatch.setattr(labels, "check_pair", lambda *a: calls.append(a[0]) or (None, None, 0))
     assert labels.check_split([str(root / "images" / "train")], len(NAMES), cache_dir=cache) == first
     assert calls == []  # nothing re-read
     (root / "labels" / "train" / "good00.txt").write_text("7 0.5 0.5 0.1 0.1\n")  # changed: checked again
@@ -218,3 +218,16 @@ def test_the_split_lists_the_files_ultralytics_lists(tmp_path):
 
     (root / "a" / "b" / "up").symlink_to(root / "a", target_is_directory=True)  # glob would go round it
     assert labels.list_images([str(root)]) == theirs
+
+
+def test_the_check_counts_the_most_boxes_a_usable_image_trains_on(tmp_path):
+    """The plan's most_boxes (what the captured step's target buckets are sized by) counts the boxes Ultralytics
+    keeps: duplicate rows once, and nothing of a dropped image however crowded."""
+    crowded = "".join(f"0 0.5 0.5 0.{i + 1} 0.1\n" for i in range(6))
+    _write(tmp_path, "train", "two.jpg", _jpeg(), GOOD)
+    _write(tmp_path, "train", "six.jpg", _jpeg(), crowded + crowded)  # 12 rows, 6 after duplicates go
+    _write(tmp_path, "train", "dropped.jpg", _jpeg(), crowded + "7 0.5 0.5 0.2 0.2\n")  # class 7 >= nc: dropped
+    check = labels.check_split([str(tmp_path / "images" / "train")], len(NAMES), cache_dir=tmp_path / "cache")
+    assert check.usable == 2 and check.to_dict()["most_boxes"] == 6
+    again = labels.check_split([str(tmp_path / "images" / "train")], len(NAMES), cache_dir=tmp_path / "cache")
+    assert again.most_boxes == 6  # read from the verdicts' cache

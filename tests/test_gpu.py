@@ -804,7 +804,7 @@ def test_the_step_profile_reads_the_loops_steps_on_the_gpus_timeline(tmp_path):
 
 def test_the_captured_whole_step_takes_the_eager_steps_and_never_waits_for_the_gpu():
     """train.graph_scope=auto on one GPU (rank/step/captured_step.py): forward, loss and backward replay as a CUDA
-    graph per target bucket (8 captured first, 16 when a batch first needs it) and the weights move as the eager
+    graph per target bucket (16 and 8, captured at set-up; 32 not: eager, named once) and the weights move as the eager
     step moves them, as far as cuDNN's own choices move two eager runs apart; the replayed steps never make the host
     wait (CUDA's sync debug mode)."""
     from ultralytics.utils.torch_utils import ModelEMA
@@ -829,11 +829,16 @@ def test_the_captured_whole_step_takes_the_eager_steps_and_never_waits_for_the_g
                 else TrainStep(model, model, **common))
         batches = [{**batch, MAX_TARGETS: 3}, {**batch, MAX_TARGETS: 3}, {**batch, MAX_TARGETS: 11}]
         if captured:
-            step.capture(batches[0])
+            lines = []
+            step.log = lines.append
+            assert step.capture_all(11, lambda n: {**batch, MAX_TARGETS: n}) == [16, 8]
         for b in batches:
             step(b)
         if captured:
-            assert sorted(step.graphs) == [8, 16] and all(step.graphs.values())
+            assert sorted(step.graphs) == [8, 16] and all(step.graphs.values()) and not lines
+            step({**batch, MAX_TARGETS: 20})
+            step({**batch, MAX_TARGETS: 30})
+            assert sorted(step.graphs) == [8, 16] and len(lines) == 1 and "32 target rows" in lines[0], lines
             torch.cuda.synchronize()
             torch.cuda.set_sync_debug_mode("error")
             try:

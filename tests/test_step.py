@@ -222,6 +222,23 @@ def test_the_captured_steps_body_takes_the_steps_the_eager_step_takes(amp_scaler
             torch.testing.assert_close(items_a[k], items_b[k], rtol=1e-5, atol=1e-6, msg=k)
 
 
+def test_the_buckets_captured_cover_the_most_crowded_image_mosaic_can_make():
+    """The captured step's buckets come from the data's most crowded image times the images mosaic (4), mixup (2)
+    and cutmix (2) put into one: a set of at most 120 boxes per image, mosaic on, needs 8 ... 512, largest first,
+    no more than the dense assigner takes; an unknown count takes every bucket up to that bound."""
+    from types import SimpleNamespace
+
+    from launcher.rank.step.captured_step import buckets, most_targets
+
+    hyp = SimpleNamespace(mosaic=1.0, mixup=0.0, cutmix=0.0)
+    assert most_targets(120, hyp) == 480 and most_targets(None, hyp) is None
+    assert most_targets(120, SimpleNamespace(mosaic=1.0, mixup=0.1, cutmix=0.5)) == 1920
+    assert most_targets(5, SimpleNamespace(mosaic=0.0, mixup=0.0, cutmix=0.0)) == 5
+    assert buckets(480, largest=10_000) == [512, 256, 128, 64, 32, 16, 8]
+    assert buckets(480, largest=100) == [64, 32, 16, 8]
+    assert buckets(3, largest=100) == [8] and buckets(None, largest=40) == [32, 16, 8]
+
+
 def test_bucket_is_the_next_power_of_two_from_eight():
     from launcher.rank.step.captured_step import bucket
 

@@ -30,7 +30,7 @@ import numpy as np
 
 # ultralytics/data/utils.py IMG_FORMATS (8.4.190): the suffixes its dataset lister keeps
 IMG_FORMATS = {"avif", "bmp", "dng", "heic", "heif", "jp2", "jpeg", "jpg", "mpo", "png", "tif", "tiff", "webp"}
-RULES = "ultralytics 8.4.190 verify_image_label, detect task; ddp-launch check 1"  # in the cache key
+RULES = "ultralytics 8.4.190 verify_image_label, detect task; ddp-launch check 2"  # in the cache key
 EXAMPLES = 3  # file names shown per reason
 THREADS = min(16, os.cpu_count() or 1)
 CHUNK = 256  # at most this many files per task of the check's thread pool
@@ -105,6 +105,7 @@ class SplitCheck:
     labels_found: int = 0
     dropped: dict[str, list[str]] = field(default_factory=dict)  # reason -> files
     kept: dict[str, list[str]] = field(default_factory=dict)  # worth knowing: background images, duplicates, ...
+    most_boxes: int = 0  # the most boxes in one usable image (what a batch's padded targets must hold)
 
     def to_dict(self) -> dict:
         """The split as the plan, summary.json and the final lines give it: counts, and the first files per reason."""
@@ -112,7 +113,7 @@ class SplitCheck:
             return {reason: {"count": len(files), "first": [Path(f).name for f in files[:EXAMPLES]]}
                     for reason, files in sorted(d.items(), key=lambda kv: -len(kv[1]))}
         return {"images": self.images, "usable": self.usable, "labels_found": self.labels_found,
-                "dropped": counted(self.dropped), "kept": counted(self.kept)}
+                "dropped": counted(self.dropped), "kept": counted(self.kept), "most_boxes": self.most_boxes}
 
 
 def describe(split: str, check: dict) -> list[str]:
@@ -130,26 +131,32 @@ def describe(split: str, check: dict) -> list[str]:
 
 
 # --- one image and its labels ---------------------------------------------------------------------------------------
-def check_pair(image: str, labels: str, nc: int, nkpt: int = 0, ndim: int = 0) -> tuple[str | None, str | None]:
-    """(why the pair is dropped or None, a note on a kept pair or None): Ultralytics' verify_image_label for the
-    detect task, without writing anything."""
+def check_pair(image: str, labels: str, nc: int, nkpt: int = 0,
+               ndim: int = 0) -> tuple[str | None, str | None, int]:
+    """(why the pair is dropped or None, a note on a kept pair or None, the boxes a kept pair trains on):
+    Ultralytics' verify_image_label for the detect task, without writing anything."""
+    reason, note, boxes = _verdict(image, labels, nc, nkpt, ndim)
+    return reason, note, 0 if reason else boxes
+
+
+def _verdict(image: str, labels: str, nc: int, nkpt: int, ndim: int) -> tuple[str | None, str | None, int]:
     try:
         note = _check_image(image)
     except _Dropped as e:
-        return str(e), None
+        return str(e), None, 0
     if not os.path.isfile(labels):
-        return None, note or BACKGROUND_MISSING
+        return None, note or BACKGROUND_MISSING, 0
     try:
         with open(labels, encoding="utf-8-sig") as f:
             rows = [x.split() for x in f.read().strip().splitlines() if x.strip()]
     except (OSError, UnicodeDecodeError) as e:
-        return f"unreadable label file ({type(e).__name__})", None
+        return f"unreadable label file ({type(e).__name__})", None, 0
     if nkpt:  # pose labels for a box task: the box is kept, the keypoints dropped
         rows = [x[:5] if len(x) == 5 + nkpt * ndim else x for x in rows]
     try:
         if any(len(x) > 6 for x in rows):  # polygons: their boxes
             if any(len(x) == 5 for x in rows):
-                return "labels mix segment and box rows", None
+                return "labels mix segment and box rows", None, 0
             classes = np.array([x[0] for x in rows], dtype=np.float32)
             boxes = []
             for x in rows:
@@ -160,22 +167,21 @@ def check_pair(image: str, labels: str, nc: int, nkpt: int = 0, ndim: int = 0) -
         else:
             lb = np.array(rows, dtype=np.float32)
     except ValueError:
-        return "label rows that are not numbers of one length", None
+        return "label rows that are not numbers of one length", None, 0
     if not len(lb):
-        return None, note or BACKGROUND_EMPTY
+        return None, note or BACKGROUND_EMPTY, 0
     if lb.ndim != 2 or lb.shape[1] != 5:
-        return "label rows that are not 5 numbers (class x y w h)", None
+        return "label rows that are not 5 numbers (class x y w h)", None, 0
     if not lb[:, 1:].max() <= 1.01:  # written as Ultralytics asserts it: a NaN fails too
-        return "label coordinates above 1 (not normalised to the image size)", None
+        return "label coordinates above 1 (not normalised to the image size)", None, 0
     if not (lb.min() >= 0 or (lb.min() >= -0.01 and lb[:, 3:5].min() >= 0)):
-        return "negative label values", None
+        return "negative label values", None, 0
     if not (lb[:, 0] % 1 == 0).all():
-        return "non-integer class ids", None
+        return "non-integer class ids", None, 0
     if not lb[:, 0].max() < nc:
-        return f"class id >= nc ({nc} classes: 0-{nc - 1})", None
-    if len(np.unique(lb, axis=0)) < len(lb):
-        return None, note or DUPLICATES
-    return None, note
+        return f"class id >= nc ({nc} classes: 0-{nc - 1})", None, 0
+    unique = len(np.unique(lb, axis=0))
+    return None, (note or DUPLICATES) if unique < len(lb) else note, unique
 
 
 class _Dropped(Exception):
@@ -270,7 +276,7 @@ def check_split(entries: list[str], nc: int, *, kpt_shape=None, cache_dir: Path 
         stamps[image] = stamp
         hit = cached.get(image)
         if hit is not None and hit[:4] == stamp:
-            return hit[4], hit[5]
+            return hit[4], hit[5], hit[6]
         return check_pair(image, labels, nc, nkpt, ndim)
 
     # in chunks: a future per file cost more than the file's stat on a repeated plan (the verdicts cached); enough of
@@ -280,12 +286,13 @@ def check_split(entries: list[str], nc: int, *, kpt_shape=None, cache_dir: Path 
     with ThreadPoolExecutor(THREADS) as pool:
         verdicts = [v for chunk in pool.map(lambda c: [verdict(im) for im in c], chunks) for v in chunk]
     result = SplitCheck(images=len(images))
-    for image, (dropped, note) in zip(images, verdicts):
+    for image, (dropped, note, boxes) in zip(images, verdicts):
         result.labels_found += stamps[image][2] >= 0
         if dropped:
             result.dropped.setdefault(dropped, []).append(image)
             continue
         result.usable += 1
+        result.most_boxes = max(result.most_boxes, boxes)
         if note:
             result.kept.setdefault(note, []).append(image)
     fresh = {im: stamps[im] + list(v) for im, v in zip(images, verdicts)}

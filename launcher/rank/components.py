@@ -44,7 +44,7 @@ from launcher.rank.lines import rank_lines
 from launcher.rank.prewarm import Prewarm
 from launcher.rank.state import Checkpointer, TrainState, upgrade
 from launcher.rank.step import auto_batch
-from launcher.rank.step.captured_step import CapturedStep, uses_captured_step
+from launcher.rank.step.captured_step import CapturedStep, most_targets, uses_captured_step
 from launcher.rank.step.graphed import GraphedDetector
 from launcher.rank.step.optimizer import Schedule, fused_optimizer
 from launcher.rank.step.train_step import TrainStep
@@ -288,20 +288,30 @@ class Rank:
             graphs = [plan.cuda_graphs]
             whole = self._captures_step(net)
 
+            targets = self._most_targets()
+
             def run_at(batch: int, validate: bool = False) -> None:
-                images = auto_batch.synthetic_batch(batch, int(self.hyp.imgsz), self.device, dtype=dtype,
-                                                    channels_last=channels_last, nc=int(self.data["nc"]))
+                def images(n: int = auto_batch.PROBE_TARGETS) -> dict:
+                    return auto_batch.synthetic_batch(batch, int(self.hyp.imgsz), self.device, dtype=dtype,
+                                                      channels_last=channels_last, nc=int(self.data["nc"]), targets=n)
+
                 try:
-                    if whole:  # the step the run takes: captured whole, its own gradients and graph pool
+                    if whole:  # the step the run takes: every bucket captured, its own gradients and graph pool
                         taken = CapturedStep(net, optimizer=step.optimizer, scaler=step.scaler, ema=step.ema,
                                              loss_scale=1.0, grad_clip=step.grad_clip, amp_dtype=self.amp_dtype,
                                              batch=batch, imgsz=int(self.hyp.imgsz),
-                                             triton_kernels=self._triton_kernels(), log=self.log)
-                        taken.capture(images)
+                                             triton_kernels=self._triton_kernels(), log=lambda _: None)
+                        captured = taken.capture_all(targets, images)
+                        torch.cuda.empty_cache()  # as the run's set-up does (_captured)
+                        batches = [images(captured[0])]
                     else:
                         step.model, taken = self._probe_graphs(net, batch, graphs), step
+                        batches = [images()]
+                    if targets is not None and targets > auto_batch.PROBE_TARGETS:
+                        batches.append(images(targets))  # the most crowded batch the data can make, eager if uncaptured
                     for _ in range(auto_batch.STEPS):
-                        taken(images)
+                        for one in batches:
+                            taken(one)
                     if validate:
                         self._probe_validation(net, frozen, batch)
                 finally:
@@ -452,9 +462,11 @@ class Rank:
                             grad_clip=float(optim.get("grad_clip", 10.0)), amp_dtype=self.amp_dtype,
                             batch=plan.micro_batch, imgsz=int(self.hyp.imgsz),
                             triton_kernels=self._triton_kernels(), log=self.log)
+        targets = self._most_targets()
         try:
-            step.capture(auto_batch.synthetic_batch(plan.micro_batch, int(self.hyp.imgsz), self.device, dtype=dtype,
-                                                    channels_last=channels_last, nc=int(self.data["nc"])))
+            captured = step.capture_all(targets, lambda n: auto_batch.synthetic_batch(
+                plan.micro_batch, int(self.hyp.imgsz), self.device, dtype=dtype, channels_last=channels_last,
+                nc=int(self.data["nc"]), targets=n))
         except Exception as e:  # noqa: BLE001 - a loss or network that syncs with the host inside the capture
             for p in self.net.parameters():
                 p.grad = None
@@ -463,10 +475,15 @@ class Rank:
                 raise RuntimeError(f"{failure}; capture the network only: train.graph_scope=network") from e
             self.log(f"WARNING: {failure}; capturing the network only")
             return None
-        torch.cuda.empty_cache()  # the warm-up's side-stream blocks (as _graphed)
+        torch.cuda.empty_cache()  # the warm-ups' side-stream blocks (as _graphed)
         self.detail(f"CUDA graphs: the whole step's forward, loss and backward captured for batches of "
-                    f"{plan.micro_batch} (a graph per padded target count, each captured when first needed)")
+                    f"{plan.micro_batch}, a graph per padded target count {sorted(captured)} (the data's images carry "
+                    f"at most {'an unknown number of' if targets is None else targets} targets)")
         return step
+
+    def _most_targets(self) -> int | None:
+        """The most targets one training image can carry (captured_step.most_targets), from the plan's data check."""
+        return most_targets((self.plan.images.get("train") or {}).get("most_boxes"), self.hyp)
 
     def _graphed(self) -> nn.Module | None:
         """The network with its training forward and backward captured as CUDA graphs (graphed.py), in train mode;

@@ -3,9 +3,10 @@
 Ultralytics' autobatch (its `batch=-1`) profiles a forward and backward pass at a few batch sizes, fits memory =
 a + b x batch and solves for the fraction of the GPU's memory. Here the measured thing is the training step as the
 run takes it (components.py builds it: the network with channels_last, AMP, the CUDA graphs captured for that batch,
-the sync-free loss, the fused optimizer's step, the EMA), on synthetic batches of the real image size with
-PROBE_TARGETS targets per image; memory is the allocator's peak reserved bytes (what it takes from the GPU, so what
-an out-of-memory error sees). The fit's answer is rounded down to the allowed sizes (plan.py, _auto_batch_rule:
+the sync-free loss, the fused optimizer's step, the EMA), on synthetic batches of the real image size: every target
+bucket the run will capture, captured as its set-up captures them (captured_step.buckets), and a step at the most
+targets one image of the data can carry after mosaic (eager where no graph takes it); memory is the allocator's peak
+reserved bytes (what it takes from the GPU, so what an out-of-memory error sees). The fit's answer is rounded down to the allowed sizes (plan.py, _auto_batch_rule:
 multiples of 8, dividing train.global_batch's share, at most a rank's share of the data) and then VERIFIED with real
 steps; a size that runs out of memory or over the limit backs off to the next allowed size down.
 
@@ -38,7 +39,7 @@ from launcher.rank.data.pipeline import MAX_TARGETS, TARGETS_PER_IMAGE
 
 PROFILE = (8, 16, 32, 64)  # the sizes fitted (those the rule allows), smallest first; stops at the first that fails
 MAX_VERIFY = 8  # verified sizes below the fit's answer before settling for the largest profiled one that fitted
-PROBE_TARGETS = 16  # targets per synthetic image (COCO averages 7; the batch's most crowded image pads the loss)
+PROBE_TARGETS = 16  # targets per synthetic image where the data's most crowded image is not known to be fuller
 STEPS = 2  # steps per measured size: the first allocates what the step keeps (workspaces, the loss's grid cache)
 MiB, GiB = 2**20, 2**30
 

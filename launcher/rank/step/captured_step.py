@@ -5,8 +5,11 @@ launching the eager loss, its backward and an AccumulateGrad per parameter, and 
 (docs/benchmarks/README.md, section 6). Here the network's forward, the sync-free loss and the backward pass replay
 as one graph. Its shapes must not change, so the targets are padded to a bucket: the next power of two at or above
 the batch's largest per-image count (at least MIN_BUCKET). Zero rows change no value of the loss
-(DetectionLoss.padded_targets). One graph per bucket, captured on the first batch that needs it, after two eager
-warm-up passes on a side stream; all of them share one memory pool.
+(DetectionLoss.padded_targets). One graph per bucket the data can need (`buckets`: up to its most crowded image
+times what mosaic, mixup and cutmix combine), all captured at set-up, largest first, each after two eager warm-up
+passes on a side stream, into one memory pool: a smaller graph reuses the blocks the larger one freed, so the pool
+holds about the largest graph's memory, and nothing is captured mid-run (a capture's warm-ups would grow what the
+run holds past what train.batch_per_device=auto measured). The probe captures the same buckets (auto_batch.py).
 
 The graph writes the gradients into tensors of its own, which are the parameters' `.grad` for the whole run: the
 optimizer, the gradient clip and the GradScaler read them there, and no step zeroes them (each replay overwrites
@@ -16,8 +19,9 @@ launches, and the learning rate and momentum they read change every step of the 
 With `triton_kernels` (set where its kernels compiled: rank/components.py) the graphs run the neck's upsampling
 and the blocks' channel concatenations on Triton kernels (triton_modules.py).
 
-A batch of another shape (multi-scale, a short batch) or whose bucket would leave the dense assigner (DENSE_LIMIT)
-runs the same code eagerly. On the CPU everything runs eagerly: the same step, testable in CI.
+A batch of another shape (multi-scale, a short batch), whose bucket would leave the dense assigner (DENSE_LIMIT) or
+was not captured (more targets than the data was planned to give) runs the same code eagerly, the last with a line
+in the log. On the CPU everything runs eagerly: the same step, testable in CI.
 
 Where it applies (`uses_captured_step`): one process on one GPU (with DDP the loss's global normaliser and the
 gradients' all-reduce would be collectives inside the graph), train.accumulate=1, and the sync-free YOLO detection
@@ -47,6 +51,25 @@ CAPTURE_MODE = "thread_local"
 def bucket(max_targets: int) -> int:
     """The padded per-image target count for a batch whose fullest image has `max_targets`."""
     return max(MIN_BUCKET, 1 << max(int(max_targets) - 1, 0).bit_length())
+
+
+def most_targets(most_boxes: int | None, hyp) -> int | None:
+    """The most targets one training image can carry: the data's most crowded image (inputs/labels.py) times the
+    images mosaic (4), mixup (2) and cutmix (2) combine where they are on; None where the data's count is unknown."""
+    if most_boxes is None:
+        return None
+    def on(key: str) -> bool:
+        return float(getattr(hyp, key, 0) or 0) > 0
+
+    return int(most_boxes) * (4 if on("mosaic") else 1) * (2 if on("mixup") else 1) * (2 if on("cutmix") else 1)
+
+
+def buckets(targets: int | None, largest: int) -> list[int]:
+    """The buckets a run whose images carry at most `targets` needs captured, largest first: MIN_BUCKET up to
+    bucket(targets), at most `largest` (beyond it the step runs eagerly); every bucket up to `largest` where
+    `targets` is unknown."""
+    top = min(bucket(targets), largest) if targets is not None else largest
+    return [b for b in (MIN_BUCKET << i for i in range(32)) if b <= top][::-1]
 
 
 def uses_captured_step(net: nn.Module, *, device: torch.device, world_size: int, accumulate: int) -> str | None:
@@ -84,6 +107,7 @@ class CapturedStep:
         for p, g in zip(self.params, self.grads):
             p.grad = g
         self.graphs: dict[int, _Graph | None] = {}  # bucket -> its graph; None: its capture failed, eager
+        self.told: set[int] = set()  # buckets whose eager steps the log has named
         self.pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
         self.keys: list[str] | None = None  # the loss items' names
         self.loss = self.loss_items = None
@@ -91,7 +115,7 @@ class CapturedStep:
     def __call__(self, batch: dict) -> None:
         n = bucket(_max_targets(batch))
         img, targets = batch["img"], self.net.criterion.padded_targets(batch, n)
-        graph = self._graph(n, img, targets) if self._capturable(img, n) else None
+        graph = self._graph(n) if self._capturable(img, n) else None
         out = graph.replay(img, targets) if graph is not None else self._body(img, targets, n)
         self.loss, self.loss_items = out[0], dict(zip(self.keys, out[1:]))
         self.scaler.unscale_(self.optimizer)
@@ -109,18 +133,25 @@ class CapturedStep:
             raise ValueError(f"a batch of shape {tuple(img.shape)} with {n} target rows is not captured")
         self.graphs[n] = _Graph(self, img, targets, n)
 
+    def capture_all(self, targets: int | None, make_batch: Callable[[int], dict]) -> list[int]:
+        """Capture every bucket that images of at most `targets` targets need (`buckets`), largest first, each on
+        `make_batch(bucket)` (a batch whose fullest image has that many); the buckets captured. The warm-ups' blocks
+        stay cached until the caller empties the cache."""
+        wanted = buckets(targets, self.largest_bucket)
+        for n in wanted:
+            self.capture(make_batch(n))
+        return wanted
+
     def _capturable(self, img: torch.Tensor, n: int) -> bool:
         return self.pool is not None and tuple(img.shape) == self.shape and n <= self.largest_bucket
 
-    def _graph(self, n: int, img: torch.Tensor, targets: torch.Tensor):
-        if n not in self.graphs:
-            try:
-                self.graphs[n] = _Graph(self, img, targets, n)
-            except Exception as e:  # noqa: BLE001 - the first bucket was captured at set-up; this one trains eagerly
-                self.log(f"WARNING: CUDA graph capture for {n} target rows per image failed ({type(e).__name__}: {e});"
-                         " those batches train eagerly")
-                self.graphs[n] = None
-        return self.graphs[n]
+    def _graph(self, n: int):
+        """The bucket's graph; None (the step eager) for a bucket not captured at set-up, named once in the log."""
+        if n not in self.graphs and n not in self.told:
+            self.told.add(n)
+            self.log(f"a batch with more than {max(self.graphs, default=0)} targets in one image: batches padded to "
+                     f"{n} target rows train without a CUDA graph (slower)")
+        return self.graphs.get(n)
 
     def _body(self, img: torch.Tensor, targets: torch.Tensor, n: int) -> torch.Tensor:
         """Forward, loss and backward into self.grads; (loss, *loss items) as one tensor. What the graph holds."""
