@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from launcher.inputs import ultralytics_files
+from launcher.inputs.model_task import task_problem
 
 MISSING = "???"  # OmegaConf's mandatory value, as a resolved config carries it when nobody set it
 
@@ -67,6 +68,10 @@ def resolve_model(model_cfg: dict, base_dir: Path, weight_dirs: list[Path] = ())
     cfg_out = _architecture(str(cfg), base_dir, problems) if cfg is not None else None
     weights_out, download = (_weights(str(weights), base_dir, list(weight_dirs), bool(model_cfg.get("allow_download")),
                                       problems) if weights is not None else (None, None))
+    if cfg_out is not None and (other_task := task_problem(cfg_out, f"model.cfg={cfg}")):
+        problems.append(other_task)
+    if weights_out is not None and cfg_out is None and (other_task := task_problem(weights_out, f"model={weights}")):
+        problems.append(other_task)  # by its name here; by the architecture it holds once opened (start.py)
     if problems:
         return None, problems
     return ModelSpec(name=name, cfg=cfg_out, weights=weights_out, download=download), []

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from launcher.inputs import ultralytics_files
 from launcher.inputs.data import resolve_data
+from launcher.inputs.model_task import task_problem
 from launcher.inputs.models import resolve_model
 from launcher.launch import environments, starting_weights
 from launcher.launch.logs import say
@@ -56,6 +57,8 @@ def start(cfg: dict, run_dir: Path, base_dir: Path, on_plan=None, translated: li
     if model is not None and data is not None:
         model, weights_problems = starting_weights.check(model, data, _cache(cfg))
         data_problems += weights_problems
+        other_task = task_problem(model.arch, f"model.weights={model.weights}") if not model.cfg else None
+        data_problems += [Problem(other_task)] if other_task else []
     plan, problems = make_plan(cfg, hw, data, port_is_free=port_is_free)
     errors, warnings = check_plan(problems + config_problems(model_msgs) + data_problems, dry_run=dry_run)
 

@@ -1,0 +1,50 @@
+"""Models of another task than detection (segment, pose, obb, classify) are refused in the plan, before anything
+starts, by their YAML's head or their checkpoint's name: ddp-launch trains detectors, and a -seg model trained on
+its box losses alone would look trained."""
+
+from __future__ import annotations
+
+import pytest
+
+from launcher.inputs.model_task import model_task
+from launcher.inputs.models import resolve_model
+
+
+@pytest.mark.parametrize("cfg, task", [("yolov8n-seg.yaml", "segmentation"), ("yolo11n-pose.yaml", "pose"),
+                                       ("yolo11s-obb.yaml", "rotated-box (obb)"), ("yolo11n-cls.yaml", "classification")])
+def test_a_model_of_another_task_is_refused_with_what_to_use(cfg, task):
+    spec, problems = resolve_model({"name": "custom", "cfg": cfg}, base_dir=".")
+    assert spec is None and len(problems) == 1
+    assert f"is a {task} model" in problems[0] and "model=yolo11n.pt" in problems[0] and "yolo " in problems[0]
+
+
+def test_detection_models_and_their_own_yaml_pass(tmp_path):
+    for cfg in ("yolov8s.yaml", "yolo11n.yaml", "yolo26n.yaml"):
+        spec, problems = resolve_model({"name": "custom", "cfg": cfg}, base_dir=tmp_path)
+        assert spec is not None and not problems, problems
+    own = tmp_path / "mine.yaml"  # a user's YAML: its head decides, not its name
+    own.write_text("nc: 3\nbackbone: [[-1, 1, Conv, [16, 3, 2]]]\nhead: [[[0], 1, Segment, [3, 32, 64]]]\n")
+    spec, problems = resolve_model({"name": "custom", "cfg": str(own)}, base_dir=tmp_path)
+    assert spec is None and "mine.yaml is a segmentation model" in problems[0]
+    assert model_task("yolov8n-seg.yaml") == "segment" and model_task("yolov8n.yaml") == "detect"
+
+
+def test_a_checkpoint_named_for_another_task_is_refused(tmp_path):
+    (tmp_path / "yolov8n-seg.pt").write_bytes(b"")
+    spec, problems = resolve_model({"name": "custom", "weights": "yolov8n-seg.pt"}, base_dir=tmp_path)
+    assert spec is None and "yolov8n-seg.pt is a segmentation model" in problems[0]
+
+
+def test_a_checkpoint_of_another_task_is_refused_by_what_it_holds(tmp_path, cache_dir):
+    """A segmentation checkpoint renamed best.pt: the plan opens it (launch/starting_weights.py) and refuses it by its
+    architecture, before any process starts."""
+    import torch
+    from ultralytics.nn.tasks import SegmentationModel
+
+    from tests.conftest import ddp_launch
+
+    torch.save({"model": SegmentationModel("yolov8n-seg.yaml", nc=3, verbose=False).half(), "ema": None,
+                "train_args": {}, "epoch": -1}, tmp_path / "best.pt")
+    r = ddp_launch(["model=best.pt", "gpus=0", "dry_run=true"], cwd=tmp_path)
+    assert r.returncode != 0 and "is a segmentation model" in r.stdout + r.stderr, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "Traceback" not in r.stdout + r.stderr
