@@ -25,7 +25,7 @@ INTEGRATIONS = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflo
 GPU_INPUT_BELOW_CORES = 12  # loader.augment_on=auto: the GPU input for ranks with fewer cores (see augment_on)
 GPU_INPUT_FROM_IMGSZ = 512  # ... and at image sizes from this one up, whatever the cores (see augment_on)
 GPU_INPUT_UNSUPPORTED = ("copy_paste",)  # Ultralytics strengths the GPU pipeline does not do (it needs polygons)
-# (rank/data/gpu_augment.py refuses them too, from this tuple)
+# (rank/data/augment_settings.py refuses them too, from this tuple)
 OPTIMIZERS = ("sgd", "adamw")
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs", "max-autotune")  # torch.compile's
 FUSED_VALUES = ("auto", True, False)
