@@ -1,4 +1,4 @@
-"""`ddp-env`: print the environment report (machine/report.py), the same one every run writes as env.txt.
+"""`ddp-env`: print the environment report (machine/environment_report.py), the same one every run writes as env.txt.
 
 Paste it into a bug report: library versions, GPUs and their links, cores, memory, /dev/shm, SLURM.
 `ddp-env --clear-cache` deletes this user's shared image caches (train.cache=shared) that no run is using.
@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from launcher.machine.report import report
+from launcher.machine.environment_report import report
 from launcher.plan.environment import default_cache
 
 

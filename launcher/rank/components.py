@@ -27,7 +27,7 @@ import time
 import torch
 from torch import nn
 
-from launcher.machine.report import report as environment_report
+from launcher.machine.environment_report import report as environment_report
 from launcher.plan.plan import LaunchPlan
 from launcher.rank import batch_probe, checkpoint_io, kernels, step_build, training_input, validation_build
 from launcher.rank.data.pipeline import TrainInputs, to_device
