@@ -114,7 +114,7 @@ def _summary(code: int, folder: Path) -> dict:
 
 def bench(overrides: list[str] | None = None, *, run_dir: str | Path | None = None, **keywords) -> dict | None:
     """Run ddp-bench's cells, as `ddp-bench OVERRIDES` does. Returns bench.json as a dict (None for a dry run)."""
-    from launcher.bench.cli import run_bench
+    from launcher.bench.ddp_bench import run_bench
 
     overrides = _overrides(overrides, keywords)
     cfg, folder, _ = _compose("bench", overrides, run_dir)

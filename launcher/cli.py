@@ -78,7 +78,7 @@ def main() -> None:
     os.environ[LAUNCH_STARTED] = repr(STARTED)  # torchrun and the ranks inherit it
     argv = sys.argv[1:]
     if "--version" in argv:
-        from launcher.machine.report import version_lines
+        from launcher.machine.environment_report import version_lines
 
         print("\n".join(version_lines()))
         return

@@ -1,4 +1,4 @@
-"""A test helper: Ultralytics' own `load_image` as gpu_augment.RawBatches (BGR pixels and pixel boxes), so that the
+"""A test helper: Ultralytics' own `load_image` as raw_batch.RawBatches (BGR pixels and pixel boxes), so that the
 device augmentation can be compared draw for draw with Ultralytics' pipeline on the very images it loads. (The rank's
 GPU input pipeline reads file bytes instead: rank/data/encoded.py and gpu_input.py.)
 
@@ -29,7 +29,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from launcher.rank.data.gpu_augment import RawBatch
+from launcher.rank.data.raw_batch import RawBatch
 from launcher.rank.data.warp import BORDER
 from launcher.rank.data.sampler import sample_seed
 

@@ -10,7 +10,7 @@ import yaml
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from launcher.bench.cli import run_bench
+from launcher.bench.ddp_bench import run_bench
 from launcher.launch.start import start as launch
 from launcher.problems import PlanError
 from tests.conftest import CONF, compose_config

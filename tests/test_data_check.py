@@ -132,7 +132,7 @@ def test_the_plan_shows_the_counts_and_reasons_and_summary_json_holds_them(datas
     from launcher.inputs.data import resolve_data
     from launcher.machine.hardware import Hardware
     from launcher.plan.plan import make_plan
-    from launcher.rank.metrics.report import summary
+    from launcher.rank.metrics.run_summary import summary
 
     data, _ = resolve_data(cfg["data"], tmp_path)
     plan, _ = make_plan(cfg, Hardware(gpus=(), cpu_count=2), data)

@@ -7,7 +7,7 @@ import shlex
 import pytest
 
 from launcher.machine.hardware import Gpu, Hardware
-from launcher.machine.report import report
+from launcher.machine.environment_report import report
 from tests.conftest import ddp_launch
 from tests.test_readme import readme_commands
 

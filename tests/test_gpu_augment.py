@@ -17,8 +17,10 @@ import pytest
 import torch
 
 from launcher.inputs import shapes
-from launcher.rank.data.gpu_augment import GpuAugment, RawBatch, box_candidates
+from launcher.rank.data.augment_boxes import box_candidates
+from launcher.rank.data.gpu_augment import GpuAugment
 from launcher.rank.data.pipeline import MAX_TARGETS, TARGETS_PER_IMAGE
+from launcher.rank.data.raw_batch import RawBatch
 from launcher.rank.data.warp import hsv_shift
 from tests.raw_batches import RawTrainDataset
 

@@ -25,8 +25,9 @@ import torch
 from ultralytics.cfg import get_cfg
 from ultralytics.data.dataset import YOLODataset
 
-from launcher.rank.data import image_cache
-from launcher.rank.data.image_cache import CacheError, ImageCache, remove_unused
+from launcher.rank.data import image_cache, image_cache_folders
+from launcher.rank.data.image_cache import CacheError, ImageCache
+from launcher.rank.data.image_cache_folders import remove_unused
 from launcher.rank.ultralytics import datasets
 from launcher.rank.ultralytics.datasets import attach_cache, load_resized
 from launcher.rank.ultralytics.datasets import ensure_split_cache as ensure_cache
@@ -153,10 +154,10 @@ def test_attach_refuses_a_dataset_it_cannot_serve(small, tmp_path):
 
 
 def test_caches_go_to_dev_shm_first_then_to_disk(tmp_path):
-    dirs = image_cache.default_dirs(tmp_path)
+    dirs = image_cache_folders.default_dirs(tmp_path)
     assert dirs[-1] == tmp_path
     if Path("/dev/shm").is_dir():
-        assert dirs[0] == Path(f"/dev/shm/ddp-launch-{os.getuid()}") and image_cache._in_ram(Path("/dev/shm"))
+        assert dirs[0] == Path(f"/dev/shm/ddp-launch-{os.getuid()}") and image_cache_folders.in_ram(Path("/dev/shm"))
 
 
 def test_a_changed_dataset_or_imgsz_gets_its_own_cache(small, tmp_path):
@@ -356,12 +357,12 @@ def test_a_failed_build_leaves_no_file(small, tmp_path, monkeypatch):
 def test_no_room_falls_back_to_disk_then_fails_before_writing(small, tmp_path, monkeypatch):
     shm, disk = tmp_path / "shm", tmp_path / "disk"
     logs: list[str] = []
-    monkeypatch.setattr(image_cache, "_room", lambda d: 0 if d == shm else 2**40)
+    monkeypatch.setattr(image_cache_folders, "room", lambda d: 0 if d == shm else 2**40)
     first = build(small, [shm, disk], log=logs.append)
     assert first.path.parent == disk
     assert any(f"{shm} has room for 0.0 MiB" in line for line in logs)
 
-    monkeypatch.setattr(image_cache, "_room", lambda d: 0)
+    monkeypatch.setattr(image_cache_folders, "room", lambda d: 0)
     with pytest.raises(CacheError, match="no room for an image cache"):
         build(small, [shm, disk], imgsz=96)
     assert cache_files(shm, disk) == [first.path.name]
@@ -373,7 +374,7 @@ def test_unused_caches_are_removed_to_make_room(small, tmp_path, monkeypatch):
     gc.collect()
     logs: list[str] = []
     # room only when no other cache but the held one is left
-    monkeypatch.setattr(image_cache, "_room", lambda d: 2**40 if len(list(d.glob("images-*.bin"))) <= 1 else 0)
+    monkeypatch.setattr(image_cache_folders, "room", lambda d: 2**40 if len(list(d.glob("images-*.bin"))) <= 1 else 0)
     new = build(small, [tmp_path], imgsz=128, log=logs.append)
     assert any("removed the unused cache" in line and "96px" in line for line in logs)
     assert cache_files(tmp_path) == sorted([held.path.name, new.path.name])
@@ -415,14 +416,12 @@ def test_the_cache_pickles_as_its_path(small, tmp_path):
 
 def test_cache_files_are_the_users_alone_and_ddp_env_clears_the_unused_ones(small, tmp_path, monkeypatch, capsys):
     from launcher import env
-    from launcher.rank.data import image_cache
-
     dirs = [tmp_path / "shm" / "ddp-launch-test", tmp_path / "disk"]
     held = build(small, dirs)
     assert held.path.stat().st_mode & 0o777 == 0o600 and dirs[0].stat().st_mode & 0o777 == 0o700
     unused = build(small, dirs, imgsz=32).path
     gc.collect()  # its map closed: nobody holds it
-    monkeypatch.setattr(image_cache, "default_dirs", lambda disk: dirs)
+    monkeypatch.setattr(image_cache_folders, "default_dirs", lambda disk: dirs)
     env.main(["--clear-cache", "--cache", str(tmp_path)])
     out = capsys.readouterr().out
     assert not unused.exists() and held.path.exists()  # a mapped cache is in use: kept

@@ -182,7 +182,7 @@ def test_the_ultralytics_callbacks_stamp_its_epochs_and_the_end_after_final_eval
     import torch
 
     from launcher.rank.metrics.meter import StepMeter
-    from launcher.rank.ultralytics.time_to_model import Stamps
+    from launcher.rank.ultralytics.time_to_model_ultralytics import Stamps
 
     clock = iter(range(100, 200)).__next__
     stamps = Stamps(StepMeter(torch.device("cpu"), skip_steps=0), clock=lambda: float(clock()))

@@ -4,7 +4,7 @@ trainer against ddp-launch's defaults, and where each side's time went.
 Both sides run one after the other in this invocation, per seed of `bench.seeds` (the side that goes first alternates
 from seed to seed), on the same data YAML, model, image size, epochs, batch, optimizer (SGD), lr0 (optim.base_lr),
 close_mosaic and seed, validating after every epoch; every other setting is each side's own default:
-- ultralytics: `YOLO(model).train(...)` in a fresh process (rank/ultralytics/time_to_model.py), bench.baseline_workers
+- ultralytics: `YOLO(model).train(...)` in a fresh process (rank/ultralytics/time_to_model_ultralytics.py), bench.baseline_workers
   workers, no cache, AMP, its rectangular validation;
 - ddp_launch: the `ddp-launch` command itself, on one GPU (or one CPU process with gpus=0), train.val_interval=1;
 - ddp_launch-NAME, for each of `bench.variants` ({NAME: [key=value, ...]}): the same command with those overrides
@@ -48,7 +48,7 @@ from launcher.launch.ultralytics_home import prepare_ultralytics_home
 from launcher.plan.environment import offline_environment
 from launcher.problems import PlanError, config_problems
 
-ULTRALYTICS_MODULE = "launcher.rank.ultralytics.time_to_model"
+ULTRALYTICS_MODULE = "launcher.rank.ultralytics.time_to_model_ultralytics"
 
 # What each side's start-up is made of: the stamps from the command to the first step, in order, and what lies
 # between the one before and each (a missing stamp merges into the next).

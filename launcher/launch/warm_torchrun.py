@@ -18,15 +18,7 @@ bytecode folder above all, without which torch's import compiles it again, secon
 the warm torchrun starts with the values the plan will likely set (`startup_environment`), and where the plan's
 differ a fresh torchrun is started instead.
 
-On by default; DDP_LAUNCH_WARM_START=0 starts torchrun once the plan is made, as a plain subprocess. It was opt-in
-from 2026-12-01 until 2026-12-05 because the tests of the launcher's signal paths failed now and then with it on:
-in CI twice in three runs, each time another test, and on 2026-12-03 the SIGHUP and the SIGTERM tests once each in
-the first three runs of the four signal tests on a loaded 2-core machine (output not kept). One cause was found:
-the tests' check that nothing of a run was left matched no process, so the SIGKILL test read the logs before the
-ranks had written them (fixed 2026-12-01); the others were never reproduced. With it on, none failed in the runs
-since: 24 on 2026-12-03, 6 rounds of the four and a clean-clone CI in the sixteenth session, 7 rounds of the four
-and the two-launches test in the seventeenth (3 of them beside two busy loops, both cores taken, output kept) and
-its clean-clone CI runs. Those tests now print each rank's log and what still runs when they fail.
+On by default; DDP_LAUNCH_WARM_START=0 starts torchrun once the plan is made, as a plain subprocess.
 """
 
 from __future__ import annotations

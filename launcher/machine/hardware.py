@@ -163,8 +163,8 @@ def bytecode_kept(module: str = "torch", writable=os.access) -> bool:
     """Whether a fresh interpreter that imports `module` reads its compiled bytecode, or will from the next one on:
     False where the install holds none for this Python and none will be written next to it (PYTHONDONTWRITEBYTECODE
     or -B, or folders that cannot be written: a read-only image, an environment built without bytecode), so that
-    every process compiles thousands of modules from source again (about 7 s for torch, Dynamo and Ultralytics on
-    the H200 machine). True where the user keeps bytecode elsewhere already (PYTHONPYCACHEPREFIX) and where the
+    every process compiles thousands of modules from source again (seconds for torch, Dynamo and Ultralytics).
+    True where the user keeps bytecode elsewhere already (PYTHONPYCACHEPREFIX) and where the
     module is not installed. Looks at the files only: no import."""
     if sys.pycache_prefix or os.environ.get("PYTHONPYCACHEPREFIX"):
         return True

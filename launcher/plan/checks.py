@@ -25,7 +25,7 @@ INTEGRATIONS = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflo
 GPU_INPUT_BELOW_CORES = 12  # loader.augment_on=auto: the GPU input for ranks with fewer cores (see augment_on)
 GPU_INPUT_FROM_IMGSZ = 512  # ... and at image sizes from this one up, whatever the cores (see augment_on)
 GPU_INPUT_UNSUPPORTED = ("copy_paste",)  # Ultralytics strengths the GPU pipeline does not do (it needs polygons)
-# (rank/data/gpu_augment.py refuses them too, from this tuple)
+# (rank/data/augment_settings.py refuses them too, from this tuple)
 OPTIMIZERS = ("sgd", "adamw")
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs", "max-autotune")  # torch.compile's
 FUSED_VALUES = ("auto", True, False)
@@ -94,12 +94,10 @@ def augment_on(loader: dict, train: dict, device: str, cores_per_rank: int) -> t
     read file bytes, the GPU decodes and augments), and a note when `auto` chose the GPU input or was kept from it.
 
     `auto` (the default) takes the GPU input on a CUDA rank with fewer than GPU_INPUT_BELOW_CORES cores, or at an
-    image size of GPU_INPUT_FROM_IMGSZ or more. Measured on an H200 (docs/benchmarks/README.md, sections 6 and 8):
-    with 4 cores the CPU pipeline fed yolov8s 126 images/s against 1,102 for the GPU input; with 16 cores at 640 px
-    the GPU input was ahead on both datasets measured (1,160 against 1,079 on the 4,096 textured images; 1,201
-    against 906, the CPU pipeline waiting 33 % of the time, on 8,000 photo-like ones of 125 kB), and at 320 px the
-    CPU pipeline was faster (2,125 against 1,336: the GPU input's host work shares the training process's
-    interpreter). `gpu` on a CPU run runs the same tensor maths on the CPU (slow; how CI tests it)."""
+    image size of GPU_INPUT_FROM_IMGSZ or more: with few cores the CPU pipeline starves the GPU, at 640 px the GPU
+    input is ahead, at small images the CPU pipeline is (the GPU input's host work shares the training process's
+    interpreter); the figures are in docs/benchmarks/README.md, sections 6 and 8. `gpu` on a CPU run runs the same
+    tensor maths on the CPU (slow; how CI tests it)."""
     value = loader.get("augment_on", "auto")
     if value in ("cpu", "gpu"):
         return value, None
@@ -157,7 +155,7 @@ def val_engine(val: dict, train: dict) -> str:
     return value
 
 
-VAL_BATCH_MOST = 128  # val.batch=auto's ceiling: yolov8s at 640 px fills an H200 by then; more only costs memory
+VAL_BATCH_MOST = 128  # val.batch=auto's ceiling: yolov8s at 640 px fills a large GPU by then; more only costs memory
 
 
 def val_batch(val: dict, micro_batch: int) -> int:

@@ -339,7 +339,7 @@ def _loader_threads(loader: dict, top: _Topology, hw: Hardware, problems: list[P
     if requested == "auto":
         # A GPU rank keeps a quarter of its cores, at least 2, for its training process (rank/data/affinity.py): its
         # main thread, the pin-memory thread copying every batch into page-locked memory, NCCL's and the monitor's
-        # threads; fewer left it short of cores on the H200 (docs/benchmarks/README.md, section 3).
+        # threads; fewer leave it short of cores (docs/benchmarks/README.md, section 3).
         reserved = max(2, cores_per_rank // 4) if top.device == "cuda" and cores_per_rank >= 4 else 1
         most = MAX_AUTO_WORKERS_GPU_INPUT if augment_on == "gpu" and top.device == "cuda" else MAX_AUTO_WORKERS
         workers = min(most, max(0, cores_per_rank - reserved))

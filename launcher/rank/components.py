@@ -7,34 +7,29 @@
    in a timed barrier);
    with train.batch_per_device=auto, this GPU's largest batch, measured before the process group too (the loss's
    normaliser would all-reduce, and ranks measure different sizes) on a network, optimizer, EMA and CUDA graphs of
-   its own, freed before the run's own are built: everything below is built for the batch chosen;
+   its own, freed before the run's own are built: everything below is built for the batch chosen (batch_probe.py);
 2. the process group, and the heartbeat over its store; the job's batch, the smallest any rank measured;
 3. the network, from model.cfg and/or model.weights, with the resume state loaded before anything copies it;
-4. the training loader, the validation loader (the validator copies the hyperparameters once max_det is set; the fast
-   one reads the loader once, at the first validation),
+4. the training loader (training_input.py), the validation loader and validator (validation_build.py: the validator
+   copies the hyperparameters once max_det is set; the fast one reads the loader once, at the first validation),
    the optimizer on the bare network;
 5. class weights, then the EMA copy (it carries them), then the training loss (the EMA keeps Ultralytics' own, which
    validation uses, collective-free);
-6. what the step calls: on one GPU the whole step's forward, loss and backward captured (step/captured_step.py);
-   elsewhere CUDA graphs captured on the bare network, then DDP or DataParallel around it;
+6. what the step calls (step_build.py): on one GPU the whole step's forward, loss and backward captured
+   (step/captured_step.py); elsewhere CUDA graphs captured on the bare network, then DDP or DataParallel around it;
 7. the checkpoint's components, whose saved states (optimizer, scaler, EMA, position) restore() loads.
 """
 
 from __future__ import annotations
 
 import time
-from functools import partial
 
 import torch
 from torch import nn
 
-from launcher.machine.report import report as environment_report
-from launcher.plan import checks
-from launcher.plan import lr as lrmod
-from launcher.plan.describe import batch_lines
-from launcher.plan.plan import LaunchPlan, with_batch
-from launcher.rank import checkpoint_io, kernels
-from launcher.rank import training_input
+from launcher.machine.environment_report import report as environment_report
+from launcher.plan.plan import LaunchPlan
+from launcher.rank import batch_probe, checkpoint_io, kernels, step_build, training_input, validation_build
 from launcher.rank.data.pipeline import TrainInputs, to_device
 from launcher.rank.data.sampler import EpochBatchSampler, mosaic_closes_at, sample_seed
 from launcher.rank.dist import Comm, rank_info
@@ -44,17 +39,9 @@ from launcher.rank.lines import rank_lines
 from launcher.rank.prewarm import Prewarm
 from launcher.rank.state import Checkpointer, TrainState, upgrade
 from launcher.rank.step import auto_batch
-from launcher.rank.step.captured_step import CapturedStep, most_targets, uses_captured_step
-from launcher.rank.step.graphed import GraphedDetector
 from launcher.rank.step.optimizer import Schedule, fused_optimizer
-from launcher.rank.step.train_step import TrainStep
-from launcher.rank.step.wrap import wrap
-from launcher.rank.ultralytics import build, datasets
+from launcher.rank.ultralytics import build
 from launcher.rank.ultralytics.loss import training_criterion
-from launcher.rank.ultralytics.fast_validation import VAL_CONF, FastValidator, nms_settings
-from launcher.rank.ultralytics.validation import Validator
-from launcher.rank.validate.forward import InferenceForward
-from launcher.rank.validate.nms import batched_nms
 from launcher.run_folder import RunFolder
 
 
@@ -114,7 +101,7 @@ class Rank:
                        if train["cache"] == "shared" else {})
         if plan.batch_pending:
             self.prewarm.join()  # the probe captures graphs
-        measured = self._measure_batch(validation) if plan.batch_pending else None
+        measured = batch_probe.measure_batch(self, validation) if plan.batch_pending else None
         self._stamp("image_cache_and_batch")
         # 2. the process group and the heartbeat; the job's batch
         self.comm = Comm(self.rank, 1)
@@ -124,7 +111,7 @@ class Rank:
             if world > 1:
                 self.heartbeat = Heartbeat(self.comm.store, self.rank, world, plan.timeout_s, folder)
         if measured is not None:
-            plan = self._take_batch(measured)
+            plan = batch_probe.take_batch(self, measured)
         if self.device.type == "cuda" and plan.auto_batch.get("held_fraction"):  # a restart reads it from plan.json
             auto_batch.CudaMemory(self.device).hold(plan.auto_batch["held_fraction"])
         if self.rank == 0:
@@ -138,7 +125,7 @@ class Rank:
         self.net, self.frozen = build.network(self.hyp, self.data, cfg["model"].get("weights"))
         if resume is not None:
             self.net.load_state_dict(_resume_part(resume, "model"))  # the raw model in fp32: training continues exactly
-        self.net = self._on_device(self.net)
+        self.net = self.on_device(self.net)
         self.stride = max(int(self.net.stride.max()), 32)
         self.scaler = torch.amp.GradScaler("cuda", enabled=self.amp_dtype == torch.float16)
         if plan.mode == "ddp" and cfg["dist"]["sync_bn"]:
@@ -170,17 +157,10 @@ class Rank:
         self._stamp("train_data")
         self.val_loader = self.validator = None
         if validation:
-            self.val_loader = datasets.val_loader(self.hyp, self.data, checks.val_batch(cfg.get("val"), plan.micro_batch),
-                                                  self.stride, 2 * plan.workers_per_rank, self.device,
-                                                  bind=partial(training_input.on_worker_cores, self.cores),
-                                                  pin_memory=self._val_engine() == "ultralytics")
-            if "val" in self.caches:  # the node's decoded validation images: no decoding in the loader's workers
-                datasets.attach_cache(self.val_loader.dataset, self.caches["val"])
-            build.align_max_det(self.net, self.hyp, self.train_dataset, self.val_loader.dataset)  # before the copies
-            self.validator = self._validator()
+            self.val_loader, self.validator = validation_build.validation_set(self)
         self._stamp("val_data")
         optim = cfg["optim"]
-        self.optimizer = self._optimizer(self.net, plan.lr0)
+        self.optimizer = self.new_optimizer(self.net, plan.lr0)
         self.schedule = Schedule(self.optimizer, epochs=int(train["epochs"]), lrf=optim["lrf"], cos_lr=optim["cos_lr"],
                                  warmup_steps=plan.warmup_iterations or 0, warmup_bias_lr=optim["warmup_bias_lr"],
                                  warmup_momentum=optim["warmup_momentum"], momentum=optim["momentum"])
@@ -198,21 +178,11 @@ class Rank:
             self.prewarm.join()
             self._stamp("prewarm_join")
         if self.kernels is not None:
-            self._triton_kernels()  # joined here, so that its wait is timed as its own part
+            self.triton_kernels()  # joined here, so that its wait is timed as its own part
             self._input_kernels()
             self._stamp("kernels_join")
         # 6. what the step calls: the whole step captured (one GPU), or the network graphed inside DDP
-        self.step = self._captured() if self._captures_step(self.net) else None
-        if self.step is None:
-            graphed = self._graphed() if plan.cuda_graphs and self.device.type == "cuda" else None
-            self.model = wrap(self.net, mode=plan.mode, device=self.device, devices_per_rank=plan.devices_per_rank,
-                              dist_cfg=cfg["dist"], compile_setting=train.get("compile", False), graphed=graphed)
-            self.step = TrainStep(self.model, self.net, optimizer=self.optimizer, scaler=self.scaler, ema=self.ema,
-                                  loss_scale=lrmod.loss_scale(plan.base_batch, plan.batch_per_rank),
-                                  grad_clip=float(optim.get("grad_clip", 10.0)), amp_dtype=self.amp_dtype,
-                                  accumulate=plan.accumulate)
-        else:
-            self.model = self.net
+        self.step, self.model = step_build.build_step(self)
 
         self._stamp("graphs_and_step")
         # 7. the checkpoint's components (runs.py adds its hooks' and restores them: restore())
@@ -257,144 +227,18 @@ class Rank:
         state.world_size, state.global_batch = self.comm.world_size, self.plan.global_batch
         self.log(f"resuming from {self.resumed_from} at epoch {state.epoch + 1}, step {state.step + 1}")
 
-    def _on_device(self, net: nn.Module) -> nn.Module:
+    def on_device(self, net: nn.Module) -> nn.Module:
+        """`net` on this rank's device, channels_last on CUDA unless the hyperparameters turn it off."""
         net = net.to(self.device)
         if self.device.type == "cuda" and self.hyp.channels_last is not False:
             net = net.to(memory_format=torch.channels_last)  # Ultralytics' CUDA default (fast convolutions)
         return net
 
-    def _optimizer(self, net: nn.Module, lr: float) -> torch.optim.Optimizer:
+    def new_optimizer(self, net: nn.Module, lr: float) -> torch.optim.Optimizer:
+        """optim.name over `net`'s parameter groups at `lr`, fused where optim.fused allows it."""
         optim = self.cfg["optim"]
         return fused_optimizer(build.optimizer(net, str(optim["name"]), lr, optim["momentum"], optim["weight_decay"]),
                                optim.get("fused", "auto"), self.device)
-
-    def _measure_batch(self, validation: bool) -> dict:
-        """train.batch_per_device=auto: the largest batch whose step fits this GPU (step/auto_batch.py), measured on
-        the step as the run takes it, built here from the same parts as the run's own (a network of its own, its
-        loss, optimizer, EMA, scaler and CUDA graphs), all freed before the run's are built; then settled with a
-        validation batch beside the steps (`validation`: the run validates). The RNG is left as the seed set it."""
-        plan, cfg = self.plan, self.cfg
-        memory = auto_batch.CudaMemory(self.device)
-        dtype, channels_last = self.step_input
-        with torch.random.fork_rng(devices=[self.device]):
-            net, frozen = build.network(self.hyp, self.data, cfg["model"].get("weights"))
-            net = self._on_device(net)
-            step = TrainStep(net, net, optimizer=self._optimizer(net, plan.base_lr),
-                             scaler=torch.amp.GradScaler("cuda", enabled=self.amp_dtype == torch.float16),
-                             ema=build.ema(net), loss_scale=1.0, grad_clip=float(cfg["optim"].get("grad_clip", 10.0)),
-                             amp_dtype=self.amp_dtype)
-            net.criterion, _ = training_criterion(net, sync_free=bool(cfg["train"].get("sync_free_loss", True)))
-            build.train_mode(net, frozen)
-            graphs = [plan.cuda_graphs]
-            whole = self._captures_step(net)
-
-            targets = self._most_targets()
-
-            def run_at(batch: int, validate: bool = False) -> None:
-                def images(n: int = auto_batch.PROBE_TARGETS) -> dict:
-                    return auto_batch.synthetic_batch(batch, int(self.hyp.imgsz), self.device, dtype=dtype,
-                                                      channels_last=channels_last, nc=int(self.data["nc"]), targets=n)
-
-                try:
-                    if whole:  # the step the run takes: every bucket captured, its own gradients and graph pool
-                        taken = CapturedStep(net, optimizer=step.optimizer, scaler=step.scaler, ema=step.ema,
-                                             loss_scale=1.0, grad_clip=step.grad_clip, amp_dtype=self.amp_dtype,
-                                             batch=batch, imgsz=int(self.hyp.imgsz),
-                                             triton_kernels=self._triton_kernels(), log=lambda _: None)
-                        captured = taken.capture_all(targets, images)
-                        torch.cuda.empty_cache()  # as the run's set-up does (_captured)
-                        batches = [images(captured[0])]
-                    else:
-                        step.model, taken = self._probe_graphs(net, batch, graphs), step
-                        batches = [images()]
-                    if targets is not None and targets > auto_batch.PROBE_TARGETS:
-                        batches.append(images(targets))  # the most crowded batch the data can make, eager if uncaptured
-                    for _ in range(auto_batch.STEPS):
-                        for one in batches:
-                            taken(one)
-                    if validate:
-                        self._probe_validation(net, frozen, batch)
-                finally:
-                    step.model = taken = net  # the graphs (and their memory pool) go with this size
-                    for p in net.parameters():
-                        p.grad = None
-
-            choice = auto_batch.choose(lambda b: auto_batch.measure(run_at, b, memory), total=memory.total(),
-                                       rule=plan.auto_batch)
-            if validation:
-                choice = auto_batch.settle(choice, lambda b: auto_batch.measure(lambda x: run_at(x, True), b, memory),
-                                           rule=plan.auto_batch)
-            del step, net, run_at
-            memory.release()
-        return choice.record(plan.auto_batch["fraction"], f"{self.device} {torch.cuda.get_device_name(self.device)}")
-
-    def _probe_validation(self, net: nn.Module, frozen, batch: int) -> None:
-        """One validation batch as the run's first validation takes it, beside the probe's training graphs: the
-        forward at val.batch on square imgsz images (no rectangular batch is larger), CUDA-graphed as the fast
-        engine's, and NMS of what an untrained network finds (thousands of candidates per image)."""
-        val, imgsz = self.cfg.get("val") or {}, int(self.hyp.imgsz)
-        rows = checks.val_batch(val, batch)
-        forward = InferenceForward(net, self.device, batch=rows, amp_dtype=self.amp_dtype, log=lambda _: None,
-                                   graphs=self._val_engine() == "fast" and self._val_graphs())
-        settings = nms_settings(self.hyp, end2end=bool(getattr(net, "end2end", False)), conf=VAL_CONF)
-        net.eval()
-        try:
-            with torch.inference_mode():
-                img = torch.randint(0, 256, (rows, 3, imgsz, imgsz), dtype=torch.uint8, device=self.device)
-                preds = forward(img)
-                batched_nms(preds[0] if isinstance(preds, (list, tuple)) else preds, settings.conf, settings.iou,
-                            max_det=settings.max_det, multi_label=settings.multi_label, agnostic=settings.agnostic,
-                            nc=int(self.data["nc"]), end2end=settings.end2end)
-        finally:
-            build.train_mode(net, frozen)
-
-    def _probe_graphs(self, net: nn.Module, batch: int, graphs: list[bool]) -> nn.Module:
-        """The probe's network for `batch`: CUDA-graphed as the run's will be; eager after a capture that fails for
-        another reason than memory (as the run's own falls back: _graphed)."""
-        if not graphs[0]:
-            return net
-        try:
-            return self._capture(net, batch)
-        except torch.cuda.OutOfMemoryError:
-            raise
-        except Exception as e:
-            self.log(f"WARNING: CUDA graph capture failed while measuring the batch ({type(e).__name__}: {e}); "
-                     "measuring the eager step")
-            graphs[0] = False
-            return net
-
-    def _take_batch(self, mine: dict) -> LaunchPlan:
-        """The job's batch: the smallest any rank measured (a collective), and the plan for it, from the rules
-        make_plan follows (plan.with_batch). Rank 0 writes it into plan.json (a restarted rank trains on it without
-        measuring again) and prints it, with the lr0 and warmup (and new notes) it gives, before the first step."""
-        why = auto_batch.agree(self.comm.gather(mine))
-        planned, self.plan = self.plan.notes, with_batch(self.plan, self.cfg, why["batch_per_device"], why)
-        build.set_batch(self.hyp, self.plan)
-        if self.rank == 0:
-            self.folder.write_plan(self.plan)
-            notes = [n for n in self.plan.notes if n not in planned]  # the launcher printed the others
-            for line in [auto_batch.explain(why), *batch_lines(self.plan), *notes]:
-                self.log(line)
-        return self.plan
-
-    def _val_engine(self) -> str:
-        return checks.val_engine(self.cfg.get("val") or {}, self.cfg["train"])
-
-    def _validator(self):
-        """val.engine: the fast validator (the split preloaded on the device, rank/validate/) or Ultralytics' own
-        DetectionValidator over the loader; both shard the split as the loader does."""
-        val = self.cfg.get("val") or {}
-        beat = lambda: self.heartbeat.working()  # noqa: E731 (a long validation is progress, not a hang)
-        if self._val_engine() == "ultralytics":
-            return Validator(self.val_loader, self.hyp, self.folder.path, on_batch=beat)
-        return FastValidator(self.val_loader, self.hyp, self.folder.path,
-                             batch=checks.val_batch(val, self.plan.micro_batch), amp_dtype=self.amp_dtype,
-                             cuda_graphs=self._val_graphs(), folded=val.get("fold_batchnorm", False) is True,
-                             device=self.device, on_batch=beat, log=self.log, detail=self.detail)
-
-    def _val_graphs(self) -> bool:
-        """val.cuda_graphs: the fast engine's forward replayed as CUDA graphs."""
-        return (self.cfg.get("val") or {}).get("cuda_graphs", "auto") in ("auto", True) and self.device.type == "cuda"
 
     @property
     def input_dtype(self) -> torch.dtype:
@@ -417,7 +261,7 @@ class Rank:
         on_gpu = self.plan.augment_on == "gpu"
         return (self.input_dtype if on_gpu else torch.float32), on_gpu
 
-    def _triton_kernels(self) -> bool:
+    def triton_kernels(self) -> bool:
         """Whether the graphs run the upsampling and the concatenations on Triton kernels: once their compilation has
         ended without an error (else PyTorch's kernels, said once)."""
         if self.kernels is None:
@@ -436,75 +280,6 @@ class Rank:
         if warm is not None and warm.join().error is not None:
             self.log(f"WARNING: the GPU input's Triton kernels did not compile ahead ({warm.error}); the first batch "
                      "compiles them")
-
-    def _capture(self, net: nn.Module, batch: int) -> GraphedDetector:
-        dtype, channels_last = self.step_input
-        return GraphedDetector(net, batch, self.hyp.imgsz, self.amp_dtype, input_dtype=dtype,
-                               channels_last=channels_last, triton_kernels=self._triton_kernels())
-
-    def _captures_step(self, net: nn.Module) -> bool:
-        """train.graph_scope: the whole step captured where it can be (auto; captured_step.py), else the network."""
-        if not self.plan.cuda_graphs or self.cfg["train"].get("graph_scope", "auto") == "network":
-            return False
-        why_not = uses_captured_step(net, device=self.device, world_size=self.world, accumulate=self.plan.accumulate)
-        if why_not is not None and net is self.net:
-            self.detail(f"CUDA graphs: the network's forward and backward only ({why_not})")
-        return why_not is None
-
-    def _captured(self) -> CapturedStep | None:
-        """The whole step captured (captured_step.py), its first bucket at set-up on a synthetic batch; None when the
-        capture fails and train.cuda_graphs=auto (the network alone is then graphed)."""
-        self.net.train()
-        dtype, channels_last = self.step_input
-        optim, plan = self.cfg["optim"], self.plan
-        step = CapturedStep(self.net, optimizer=self.optimizer, scaler=self.scaler, ema=self.ema,
-                            loss_scale=lrmod.loss_scale(plan.base_batch, plan.batch_per_rank),
-                            grad_clip=float(optim.get("grad_clip", 10.0)), amp_dtype=self.amp_dtype,
-                            batch=plan.micro_batch, imgsz=int(self.hyp.imgsz),
-                            triton_kernels=self._triton_kernels(), log=self.log)
-        targets = self._most_targets()
-        try:
-            captured = step.capture_all(targets, lambda n: auto_batch.synthetic_batch(
-                plan.micro_batch, int(self.hyp.imgsz), self.device, dtype=dtype, channels_last=channels_last,
-                nc=int(self.data["nc"]), targets=n))
-        except Exception as e:  # noqa: BLE001 - a loss or network that syncs with the host inside the capture
-            for p in self.net.parameters():
-                p.grad = None
-            failure = f"CUDA graph capture of the whole step failed ({type(e).__name__}: {e})"
-            if self.cfg["train"].get("cuda_graphs", "auto") is True:
-                raise RuntimeError(f"{failure}; capture the network only: train.graph_scope=network") from e
-            self.log(f"WARNING: {failure}; capturing the network only")
-            return None
-        torch.cuda.empty_cache()  # the warm-ups' side-stream blocks (as _graphed)
-        self.detail(f"CUDA graphs: the whole step's forward, loss and backward captured for batches of "
-                    f"{plan.micro_batch}, a graph per padded target count {sorted(captured)} (the data's images carry "
-                    f"at most {'an unknown number of' if targets is None else targets} targets)")
-        return step
-
-    def _most_targets(self) -> int | None:
-        """The most targets one training image can carry (captured_step.most_targets), from the plan's data check."""
-        return most_targets((self.plan.images.get("train") or {}).get("most_boxes"), self.hyp)
-
-    def _graphed(self) -> nn.Module | None:
-        """The network with its training forward and backward captured as CUDA graphs (graphed.py), in train mode;
-        None when the capture fails and train.cuda_graphs=auto (the network then trains eagerly)."""
-        self.net.train()
-        try:
-            graphed = self._capture(self.net, self.plan.micro_batch)
-        except Exception as e:  # a network with host syncs or data-dependent shapes in its forward
-            failure = f"CUDA graph capture of the network failed ({type(e).__name__}: {e})"
-            if self.cfg["train"].get("cuda_graphs", "auto") is True:
-                raise RuntimeError(f"{failure}; train without graphs: train.cuda_graphs=false") from e
-            self.log(f"WARNING: {failure}; training eagerly (train.cuda_graphs=auto)")
-            return None
-        # The capture's eager warm-up left blocks cached for its side stream, which no later step or validation on
-        # the training stream can reuse: given back (train.batch_per_device=auto measured the capture's peak).
-        torch.cuda.empty_cache()
-        filled = self.sampler.filled
-        self.detail(f"CUDA graphs: forward and backward captured for batches of {self.plan.micro_batch}"
-                    + (f"; each epoch's last batch filled with {filled} of the epoch's first images, so that it "
-                       "replays them too" if filled else ""))
-        return graphed
 
     def close(self) -> None:
         """Stop every loader worker (they ignore SIGTERM until the rank has saved: signals.py, so they must be told),

@@ -25,8 +25,8 @@ def become_rank(signals: Mapping[int, object], run_dir: str, rank: int) -> None:
     for s, handler in signals.items():
         signal.signal(s, handler if handler is not None else signal.SIG_DFL)
     maps = mapped()
-    # torchrun's agent started CUDA after the warm torchrun's last look (rank_fork.py). A fork may not see it (on the
-    # H200 the driver answered "not initialised" there); torch's own check then stops the rank at its first CUDA call.
+    # torchrun's agent started CUDA after the warm torchrun's last look (rank_fork.py). A fork may not see it (the
+    # driver can answer "not initialised" there); torch's own check then stops the rank at its first CUDA call.
     if cuda_driver_started(maps):
         raise SystemExit(f"ddp-launch: this rank was forked after CUDA started in torchrun and cannot use the GPU; "
                          f"run again with {FORK_RANKS}=0 (and report it: launch/rank_fork.py)")

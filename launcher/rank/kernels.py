@@ -3,8 +3,8 @@
 - `bias_act_(y, bias, silu)`: a convolution's per-channel bias, then SiLU or nothing, in place, in one pass: the
   validation's folded forward (rank/ultralytics/folded.py). Once BatchNorm is folded into a convolution, its bias is
   what is left of it; PyTorch adds a per-channel bias to a channels_last tensor with its generic broadcast kernel,
-  which cost as much as the BatchNorm it replaced, and SiLU then takes a second pass
-  (docs/benchmarks/h200-validation/README.md, the seventh session's profile).
+  which costs as much as the BatchNorm it replaced, and SiLU then takes a second pass
+  (docs/benchmarks/h200-validation/README.md).
 - `upsample_nearest2x(x)` and `upsample_nearest2x_backward(grad)`: nearest upsampling by 2 of a channels_last tensor
   (Ultralytics' nn.Upsample in the neck), a copy of each input pixel's channel row into four output rows, and its
   gradient, the sum of those four rows; `nearest2x` is the pair as one differentiable function, which the training

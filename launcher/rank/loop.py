@@ -2,7 +2,7 @@
 
 The loop itself only fetches a batch, takes the step, and fetches the next batch while the GPU works. Everything
 else a run does around its steps (the learning-rate schedule, metering, heartbeats, signals, validation,
-checkpoints, progress lines, early stop) is a Hook. Hooks run in the order they are given; rank/build.py makes the
+checkpoints, progress lines, early stop) is a Hook. Hooks run in the order they are given; rank/runs.py makes the
 list and says why each stands where it does. `after_train` runs in a `finally`, also when a step raised or a
 signal stopped the run, so resources are always released; work that only a completed run does checks
 `loop.completed`.
@@ -10,7 +10,7 @@ signal stopped the run, so resources are always released; work that only a compl
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Protocol
 
 from launcher.rank.state import TrainState
@@ -44,13 +44,24 @@ class Inputs(Protocol):
 
     last_wait: float  # seconds the host waited for the batch next() returned
 
-    def begin_epoch(self, epoch: int, first_step: int) -> None: ...
+    def begin_epoch(self, epoch: int, first_step: int, first_ni: int) -> None:
+        """Start (or go on with) `epoch`'s batches from its step `first_step`, the run's step `first_ni`."""
+
 
     def next(self, ni: int) -> dict: ...
 
     def prefetch(self, ni: int) -> None: ...
 
     def close(self) -> None: ...
+
+
+class Step(Protocol):
+    """One optimizer step (rank/step/train_step.py's TrainStep): calling it launches the step on `batch`; then
+    `loss_items` holds that step's loss terms by name, still on the device."""
+
+    loss_items: dict | None
+
+    def __call__(self, batch: dict) -> None: ...
 
 
 class TrainLoop:
@@ -61,7 +72,7 @@ class TrainLoop:
     `steps_per_epoch`, `completed`, `final_epoch`, `ending`.
     """
 
-    def __init__(self, step: Callable[[dict], None], inputs: Inputs, state: TrainState, hooks: Sequence[Hook], *,
+    def __init__(self, step: Step, inputs: Inputs, state: TrainState, hooks: Sequence[Hook], *,
                  epochs: int, steps_per_epoch: int):
         self.step, self.inputs, self.state, self.hooks = step, inputs, state, list(hooks)
         self.epochs, self.steps_per_epoch = epochs, steps_per_epoch

@@ -1,4 +1,4 @@
-"""nvJPEG's start on a thread beside the set-up (issue 14's fast start).
+"""nvJPEG's start on a thread beside the set-up, so the first training batch does not pay it.
 
 A process's first batched nvJPEG decode initialises the library, many times the cost of the next decode, and the
 first training batch paid it (docs/benchmarks/h200-time-to-model/README.md, first_decode.py). `Prewarm` decodes one

@@ -52,7 +52,7 @@ from launcher.rank import hooks as h
 from launcher.rank import progress
 from launcher.rank.components import Rank
 from launcher.rank.loop import Hook, TrainLoop
-from launcher.rank.metrics import report, results, step_profile
+from launcher.rank.metrics import results, run_summary, step_profile
 from launcher.rank.metrics.epoch_figures import EpochFigures
 from launcher.rank.metrics.gpu_monitor import GpuMonitor
 from launcher.rank.metrics.meter import StepMeter
@@ -154,8 +154,8 @@ def train(cfg: dict, plan: LaunchPlan, folder: RunFolder, stamps: dict | None = 
         if r.rank != 0:
             return None
         weights = r.folder.weights / ("best.pt" if (r.folder.weights / "best.pt").exists() else "last.pt")
-        record = report.summary(plan=plan, state=state, epochs=epochs, reports=reports, weights=weights,
-                                last=r.folder.weights / "last.pt", run_dir=folder.path, started=started)
+        record = run_summary.summary(plan=plan, state=state, epochs=epochs, reports=reports, weights=weights,
+                                     last=r.folder.weights / "last.pt", run_dir=folder.path, started=started)
         timeline.stamp("end")
         record["timeline"] = timeline.to_dict()
         record["checkpoint_write_s"] = [round(t, 3) for t in checkpointer.write_s]  # in the background, per save
@@ -190,10 +190,10 @@ def bench_cell(cfg: dict, plan: LaunchPlan, folder: RunFolder) -> dict | None:
                          steps_per_epoch=skip + steps)
         loop.run()
         ceiling = _ceiling(r, int(bench["ceiling_batches"]), max(steps // 2, 10), profile=bool(bench.get("profile")))
-        rank_figures = {**report.rank_report(rank=r.rank, device=r.device, meter=meter, monitor=monitor, net=r.net,
-                                             loss_items=r.step.loss_items, state=r.state,
-                                             input_gpu_ms=input_time.ms_per_image if input_time else None,
-                                             input_threads=input_time.threads if input_time else None),
+        rank_figures = {**run_summary.rank_report(rank=r.rank, device=r.device, meter=meter, monitor=monitor,
+                                                  net=r.net, loss_items=r.step.loss_items, state=r.state,
+                                                  input_gpu_ms=input_time.ms_per_image if input_time else None,
+                                                  input_threads=input_time.threads if input_time else None),
                         "ceiling_images_per_s": ceiling, "host_cpu": cpu.busy}
         reports = r.comm.gather(rank_figures)
         if r.rank != 0:
@@ -250,10 +250,11 @@ def _strip(r: Rank, written: set[str]) -> None:
 
 def _reports(r: Rank, meter, monitor, samples, input_time) -> list[dict]:
     """Every rank's figures on every rank; each rank also writes its own into ranks/rank<N>.json."""
-    mine = report.rank_report(rank=r.rank, device=r.device, meter=meter, monitor=monitor, net=r.net,
-                              loss_items=r.step.loss_items, state=r.state, samples=samples.seen if samples else None,
-                              input_gpu_ms=input_time.ms_per_image if input_time else None,
-                              input_threads=input_time.threads if input_time else None)
+    mine = run_summary.rank_report(rank=r.rank, device=r.device, meter=meter, monitor=monitor, net=r.net,
+                                   loss_items=r.step.loss_items, state=r.state,
+                                   samples=samples.seen if samples else None,
+                                   input_gpu_ms=input_time.ms_per_image if input_time else None,
+                                   input_threads=input_time.threads if input_time else None)
     r.folder.write_json(f"ranks/rank{r.rank}.json", mine)
     return r.comm.gather(mine)
 
@@ -273,7 +274,7 @@ class _HostCpu(Hook):
 
     def after_train(self, loop: TrainLoop) -> None:
         if self.start is not None:
-            self.busy = report.host_cpu_busy(self.start, self.cpu_times())
+            self.busy = run_summary.host_cpu_busy(self.start, self.cpu_times())
 
 
 class _BenchProgress(Hook):

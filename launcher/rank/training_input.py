@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from launcher.plan.plan import LaunchPlan
-from launcher.rank.data import affinity, image_cache
+from launcher.rank.data import affinity, image_cache, image_cache_folders
 from launcher.rank.data.encoded import EncodedImages, EncodedTrainDataset
 from launcher.rank.data.gpu_augment import GpuAugment
 from launcher.rank.data.gpu_input import Decoder, GpuInput, buffer_capacity
@@ -27,7 +27,7 @@ def image_caches(cfg: dict, plan: LaunchPlan, data: dict, imgsz: int, log) -> di
     node builds them with every core while the others wait at a file lock. With the input on the GPU the
     training split's cache holds the files' bytes (compressed: a fraction of the decoded size). `imgsz`: the plan
     checked it, a multiple of the largest stride."""
-    dirs = image_cache.default_dirs(Path(cfg["paths"]["cache"]).expanduser() / "images")
+    dirs = image_cache_folders.default_dirs(Path(cfg["paths"]["cache"]).expanduser() / "images")
     gpu = plan.augment_on == "gpu"
     caches = {split: datasets.ensure_split_cache(data[split], imgsz, dirs=dirs, channels=data.get("channels", 3),
                                                  log=log)

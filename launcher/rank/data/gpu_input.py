@@ -12,7 +12,7 @@ another, on a side stream, while the steps before it run):
   3. mosaic partners: drawn uniformly from the buffer's filled slots, the images decoded most recently, as
      Ultralytics' Mosaic draws from its dataset's buffer of recently loaded images (min(n, 8 batches, 1000) of them).
      With mixup or cutmix on, each sample also gets a partner per mix (another image of the buffer, with 3 mosaic
-     partners of its own), rendered as an extra row (gpu_augment.RawBatch.groups).
+     partners of its own), rendered as an extra row (raw_batch.RawBatch.groups).
      With loader.mosaic_buffer=false all of them from the same batch, so that a batch depends on its keys and the
      seed alone (a resumed run repeats the uninterrupted one). From epoch `close_at` on (close_mosaic) there are
      none, and so no mosaic, mixup or cutmix: the batch says its epoch, so batches prepared ahead across that
@@ -32,7 +32,8 @@ import numpy as np
 import torch
 
 from launcher.rank.data.encoded import EncodedBatch, decode_on_cpu
-from launcher.rank.data.gpu_augment import GpuAugment, RawBatch
+from launcher.rank.data.gpu_augment import GpuAugment
+from launcher.rank.data.raw_batch import RawBatch
 from launcher.rank.data.torchvision_ops import decode_jpegs_cuda
 from launcher.rank.data.warp import BORDER, load_into_slots, warm_up
 

@@ -24,8 +24,8 @@ only ever published complete, so what can go wrong is truncation or damage to it
   rank). The build writes a temporary file and renames it into place: a cache is complete or absent. A failed build
   deletes its temporary file; one left by a killed builder is deleted by the next build in that folder.
 * Clean-up. A cache outlives the run (the next run with the same data and imgsz maps it at once). Every reader holds
-  a shared lock on the file while it maps it; `remove_unused` deletes the caches nobody holds (`ddp-env
-  --clear-cache`). A build that lacks room first removes the unused caches of that folder. Files in /dev/shm use RAM
+  a shared lock on the file while it maps it; `remove_unused` (image_cache_folders.py: the folders, their room,
+  lock and clean-up) deletes the caches nobody holds (`ddp-env --clear-cache`). A build that lacks room first removes the unused caches of that folder. Files in /dev/shm use RAM
   until removed or the node reboots. Folders and files are the user's alone (0700, 0600).
 * Who builds. Whoever asks first: `ensure_cache` in every rank finds the cache or builds it (the first process on
   the node builds with all cores, the others wait at the lock). Call it before the process group exists when a
@@ -40,7 +40,6 @@ import hashlib
 import json
 import mmap
 import os
-import shutil
 import socket
 import struct
 import threading
@@ -48,11 +47,11 @@ import time
 import zlib
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
-from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
-import psutil
+
+from launcher.rank.data import image_cache_folders as folders
 
 FORMAT = 1
 MAGIC = b"DDPIMC01"
@@ -62,9 +61,6 @@ SIZE_SAMPLE = 32  # images decoded to estimate the size of a cache before buildi
 CHUNK = 16  # images per build task: few enough tasks for a million images, little left to finish when one fails
 PROGRESS_EVERY_S = 30.0
 FILE_BYTES = "file bytes"  # the rule of a cache of files as they are on disk (ensure_file_cache)
-# Owner-only: a cache holds a dataset's images, and /dev/shm is shared by every user of the node
-FILE_MODE, DIR_MODE = 0o600, 0o700
-CACHE_GLOBS = ("images-*.bin", "files-*.bin")  # decoded images (ensure_cache), files' bytes (ensure_file_cache)
 
 
 class CacheError(RuntimeError):
@@ -92,11 +88,6 @@ def cache_name(key: str, imgsz: int) -> str:
     return f"images-{imgsz}px-{key[:16]}.bin" if imgsz else f"files-{key[:16]}.bin"
 
 
-def default_dirs(disk_dir: str | Path) -> list[Path]:
-    """Where caches live, in order of preference: /dev/shm (RAM), then `disk_dir` (best on a node-local disk)."""
-    shm = Path("/dev/shm")
-    dirs = [shm / f"ddp-launch-{os.getuid()}"] if shm.is_dir() and os.access(shm, os.W_OK) else []
-    return dirs + [Path(disk_dir)]
 
 
 # --- reading --------------------------------------------------------------------------------------------------------
@@ -201,11 +192,11 @@ def ensure_cache(
     name = cache_name(key, imgsz)
     cache = _open_existing(dirs, name, key)
     if cache is None:
-        with _build_lock(dirs[0], log):
+        with folders.build_lock(dirs[0], log):
             cache = _open_existing(dirs, name, key, log)  # built while we waited, or damaged: then removed
             if cache is None:
                 for d in dirs:
-                    _remove_dead_temps(d)
+                    folders.remove_dead_temps(d)
                 need = _estimate_size(files, load)
                 target = _pick_dir(dirs, need, log)
                 threads = max(1, min(threads or len(os.sched_getaffinity(0)), len(files)))
@@ -247,27 +238,6 @@ def _open_existing(dirs: Sequence[Path], name: str, key: str, log: Log | None = 
     return None
 
 
-@contextmanager
-def _build_lock(directory: Path, log: Log):
-    """Exclusive lock of the builders that share `directory`: one builds, the others wait, then map its file."""
-    _private_dir(directory)
-    with open(os.open(directory / ".lock", os.O_RDWR | os.O_CREAT, FILE_MODE), "a+") as f:
-        try:
-            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            log(f"image cache: waiting for another process building in {directory}")
-            fcntl.flock(f.fileno(), fcntl.LOCK_EX)
-        yield  # closing the file releases the lock, also when the build fails
-
-
-def _private_dir(directory: Path) -> None:
-    """Create `directory` for this user alone; one an older release made readable to all is closed."""
-    directory.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
-    st = directory.stat()
-    if st.st_uid == os.getuid() and st.st_mode & 0o077:
-        os.chmod(directory, DIR_MODE)
-
-
 def _estimate_size(files: Sequence[str], load: Load) -> int:
     """Bytes of the cache, from the mean size of up to SIZE_SAMPLE images spread over the split."""
     sample = files[:: max(1, len(files) // SIZE_SAMPLE)][:SIZE_SAMPLE]
@@ -275,36 +245,16 @@ def _estimate_size(files: Sequence[str], load: Load) -> int:
     return int(np.mean(sizes) * len(files)) if sizes else 0
 
 
-def _room(directory: Path) -> int:
-    """Bytes a cache may take in `directory`: half of what is free, and on tmpfs also half of the available RAM."""
-    free = shutil.disk_usage(directory).free
-    if _in_ram(directory):
-        free = min(free, psutil.virtual_memory().available)
-    return free // 2
-
-
-def _in_ram(directory: Path) -> bool:
-    """Whether `directory` is on tmpfs/ramfs (its pages are RAM): the filesystem of its longest mount point."""
-    path, best, fstype = str(directory.resolve()), "", ""
-    with open("/proc/self/mounts") as f:
-        for line in f:
-            _, mount, kind = line.split()[:3]
-            inside = path == mount or path.startswith(mount.rstrip("/") + "/")
-            if inside and len(mount) >= len(best):
-                best, fstype = mount, kind
-    return fstype in ("tmpfs", "ramfs")
-
-
 def _pick_dir(dirs: Sequence[Path], need: int, log: Log) -> Path:
     """The first folder with room for `need` bytes, after removing its unused caches if that makes room."""
     for d in dirs:
-        _private_dir(d)
-        if _room(d) < need:
-            for path in remove_unused(d):
+        folders.private_dir(d)
+        if folders.room(d) < need:
+            for path in folders.remove_unused(d):
                 log(f"image cache: removed the unused cache {path} to make room")
-        if _room(d) >= need:
+        if folders.room(d) >= need:
             return d
-        log(f"image cache: {d} has room for {_size(_room(d))}, the cache needs ~{_size(need)}")
+        log(f"image cache: {d} has room for {_size(folders.room(d))}, the cache needs ~{_size(need)}")
     raise CacheError(
         f"no room for an image cache of ~{_size(need)} in {', '.join(map(str, dirs))} (a cache may take half "
         "of the free space, and half of the available RAM on tmpfs): free some space, or choose another cache folder"
@@ -321,8 +271,8 @@ def _build(files: Sequence[str], load: Load, what: tuple[int, int, str], key: st
     end = HEADER.size + len(meta)  # where the next image goes; images land in the order the threads finish them
     claim = threading.Lock()
     pool = ThreadPoolExecutor(threads)  # starts no thread before the first submit
-    tmp = path.with_name(f".{path.name}.{os.getpid()}@{socket.gethostname()}.tmp")  # see _remove_dead_temps
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}@{socket.gethostname()}.tmp")  # see folders.remove_dead_temps
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, folders.FILE_MODE)
 
     def store(rows: range) -> int:
         nonlocal end
@@ -384,52 +334,3 @@ def _pwrite_all(fd: int, data, offset: int) -> None:
         view, offset = view[n:], offset + n
 
 
-# --- clean-up -------------------------------------------------------------------------------------------------------
-def cache_files(directory: str | Path) -> list[Path]:
-    """The cache files in `directory` (none when it does not exist)."""
-    directory = Path(directory)
-    return sorted(p for pattern in CACHE_GLOBS for p in directory.glob(pattern)) if directory.is_dir() else []
-
-
-def remove_unused(directory: str | Path, keep: Sequence[str | Path] = ()) -> list[Path]:
-    """Delete the caches in `directory` that no process has mapped (except `keep`); return them.
-
-    Also deletes temporary files left by builders on this host that are no longer running. Safe while runs use the
-    folder: a mapped cache is held by its readers' shared lock and is left alone.
-    """
-    directory = Path(directory)
-    if not directory.is_dir():
-        return []
-    _remove_dead_temps(directory)
-    kept = {Path(p).resolve() for p in keep}
-    removed = []
-    for path in cache_files(directory):
-        if path.resolve() in kept:
-            continue
-        with open(path, "rb") as f:
-            try:
-                fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                continue  # mapped by a run
-            path.unlink()
-            removed.append(path)
-    return removed
-
-
-def _remove_dead_temps(directory: Path) -> None:
-    """Delete `.<name>.<pid>@<host>.tmp` files whose builder, a process on this host, has exited."""
-    host = socket.gethostname()
-    for tmp in (t for pattern in CACHE_GLOBS for t in directory.glob(f".{pattern}.*.tmp")):
-        pid, _, builder_host = tmp.name.removesuffix(".tmp").split(".bin.", 1)[1].partition("@")
-        if builder_host == host and not _alive(int(pid)):
-            tmp.unlink(missing_ok=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # it exists, owned by another user
-        pass
-    return True

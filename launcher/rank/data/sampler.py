@@ -121,7 +121,7 @@ class EpochSeededDataset(Dataset):
 
 def worker_init(_worker_id: int) -> None:
     """No thread oversubscription (a worker is one core's worth of decoding and augmentation); no dying on the
-    rank's SIGTERM before the rank has saved its checkpoint (shutdown.py)."""
+    rank's SIGTERM before the rank has saved its checkpoint (rank/signals.py)."""
     from launcher.rank.signals import ignore_termination_in_worker
 
     ignore_termination_in_worker()

@@ -1,9 +1,8 @@
 """torchvision's image operators (nvJPEG's batched decode, the CPU decoders, the JPEG encoder) without importing
 torchvision.
 
-`import torchvision.io` imports the whole package, and with it torch._dynamo: 1.5 s of a rank's start on the H200
-machine with warm caches, 6.2 s on a fresh one (docs/benchmarks/h200-time-to-model/README.md), all of it on the
-critical path, and as much again in a loader worker or mid-run wherever a file needs the CPU decoder. They need only
+`import torchvision.io` imports the whole package, and with it torch._dynamo: seconds of a rank's start, more on a
+fresh machine (docs/benchmarks/h200-time-to-model/README.md), all of it on the critical path, and as much again in a loader worker or mid-run wherever a file needs the CPU decoder. They need only
 torchvision's image extension, which registers the torch.ops.image operators when it is loaded: `load` loads it
 from torchvision's folder, and each function here calls the operator that the torchvision.io function it names
 calls.

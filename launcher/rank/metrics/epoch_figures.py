@@ -1,6 +1,6 @@
 """ddp-launch's own figures of each epoch, for the tracking integrations (log.integrations) beside Ultralytics'
 metrics: the job's images/s, data wait, GPU utilisation and peak GPU memory, under the names and in the units of
-summary.json (metrics/report.py), prefixed "ddp_launch/".
+summary.json (metrics/run_summary.py), prefixed "ddp_launch/".
 
 Each rank measures its own epoch (the meter's steady-state steps, the GPU monitor's samples in the epoch); the ranks'
 figures are combined as summary.json combines the run's: images/s summed (the ranks run concurrently), the worst data

@@ -31,7 +31,7 @@ Reaches into internals, each in one place:
 - checkpoint.py: BaseTrainer.save_model's checkpoint keys, and strip_optimizer's steps re-stated for the last
   checkpoint of a run, still in memory (stripped).
 - baseline.py: BaseTrainer.read_results_csv and check_amp replaced for the benchmark's baseline cell.
-- time_to_model.py: the same two for the time-to-model benchmark's Ultralytics side, and engine.trainer's
+- time_to_model_ultralytics.py: the same two for the time-to-model benchmark's Ultralytics side, and engine.trainer's
   strip_optimizer wrapped to stamp when final_eval has stripped the checkpoints.
 
 They are written against one release: importing this package checks it (the launcher checks the package metadata

@@ -24,7 +24,7 @@ from ultralytics import YOLO
 from launcher.rank.metrics import results
 from launcher.rank.metrics.gpu_monitor import GpuMonitor
 from launcher.rank.metrics.meter import StepMeter
-from launcher.rank.metrics.report import host_cpu_busy
+from launcher.rank.metrics.run_summary import host_cpu_busy
 from launcher.run_folder import RunFolder
 
 

@@ -66,7 +66,7 @@ def val_loader(hyp, data: dict, batch: int, stride: int, workers: int, device, b
     """Ultralytics' validation loader: rectangular batches of `batch`, sharded over the ranks in contiguous blocks.
     `bind(init)` wraps its workers' init (core binding). `pin_memory=False` for a split read once (the fast
     validator's): pinning allocates page-locked memory batch by batch, a driver call that stalls the training
-    steps beside it (their speed halved while the split was read ahead, on the H200)."""
+    steps beside it (slowing them while the split is read ahead)."""
     with torch_distributed_zero_first(LOCAL_RANK):
         dataset = build_yolo_dataset(hyp, data["val"], batch, data, mode="val", rect=True, stride=stride)
     loader = build_dataloader(dataset, batch=batch, workers=workers, shuffle=False, rank=LOCAL_RANK, device=device,

@@ -28,8 +28,8 @@ to back. The values are Ultralytics'; only how they are computed changes:
   gradient outside is exactly zero) instead of indexing the foreground anchors;
 * DFL weighs each bin's log-probability with a dense mask instead of gathering the two bins around the target
   (`dfl_loss`): a gather's backward is a scatter, which Ultralytics' default `deterministic=True` runs as a sort and an
-  index_put, 1.4 ms of a 46 ms yolov8s step on the H200 (docs/benchmarks/h200-step/README.md). The same values,
-  bit for bit.
+  index_put, a measurable part of a yolov8s step (docs/benchmarks/h200-step/README.md). The same values, bit for
+  bit.
 
 Sums run over more (zero) terms in another order: the loss matches Ultralytics' to float rounding
 (tests/test_loss.py compares values and gradients).

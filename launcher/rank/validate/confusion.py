@@ -8,8 +8,7 @@ claimed target counts [detection's class, target's class], an unclaimed one [bac
 detection that claimed nothing [detection's class, background]. Its special cases (no targets: every kept detection
 is background; no detections: every target is missed) are what the general rule gives, so one rule serves here.
 
-Image by image that is a Python loop with host reads per image (0.8 s for 800 images on an H200, on the critical
-path of the final validation). Here the visit runs over the k-th candidate of every image at once, as in
+Image by image that is a Python loop with host reads per image, on the critical path of the final validation. Here the visit runs over the k-th candidate of every image at once, as in
 matching.py: as many rounds as the busiest image has candidates, the one host read per batch; the counts stay on the
 device, summed by one scatter.
 """

@@ -10,7 +10,7 @@ per step. NMS takes an image's candidates a tile at a time (CANDIDATES of them i
 first lose to the survivors of the tiles before it (their boxes kept in a small scratch buffer), then the loop visits
 the tile's survivors in turn, each found by a reduction over the candidates still alive, so that it turns once per
 survivor, not once per candidate; the program stops at max_det survivors. A weak model gives every anchor a
-candidate, most of them suppressed: tens of tiles an image, which the host used to go through chunk by chunk.
+candidate, most of them suppressed: tens of tiles an image, which a host loop would go through chunk by chunk.
 
 Each computes what the PyTorch form computes, bit for bit: the same IoU in the same float operations (no fused
 multiply-add, an IEEE division), the same first-index argmax, the same comparisons. Triton on CUDA (and in Triton's

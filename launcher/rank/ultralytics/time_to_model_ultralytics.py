@@ -1,6 +1,6 @@
 """The Ultralytics side of `ddp-bench bench.kind=time_to_model`: `YOLO(model).train(...)` as a user runs it, stamped.
 
-Run by ddp-bench in a fresh process: `python -m launcher.rank.ultralytics.time_to_model SIDE_DIR`. SIDE_DIR/side.json
+Run by ddp-bench in a fresh process: `python -m launcher.rank.ultralytics.time_to_model_ultralytics SIDE_DIR`. SIDE_DIR/side.json
 holds the shared settings (data, model, imgsz, epochs, batch, lr0, close_mosaic, seed, workers, device); everything
 else is Ultralytics' default (no cache, AMP, validation after every epoch with its rectangular batches, plots where
 polars is installed: without it Ultralytics' label and results plots fail, so they are off and the record says so).

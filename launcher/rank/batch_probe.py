@@ -1,0 +1,139 @@
+"""train.batch_per_device=auto on a rank: the largest batch whose step fits this GPU, measured on the step as the
+run takes it (step/auto_batch.py), then the job's batch, the smallest any rank measured, and the plan for it.
+
+`measure_batch` runs before the process group (ranks measure different sizes, and the loss's normaliser would
+all-reduce); `take_batch` after it. Each takes the components.Rank being built and reads its settings, network
+builders and log; the probe's network, optimizer, EMA, loss and graphs are its own, freed before the run's are built.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from launcher.plan import checks
+from launcher.plan.describe import batch_lines
+from launcher.plan.plan import LaunchPlan, with_batch
+from launcher.rank.step import auto_batch
+from launcher.rank.step.captured_step import CapturedStep
+from launcher.rank.step.train_step import TrainStep
+from launcher.rank.step_build import capture_network, captures_step, most_targets_of
+from launcher.rank.ultralytics import build
+from launcher.rank.ultralytics.fast_validation import VAL_CONF, nms_settings
+from launcher.rank.ultralytics.loss import training_criterion
+from launcher.rank.validate.forward import InferenceForward
+from launcher.rank.validate.nms import batched_nms
+from launcher.rank.validation_build import val_engine, val_graphs
+
+
+def measure_batch(rank, validation: bool) -> dict:
+    """train.batch_per_device=auto: the largest batch whose step fits this GPU (step/auto_batch.py), measured on
+    the step as the run takes it, built here from the same parts as the run's own (a network of its own, its
+    loss, optimizer, EMA, scaler and CUDA graphs), all freed before the run's are built; then settled with a
+    validation batch beside the steps (`validation`: the run validates). The RNG is left as the seed set it."""
+    plan, cfg = rank.plan, rank.cfg
+    memory = auto_batch.CudaMemory(rank.device)
+    dtype, channels_last = rank.step_input
+    with torch.random.fork_rng(devices=[rank.device]):
+        net, frozen = build.network(rank.hyp, rank.data, cfg["model"].get("weights"))
+        net = rank.on_device(net)
+        step = TrainStep(net, net, optimizer=rank.new_optimizer(net, plan.base_lr),
+                         scaler=torch.amp.GradScaler("cuda", enabled=rank.amp_dtype == torch.float16),
+                         ema=build.ema(net), loss_scale=1.0, grad_clip=float(cfg["optim"].get("grad_clip", 10.0)),
+                         amp_dtype=rank.amp_dtype)
+        net.criterion, _ = training_criterion(net, sync_free=bool(cfg["train"].get("sync_free_loss", True)))
+        build.train_mode(net, frozen)
+        graphs = [plan.cuda_graphs]
+        whole = captures_step(rank, net)
+
+        targets = most_targets_of(rank)
+
+        def run_at(batch: int, validate: bool = False) -> None:
+            def images(n: int = auto_batch.PROBE_TARGETS) -> dict:
+                return auto_batch.synthetic_batch(batch, int(rank.hyp.imgsz), rank.device, dtype=dtype,
+                                                  channels_last=channels_last, nc=int(rank.data["nc"]), targets=n)
+
+            try:
+                if whole:  # the step the run takes: every bucket captured, its own gradients and graph pool
+                    taken = CapturedStep(net, optimizer=step.optimizer, scaler=step.scaler, ema=step.ema,
+                                         loss_scale=1.0, grad_clip=step.grad_clip, amp_dtype=rank.amp_dtype,
+                                         batch=batch, imgsz=int(rank.hyp.imgsz),
+                                         triton_kernels=rank.triton_kernels(), log=lambda _: None)
+                    captured = taken.capture_all(targets, images)
+                    torch.cuda.empty_cache()  # as the run's set-up does (step_build.captured_step)
+                    batches = [images(captured[0])]
+                else:
+                    step.model, taken = probe_graphs(rank, net, batch, graphs), step
+                    batches = [images()]
+                if targets is not None and targets > auto_batch.PROBE_TARGETS:
+                    batches.append(images(targets))  # the most crowded batch the data can make, eager if uncaptured
+                for _ in range(auto_batch.STEPS):
+                    for one in batches:
+                        taken(one)
+                if validate:
+                    probe_validation(rank, net, frozen, batch)
+            finally:
+                step.model = taken = net  # the graphs (and their memory pool) go with this size
+                for p in net.parameters():
+                    p.grad = None
+
+        choice = auto_batch.choose(lambda b: auto_batch.measure(run_at, b, memory), total=memory.total(),
+                                   rule=plan.auto_batch)
+        if validation:
+            choice = auto_batch.settle(choice, lambda b: auto_batch.measure(lambda x: run_at(x, True), b, memory),
+                                       rule=plan.auto_batch)
+        del step, net, run_at
+        memory.release()
+    return choice.record(plan.auto_batch["fraction"], f"{rank.device} {torch.cuda.get_device_name(rank.device)}")
+
+
+def probe_validation(rank, net: nn.Module, frozen, batch: int) -> None:
+    """One validation batch as the run's first validation takes it, beside the probe's training graphs: the
+    forward at val.batch on square imgsz images (no rectangular batch is larger), CUDA-graphed as the fast
+    engine's, and NMS of what an untrained network finds (thousands of candidates per image)."""
+    val, imgsz = rank.cfg.get("val") or {}, int(rank.hyp.imgsz)
+    rows = checks.val_batch(val, batch)
+    forward = InferenceForward(net, rank.device, batch=rows, amp_dtype=rank.amp_dtype, log=lambda _: None,
+                               graphs=val_engine(rank.cfg) == "fast" and val_graphs(rank.cfg, rank.device))
+    settings = nms_settings(rank.hyp, end2end=bool(getattr(net, "end2end", False)), conf=VAL_CONF)
+    net.eval()
+    try:
+        with torch.inference_mode():
+            img = torch.randint(0, 256, (rows, 3, imgsz, imgsz), dtype=torch.uint8, device=rank.device)
+            preds = forward(img)
+            batched_nms(preds[0] if isinstance(preds, (list, tuple)) else preds, settings.conf, settings.iou,
+                        max_det=settings.max_det, multi_label=settings.multi_label, agnostic=settings.agnostic,
+                        nc=int(rank.data["nc"]), end2end=settings.end2end)
+    finally:
+        build.train_mode(net, frozen)
+
+
+def probe_graphs(rank, net: nn.Module, batch: int, graphs: list[bool]) -> nn.Module:
+    """The probe's network for `batch`: CUDA-graphed as the run's will be; eager after a capture that fails for
+    another reason than memory (as the run's own falls back: step_build.graphed_network)."""
+    if not graphs[0]:
+        return net
+    try:
+        return capture_network(rank, net, batch)
+    except torch.cuda.OutOfMemoryError:
+        raise
+    except Exception as e:
+        rank.log(f"WARNING: CUDA graph capture failed while measuring the batch ({type(e).__name__}: {e}); "
+                 "measuring the eager step")
+        graphs[0] = False
+        return net
+
+
+def take_batch(rank, mine: dict) -> LaunchPlan:
+    """The job's batch: the smallest any rank measured (a collective), and the plan for it, from the rules
+    make_plan follows (plan.with_batch). Rank 0 writes it into plan.json (a restarted rank trains on it without
+    measuring again) and prints it, with the lr0 and warmup (and new notes) it gives, before the first step."""
+    why = auto_batch.agree(rank.comm.gather(mine))
+    planned, rank.plan = rank.plan.notes, with_batch(rank.plan, rank.cfg, why["batch_per_device"], why)
+    build.set_batch(rank.hyp, rank.plan)
+    if rank.rank == 0:
+        rank.folder.write_plan(rank.plan)
+        notes = [n for n in rank.plan.notes if n not in planned]  # the launcher printed the others
+        for line in [auto_batch.explain(why), *batch_lines(rank.plan), *notes]:
+            rank.log(line)
+    return rank.plan

@@ -1,0 +1,61 @@
+"""The GPU augmentation's settings (rank/data/gpu_augment.py), read once from Ultralytics' training arguments."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from launcher.plan.checks import GPU_INPUT_UNSUPPORTED
+from launcher.rank.data.raw_batch import RawBatch
+
+
+def _hyp_dict(hyp) -> dict:
+    return dict(hyp) if isinstance(hyp, Mapping) else dict(vars(hyp))
+
+
+class AugmentSettings:
+    """`AugmentSettings(imgsz, hyp, out_dtype)`: the probabilities and strengths GpuAugment draws with.
+
+    `hyp` is Ultralytics' training arguments (a dict or the trainer's `args` namespace); mosaic, degrees, translate,
+    scale, shear, perspective, mixup, cutmix, hsv_h/s/v, flipud, fliplr and bgr are read here, with Ultralytics'
+    defaults for those missing. Raises ValueError, naming them, for settings the GPU pipeline does not implement.
+    """
+
+    def __init__(self, imgsz: int, hyp, out_dtype: torch.dtype | None = None):
+        hyp = _hyp_dict(hyp)
+        self.out_dtype = out_dtype  # None: uint8 images as Ultralytics collates them; else the network's input
+        used = [k for k in GPU_INPUT_UNSUPPORTED if hyp.get(k)] + (["augmentations"] if hyp.get("augmentations") else [])
+        if used:
+            raise ValueError(f"the GPU input pipeline does not implement {', '.join(used)}: set them to 0 or use loader.augment_on=cpu")
+        self.imgsz = int(imgsz)
+        self.p_mosaic = float(hyp.get("mosaic", 1.0))
+        self.degrees, self.translate = float(hyp.get("degrees", 0.0)), float(hyp.get("translate", 0.1))
+        self.shear = float(hyp.get("shear", 0.0))
+        scale = hyp.get("scale", 0.5)
+        self.scale_range = tuple(map(float, scale)) if isinstance(scale, (tuple, list)) else (1 - scale, 1 + scale)
+        self.perspective = float(hyp.get("perspective", 0.0))
+        self.p_mixup, self.p_cutmix = float(hyp.get("mixup", 0.0)), float(hyp.get("cutmix", 0.0))
+        self.hsv_gains = tuple(float(hyp.get(k, d)) for k, d in (("hsv_h", 0.015), ("hsv_s", 0.7), ("hsv_v", 0.4)))
+        self.p_flipud, self.p_fliplr = float(hyp.get("flipud", 0.0)), float(hyp.get("fliplr", 0.5))
+        self.p_bgr = float(hyp.get("bgr", 0.0))
+
+    @property
+    def mixes(self) -> int:
+        """How many blocks of partners a mosaic batch brings: one for MixUp, one for CutMix, each when it is on."""
+        return int(self.p_mixup > 0) + int(self.p_cutmix > 0)
+
+    def partner_blocks(self, raw: RawBatch) -> int:
+        """The blocks of mix partners `raw` carries: `mixes` with mosaic tiles, none after close_mosaic."""
+        rows, t = raw.groups.shape
+        blocks = self.mixes if t == 4 else 0
+        if rows != raw.samples * (1 + blocks):
+            raise ValueError(f"a RawBatch of {raw.samples} samples with {rows} rows of tiles: with {t} tile(s) and "
+                             f"mixup={self.p_mixup}, cutmix={self.p_cutmix} it needs {raw.samples * (1 + blocks)} "
+                             "(a block of partners per mix that is on: gpu_input.GpuInput draws them)")
+        return blocks
+
+    @property
+    def out_scale(self) -> float:
+        """What an output grey level is multiplied by: 1 for uint8 images, 1/255 for the network's input."""
+        return 1.0 if self.out_dtype is None else 1 / 255
