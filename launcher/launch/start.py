@@ -24,10 +24,10 @@ from launcher.plan.plan import make_plan
 from launcher.problems import PlanError, Problem, config_problems
 from launcher.run_folder import RunFolder, writable
 
-# What `ddp-launch resume=RUN_DIR` may change: where and on how many ranks the run continues. Everything else is
-# the run's own config (a different epoch count or learning rate is another run).
+# What `ddp-launch resume=RUN_DIR` may change: where and on how many ranks the run continues, and where its cache
+# is. Everything else is the run's own config (a different epoch count or learning rate is another run).
 RESUME_KEYS = ("gpus", "nproc", "nnodes", "node_rank", "mode", "dist.master_addr", "dist.master_port",
-               "dist.timeout_s", "dist.max_restarts")
+               "dist.timeout_s", "dist.max_restarts", "paths.cache")
 
 
 def start(cfg: dict, run_dir: Path, base_dir: Path, on_plan=None, translated: list[str] = ()) -> int:
@@ -38,8 +38,8 @@ def start(cfg: dict, run_dir: Path, base_dir: Path, on_plan=None, translated: li
     env = environments.get(cfg["launcher"]["name"])
     cfg = env.planning_config(cfg)
     # Where it runs first: the cluster's tools, the run folder (one that holds a run keeps its records as they are).
-    errors, env_warnings = check_plan(env.problems(cfg, run_dir) + RunFolder(run_dir).new_run_problems(),
-                                      dry_run=dry_run)
+    errors, env_warnings = check_plan(env.problems(cfg, run_dir) + RunFolder(run_dir).new_run_problems()
+                                      + cache_problems(_cache(cfg)), dry_run=dry_run)
     if errors:
         raise PlanError(errors)
     hw = env.hardware(cfg)
@@ -74,9 +74,9 @@ def start(cfg: dict, run_dir: Path, base_dir: Path, on_plan=None, translated: li
         return 0
 
     assert data is not None and model is not None
+    prepare_ultralytics_home(_cache(cfg))  # before the run folder: a failure here leaves nothing behind
     folder = RunFolder(run_dir)
     folder.create(cfg, plan, model, data)
-    prepare_ultralytics_home(Path(cfg["paths"]["cache"]).expanduser())
     return env.start(cfg, plan, folder)
 
 
@@ -109,9 +109,12 @@ def resume(run_dir: Path, overrides: dict, fresh_dir: Path | None = None) -> int
     if overrides and env.name == "slurm":
         raise PlanError([Problem(f"resume={folder.path} resubmits the run's own job.sbatch; {', '.join(overrides)} "
                                  "cannot change a SLURM run's allocation")])
+    cache = Path(str(overrides.get("paths.cache", cfg["paths"]["cache"]))).expanduser()
+    if cache_problems(cache):
+        raise PlanError(cache_problems(cache))
     if overrides:
         cfg, plan = _replan(cfg, overrides, env, folder)
-    prepare_ultralytics_home(Path(cfg["paths"]["cache"]).expanduser())
+    prepare_ultralytics_home(cache)
     batch = "chosen on the GPUs" if plan.batch_pending else plan.global_batch  # auto, measured again on a new topology
     say(f"resuming {folder.path} with its own config (world size {plan.world_size}, global batch {batch})")
     return env.resume(cfg, plan, folder)
@@ -141,6 +144,16 @@ def resume_target(value, base_dir: Path) -> Path:
 
 def _cache(cfg: dict) -> Path:
     return Path(cfg["paths"]["cache"]).expanduser()
+
+
+def cache_problems(cache: Path) -> list[Problem]:
+    """paths.cache must take files before any rank starts: Ultralytics' offline settings, the synthetic data and the
+    data checks' verdicts are written there (its default lies under the home folder)."""
+    if writable(cache):
+        return []
+    return [Problem(f"paths.cache={cache} cannot be created or written (a missing or read-only home folder, or no "
+                    "permission), and ddp-launch keeps Ultralytics' offline settings and the data checks there; set "
+                    "paths.cache=A_WRITABLE_FOLDER (or DDP_LAUNCH_CACHE)", environment=True)]
 
 
 def weight_dirs(cfg: dict) -> list[Path]:
