@@ -16,6 +16,7 @@ from launcher.inputs.models import resolve_model
 from launcher.launch import environments, starting_weights
 from launcher.launch.logs import say
 from launcher.launch.outcome import say_finished
+from launcher.launch.run_lock import RunLock
 from launcher.launch.ultralytics_home import prepare_ultralytics_home
 from launcher.machine.ports import port_is_free
 from launcher.plan.checks import check_plan
@@ -76,8 +77,9 @@ def start(cfg: dict, run_dir: Path, base_dir: Path, on_plan=None, translated: li
     assert data is not None and model is not None
     prepare_ultralytics_home(_cache(cfg))  # before the run folder: a failure here leaves nothing behind
     folder = RunFolder(run_dir)
-    folder.create(cfg, plan, model, data)
-    return env.start(cfg, plan, folder)
+    with RunLock(run_dir).held():  # the first file of the run: one trainer per folder, for the run's life
+        folder.create(cfg, plan, model, data)
+        return env.start(cfg, plan, folder)
 
 
 def resume(run_dir: Path, overrides: dict, fresh_dir: Path | None = None) -> int:
@@ -112,12 +114,13 @@ def resume(run_dir: Path, overrides: dict, fresh_dir: Path | None = None) -> int
     cache = Path(str(overrides.get("paths.cache", cfg["paths"]["cache"]))).expanduser()
     if cache_problems(cache):
         raise PlanError(cache_problems(cache))
-    if overrides:
-        cfg, plan = _replan(cfg, overrides, env, folder)
-    prepare_ultralytics_home(cache)
-    batch = "chosen on the GPUs" if plan.batch_pending else plan.global_batch  # auto, measured again on a new topology
-    say(f"resuming {folder.path} with its own config (world size {plan.world_size}, global batch {batch})")
-    return env.resume(cfg, plan, folder)
+    with RunLock(folder.path).held():  # before anything is written into the folder, until the run ends
+        if overrides:
+            cfg, plan = _replan(cfg, overrides, env, folder)
+        prepare_ultralytics_home(cache)
+        batch = "chosen on the GPUs" if plan.batch_pending else plan.global_batch  # auto: measured again
+        say(f"resuming {folder.path} with its own config (world size {plan.world_size}, global batch {batch})")
+        return env.resume(cfg, plan, folder)
 
 
 def resume_target(value, base_dir: Path) -> Path:
