@@ -11,11 +11,12 @@ import shutil
 from pathlib import Path
 
 from launcher.inputs import ultralytics_files
-from launcher.inputs.data import resolve_data
+from launcher.inputs.data import DatasetInfo, resolve_data
 from launcher.inputs.models import resolve_model
 from launcher.launch import environments, starting_weights
 from launcher.launch.logs import say
 from launcher.launch.outcome import say_finished
+from launcher.launch.resumed_data import DATA_KEYS, missing_problems, moved_dataset
 from launcher.launch.run_lock import RunLock
 from launcher.launch.ultralytics_home import prepare_ultralytics_home
 from launcher.machine.ports import port_is_free
@@ -87,19 +88,23 @@ def resume(run_dir: Path, overrides: dict, fresh_dir: Path | None = None) -> int
 
     `overrides` ({key: value} as given on the command line) may only move the run (RESUME_KEYS): the plan is then
     made again for the new topology (global batch, lr0 and warmup follow the plan's rules) and the ranks restart
-    the interrupted epoch. `fresh_dir`, the folder Hydra made for this invocation, is removed when it is empty."""
+    the interrupted epoch; or name where its dataset moved (data.path: resumed_data.py). The folder may have moved
+    too: everything in it is found from where it is now. `fresh_dir`, the folder Hydra made for this invocation, is
+    removed when it is empty."""
     folder = RunFolder(Path(run_dir).expanduser().resolve())
     if fresh_dir is not None and fresh_dir != folder.path and fresh_dir.is_dir():
         if not any(p for p in fresh_dir.iterdir() if p.name != ".hydra"):
             shutil.rmtree(fresh_dir)
     cfg, plan = folder.load()
     overrides = {k: v for k, v in overrides.items() if _select(cfg, k) != v}  # what really changes
-    refused = sorted(k for k in overrides if k not in RESUME_KEYS)
+    refused = sorted(k for k in overrides if k not in RESUME_KEYS + DATA_KEYS)
     if refused:
         raise PlanError([
             Problem(f"resume={folder.path} continues the run with its own config; {', '.join(refused)} cannot change. "
-                    f"Only where it runs may: {', '.join(RESUME_KEYS)}. Start a new run to change the rest")
+                    f"Only where it runs may: {', '.join(RESUME_KEYS)}, and data.path where its dataset moved. Start a "
+                    "new run to change the rest")
         ])
+    moved_to = overrides.pop("data.path", overrides.pop("data.root", None))
     if folder.finished():
         say_finished(folder)
         return 0
@@ -115,8 +120,17 @@ def resume(run_dir: Path, overrides: dict, fresh_dir: Path | None = None) -> int
     if cache_problems(cache):
         raise PlanError(cache_problems(cache))
     with RunLock(folder.path).held():  # before anything is written into the folder, until the run ends
+        data = None if moved_to is None else moved_dataset(folder, plan, cfg["data"]["name"], moved_to, Path.cwd(),
+                                                             cache)
+        if data is None and missing_problems(folder):
+            raise PlanError(missing_problems(folder))
         if overrides:
-            cfg, plan = _replan(cfg, overrides, env, folder)
+            cfg, plan = _replan(cfg, overrides, env, folder, data)
+        if data is not None:
+            folder.move_data(data.spec)
+            say(f"the run's dataset is now {data.spec['path']} (the one before: {folder.path / 'data.prev.yaml'})")
+        if overrides:
+            folder.replan(cfg, plan)
         prepare_ultralytics_home(cache)
         batch = "chosen on the GPUs" if plan.batch_pending else plan.global_batch  # auto: measured again
         say(f"resuming {folder.path} with its own config (world size {plan.world_size}, global batch {batch})")
@@ -175,8 +189,9 @@ def _select(cfg: dict, key: str):
     return node
 
 
-def _replan(cfg: dict, overrides: dict, env, folder: RunFolder):
-    """The run's config with the topology overrides, planned for this machine, and written into the run folder."""
+def _replan(cfg: dict, overrides: dict, env, folder: RunFolder, data: DatasetInfo | None):
+    """The run's config with the topology overrides, planned for this machine on its dataset (`data`, where it
+    moved; else the folder's data.yaml): PlanError before anything is written."""
     moved = copy.deepcopy(cfg)
     for key, value in overrides.items():
         node = moved
@@ -185,12 +200,13 @@ def _replan(cfg: dict, overrides: dict, env, folder: RunFolder):
             node = node[p]
         node[leaf] = value
     moved = env.planning_config(moved)
-    data, data_problems = resolve_data({"name": moved["data"]["name"], "path": str(folder.data_file)}, folder.path,
-                                       cache_dir=_cache(moved))
+    data_problems = []
+    if data is None:
+        data, data_problems = resolve_data({"name": moved["data"]["name"], "path": str(folder.data_file)}, folder.path,
+                                           cache_dir=_cache(moved))
     plan, problems = make_plan(moved, env.hardware(moved), data, port_is_free=port_is_free)
     errors, _ = check_plan(problems + data_problems, dry_run=False)
     if errors:
         raise PlanError(errors)
-    folder.replan(moved, plan)
     say(describe(plan, None, data))
     return moved, plan

@@ -290,8 +290,8 @@ def submit_job(cfg: dict, plan: LaunchPlan, run_dir: Path) -> int:
 
 
 def sbatch(cfg: dict, plan: LaunchPlan, run_dir: Path) -> int:
-    """Submit RUN_DIR/job.sbatch (slurm.submit=true); `ddp-launch resume=RUN_DIR` of a SLURM run comes here too:
-    the job resumes from the run's checkpoint."""
+    """Submit RUN_DIR/job.sbatch (slurm.submit=true); `ddp-launch resume=RUN_DIR` of a SLURM run comes here too,
+    its script written again first (the folder may have moved): the job resumes from the run's checkpoint."""
     s = cfg["slurm"]
     script = Path(run_dir) / SCRIPT_NAME
     cmd = ["sbatch", "--parsable", str(script)]
@@ -355,4 +355,4 @@ class SlurmEnvironment:
         return submit_job(cfg, plan, folder.path)
 
     def resume(self, cfg: dict, plan: LaunchPlan, folder: RunFolder) -> int:
-        return sbatch(cfg, plan, folder.path)  # the job resumes from the run's checkpoint
+        return submit_job(cfg, plan, folder.path)  # job.sbatch written for where the folder is now; resumes there
