@@ -92,8 +92,9 @@ def batch_lines(plan: LaunchPlan) -> list[str]:
     if plan.batch_pending:
         return [f"batch           auto per device x {devices} device(s): {auto_batch_rule(plan.auto_batch)}; chosen on "
                 "the GPUs before the first step (train.batch_per_device=auto)",
-                f"lr0             base_lr {plan.base_lr:g} x {plan.lr_scaling}(global batch/{plan.base_batch}), once the "
-                "batch is chosen",
+                f"lr0             base_lr {plan.base_lr:g} x {plan.lr_scaling}(global batch/{plan.base_batch})"
+                + (f", at most optim.lr0_cap {plan.lr0_cap:g}" if plan.lr0_cap is not None else "")
+                + ", once the batch is chosen",
                 "warmup          in steps once the batch is chosen"]
     lines = [
         f"batch           {plan.batch_per_device} per device x {devices} device(s)"
