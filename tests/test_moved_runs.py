@@ -62,8 +62,8 @@ def dataset(tmp_path) -> Path:
 
 def test_a_moved_dataset_is_named_again_on_resume_and_checked_to_be_the_runs(tmp_path, cache_dir, dataset,
                                                                            monkeypatch):
-    run = planned(["gpus=0", "data=custom", f"data.path={dataset / 'data.yaml'}", *TINY_CUSTOM], tmp_path / "run", tmp_path,
-                  monkeypatch)
+    run = planned(["gpus=0", "data=custom", f"data.path={dataset / 'data.yaml'}", *TINY_CUSTOM], tmp_path / "run",
+                  tmp_path, monkeypatch)
     resumed = []
     monkeypatch.setattr(local.LocalEnvironment, "resume", lambda self, cfg, plan, folder: resumed.append(cfg) or 0)
     monkeypatch.chdir(tmp_path)
@@ -95,8 +95,8 @@ def test_a_moved_dataset_is_named_again_on_resume_and_checked_to_be_the_runs(tmp
 
 
 def test_another_dataset_with_other_classes_is_refused_in_one_line(tmp_path, cache_dir, dataset, monkeypatch):
-    run = planned(["gpus=0", "data=custom", f"data.path={dataset / 'data.yaml'}", *TINY_CUSTOM], tmp_path / "run", tmp_path,
-                  monkeypatch)
+    run = planned(["gpus=0", "data=custom", f"data.path={dataset / 'data.yaml'}", *TINY_CUSTOM], tmp_path / "run",
+                  tmp_path, monkeypatch)
     other = tmp_path / "other"
     shutil.copytree(dataset, other)
     (other / "data.yaml").write_text(yaml.safe_dump({"train": "images/train", "val": "images/val",

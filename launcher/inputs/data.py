@@ -152,8 +152,9 @@ def resolve_data(data_cfg: dict, base_dir: Path, *, generate: bool = True, cache
             try:
                 yaml_path = shapes.ensure_dataset(root, spec)
             except OSError as e:
-                return None, [Problem(f"data.root={root}: the synthetic dataset cannot be written there ({e.strerror or e}"
-                                      "); set data.root (or paths.cache) to a writable folder", environment=True)]
+                why = e.strerror or e
+                return None, [Problem(f"data.root={root}: the synthetic dataset cannot be written there ({why}); set "
+                                      "data.root (or paths.cache) to a writable folder", environment=True)]
         elif (folder / shapes.MARKER).is_file():
             yaml_path = folder / shapes.MARKER
         else:

@@ -120,7 +120,7 @@ def cuda_started_since() -> str | None:
 def saved_signals() -> dict[int, object]:
     """The dispositions to hand to the ranks, as a fresh interpreter started by torchrun would have them: taken in the
     warm torchrun before torchrun's agent installs its own. An ignored signal stays ignored across exec (the SLURM
-    job's USR1) unless the agent catches it; a caught one becomes the default (SIGINT's is Python's KeyboardInterrupt)."""
+    job's USR1) unless the agent catches it; a caught one becomes the default (SIGINT's: Python's KeyboardInterrupt)."""
     return {s: _after_exec(s, signal.SIG_DFL if s in AGENT_CAUGHT else signal.getsignal(s)) for s in SIGNALS}
 
 

@@ -25,8 +25,8 @@ def missing_problems(folder: RunFolder) -> list[Problem]:
     gone = [e for e in entries if not Path(e).exists()]
     if not gone:
         return []
-    return [Problem(f"resume={folder.path}: the run's dataset is not where it was ({', '.join(gone)} is missing); if it "
-                    "moved, add data.path=ITS_DATA_YAML or data.path=ITS_FOLDER", environment=True)]
+    return [Problem(f"resume={folder.path}: the run's dataset is not where it was ({', '.join(gone)} is missing); "
+                    "if it moved, add data.path=ITS_DATA_YAML or data.path=ITS_FOLDER", environment=True)]
 
 
 def moved_dataset(folder: RunFolder, plan: LaunchPlan, name: str, value, base_dir: Path,

@@ -44,7 +44,8 @@ class Holder:
 
     def describe(self) -> str:
         job = f", SLURM job {self.slurm_job_id}" if self.slurm_job_id else ""
-        return f"pid {self.pid} on {self.host}{job}, since {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(self.since))}"
+        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.since))
+        return f"pid {self.pid} on {self.host}{job}, since {since}"
 
     def gone(self) -> bool:
         """Whether this holder certainly holds nothing any more: a process of this host that is not alive (or whose
@@ -202,8 +203,8 @@ class RunLock:
             return Problem(f"{self.path.parent} is locked by {self.path}, which cannot be read; if no ddp-launch runs "
                            "in that folder, delete it and run this again", environment=True)
         stop = f"scancel {other.slurm_job_id}" if other.slurm_job_id else f"stop it (kill {other.pid} on {other.host})"
-        return Problem(f"{self.path.parent} is in use by another ddp-launch ({other.describe()}); wait for it to end or "
-                       f"{stop}, then run this again; if that process is gone, delete {self.path}", environment=True)
+        return Problem(f"{self.path.parent} is in use by another ddp-launch ({other.describe()}); wait for it to end "
+                       f"or {stop}, then run this again; if that process is gone, delete {self.path}", environment=True)
 
 
 def _exit_on(signum, _frame):
