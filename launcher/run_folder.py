@@ -1,8 +1,10 @@
 """A run folder: every file a run writes or reads, in one place.
 
-    config.yaml        the resolved config the ranks run (they never run Hydra)
+    config.yaml        the resolved config the ranks run (they never run Hydra); its data.path is data.yaml, relative
+                       to the folder, so that a moved or copied folder reads its own
     plan.json          the plan (launcher/plan)
-    data.yaml          the dataset as the ranks see it
+    data.yaml          the dataset as the ranks see it (data.prev.yaml: before a resume moved the dataset)
+    run.lock           who runs in the folder now (launch/run_lock.py)
     torchrun.sh        a local run's exact command; job.sbatch for a SLURM run
     logs/rank<N>.log   each rank's stdout and stderr; its diagnostics tagged DETAIL (on the console with log.verbose)
     logs/launcher.log  the launcher's diagnostics (on the console with log.verbose)
@@ -178,13 +180,22 @@ class RunFolder:
         if self.plan_file.exists():
             raise PlanError([Problem(f"{self.path} already holds a run; choose another hydra.run.dir")])
         self.data_file.write_text(yaml.safe_dump(data.spec, sort_keys=False))
-        resolved = {
-            **cfg,
-            "model": {**cfg["model"], "cfg": model.cfg, "weights": model.weights},
-            "data": {**cfg["data"], "path": str(self.data_file)},
-        }
-        OmegaConf.save(OmegaConf.create(resolved), self.config_file)
+        self._save_config({**cfg, "model": {**cfg["model"], "cfg": model.cfg, "weights": model.weights}})
         self.write_plan(plan)
+
+    def _save_config(self, cfg: dict) -> None:
+        """config.yaml, its data.path the folder's own data.yaml, named relative to the folder (load resolves it)."""
+        from omegaconf import OmegaConf
+
+        OmegaConf.save(OmegaConf.create({**cfg, "data": {**cfg["data"], "path": self.data_file.name}}),
+                       self.config_file)
+
+    def move_data(self, spec: dict) -> None:
+        """A resume on a dataset that moved: its new data.yaml; the one it replaces kept as data.prev.yaml."""
+        import yaml
+
+        os.replace(self.data_file, self.path / "data.prev.yaml")
+        atomic_write_bytes(self.data_file, yaml.safe_dump(spec, sort_keys=False).encode())
 
     def write_plan(self, plan: LaunchPlan, keep_as: str | None = None) -> None:
         """The plan the ranks run; the one it replaces is kept as `keep_as` (a re-planned resume, a fallback)."""
@@ -195,20 +206,26 @@ class RunFolder:
     def replan(self, cfg: dict, plan: LaunchPlan) -> None:
         """A resume on another topology: the new config and plan; the ones they replace kept as config.prev.yaml and
         plan.prev.json."""
-        from omegaconf import OmegaConf
-
         os.replace(self.config_file, self.path / "config.prev.yaml")
-        OmegaConf.save(OmegaConf.create(cfg), self.config_file)
+        self._save_config(cfg)
         self.write_plan(plan, keep_as="plan.prev.json")
 
     def load(self) -> tuple[dict, LaunchPlan]:
-        """(resolved config, plan) as the launcher wrote them."""
+        """(resolved config, plan) as the launcher wrote them; data.path is this folder's data.yaml, wherever the
+        folder was when it was written (a folder moved or copied reads its own)."""
         from omegaconf import OmegaConf
 
         if not self.is_run():
             raise PlanError([Problem(f"{self.path}: not a ddp-launch run folder (no config.yaml and plan.json)")])
         cfg = OmegaConf.to_container(OmegaConf.load(self.config_file), resolve=True)
+        cfg["data"] = {**cfg["data"], "path": str(self.data_file)}
         return cfg, LaunchPlan.from_dict(json.loads(self.plan_file.read_text()))
+
+    def dataset(self) -> dict:
+        """data.yaml as the ranks read it."""
+        import yaml
+
+        return yaml.safe_load(self.data_file.read_text())
 
     # --- the outcome ----------------------------------------------------------------------------------------------
     def read_json(self, name: str) -> dict | None:

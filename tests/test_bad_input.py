@@ -137,19 +137,25 @@ EXTRA_VALUES = [("fliplr", 7), ("fliplr", 0.5), ("mosaic", -0.1), ("hsv_h", "x")
                 ("copy_paste_mode", 3), ("dropout", None), ("cls", None)]
 
 
-@pytest.mark.parametrize("key,value", EXTRA_VALUES)
-def test_train_extra_values_are_checked_as_ultralytics_checks_them(key, value):
-    from ultralytics.cfg import DEFAULT_CFG_DICT, check_cfg
-
-    from launcher.plan.ultralytics_values import extra_problems
+def ultralytics_refuses(key: str, value) -> bool:
+    """Whether Ultralytics' own check_cfg refuses `key=value`."""
+    from ultralytics.cfg import check_cfg
 
     try:
         check_cfg({key: value})
-        ultralytics_refuses = False
     except (TypeError, ValueError):
-        ultralytics_refuses = True
+        return True
+    return False
+
+
+@pytest.mark.parametrize("key,value", EXTRA_VALUES)
+def test_train_extra_values_are_checked_as_ultralytics_checks_them(key, value):
+    from ultralytics.cfg import DEFAULT_CFG_DICT
+
+    from launcher.plan.ultralytics_values import extra_problems
+
     ours = extra_problems({key: value})
-    assert bool(ours) == ultralytics_refuses, (ours, DEFAULT_CFG_DICT.get(key))
+    assert bool(ours) == ultralytics_refuses(key, value), (ours, DEFAULT_CFG_DICT.get(key))
     if ours:
         assert ours[0].message.startswith(f"train.extra.{key}={value!r}: ")
 
@@ -161,3 +167,47 @@ def test_extra_fliplr_out_of_range_is_refused_before_any_rank(tmp_path, cache_di
 def test_a_checkpoint_model_without_weights_names_the_key_to_set(tmp_path, cache_dir):
     msg = refused(["model=checkpoint"], tmp_path)
     assert "model=checkpoint starts from a checkpoint: set model.weights=/path/to/best.pt" in msg and "???" not in msg
+
+
+# --- the optimizer's values, as Ultralytics checks them in every rank ----------------------------------------------
+@pytest.mark.parametrize("key,value", [("momentum", 2), ("momentum", 0.9), ("weight_decay", -0.1), ("lrf", 1.5),
+                                       ("warmup_momentum", 0.8), ("warmup_bias_lr", 3)])
+def test_optimizer_values_are_checked_as_ultralytics_checks_them(key, value):
+    from launcher.plan.ultralytics_values import optimizer_problems
+
+    ours = optimizer_problems({**compose_config()["optim"], key: value}, {"lr0": None})
+    assert bool(ours) == ultralytics_refuses(key, value), ours
+    if ours:
+        assert ours[0].message.startswith(f"optim.{key}={value!r}: ")
+
+
+def test_momentum_above_one_is_refused_before_any_folder_is_written(tmp_path, cache_dir):
+    msg = refused(["optim.momentum=2"], tmp_path)
+    assert "optim.momentum=2: expected a number between 0.0 and 1.0" in msg
+    assert not (tmp_path / "run").exists()
+
+
+def test_lr0_scaled_above_ultralytics_limit_at_a_large_planned_batch_is_refused_with_its_rule():
+    """128 GPUs x 64 images: linear scaling makes lr0 1.28, which every rank's Ultralytics would refuse at its start.
+    The plan says which rule made it and what to use; sqrt scaling or a cap plans it."""
+    from tests.test_plan import messages, plan_for
+
+    world = ["gpus=8", "nnodes=16", "dist.master_addr=10.0.0.1", "dist.master_port=29400", "train.batch_per_device=64"]
+    plan, problems = plan_for(world)
+    assert plan.global_batch == 8192 and plan.lr0 == pytest.approx(1.28)
+    assert ("lr0 1.28 = base_lr 0.01 x 8192/64 by optim.lr_scaling=linear: Ultralytics refuses an lr0 above 1"
+            in messages(problems))
+    assert "optim.lr_scaling=sqrt (lr0 0.113 here)" in messages(problems) and "optim.lr0_cap=" in messages(problems)
+    plan, problems = plan_for([*world, "optim.lr_scaling=sqrt"])
+    assert not problems and plan.lr0 == pytest.approx(0.01 * 128 ** 0.5)
+    plan, problems = plan_for([*world, "optim.lr0_cap=0.1"])
+    assert not problems and plan.lr0 == pytest.approx(0.1)
+    from launcher.plan.describe import lr0_rule
+
+    assert lr0_rule(plan) == "0.1 = optim.lr0_cap (base_lr 0.01 x linear(8192/64) would be 1.28)"
+
+
+def test_ultralytics_lr0_above_one_is_refused_on_the_command_line(tmp_path, cache_dir):
+    r = ddp_launch(["lr0=5", "batch=64", "gpus=0"], cwd=tmp_path, timeout=120)
+    assert r.returncode == 2 and "lr0 5 = base_lr 5 x 64/64 by optim.lr_scaling=linear" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and not (tmp_path / "runs").exists()

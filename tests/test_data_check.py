@@ -119,12 +119,17 @@ def test_verdicts_are_cached_by_size_and_mtime(dataset, tmp_path, monkeypatch):
     assert [Path(c).name for c in calls] == ["good00.jpg"]
 
 
-def test_the_plan_shows_the_counts_and_reasons_and_summary_json_holds_them(dataset, tmp_path, cache_dir):
-    cfg = compose_config(["data=custom", f"data.path={dataset}", "gpus=0", "dry_run=true"])
+def dry_run_output(cfg: dict, tmp_path: Path) -> str:
+    """What a dry run of `cfg` prints."""
     out = io.StringIO()
     with redirect_stdout(out):
         assert launch(cfg, tmp_path / "run", tmp_path) == 0
-    text = out.getvalue()
+    return out.getvalue()
+
+
+def test_the_plan_shows_the_counts_and_reasons_and_summary_json_holds_them(dataset, tmp_path, cache_dir):
+    cfg = compose_config(["data=custom", f"data.path={dataset}", "gpus=0", "dry_run=true"])
+    text = dry_run_output(cfg, tmp_path)
     assert "(18 of 24 train / 7 of 8 val images usable)" in text
     assert "6 of 24 train images dropped: " in text and "random.jpg" in text and labels.UNIDENTIFIED in text
     assert "1 of 8 val images dropped: 1 " + labels.UNIDENTIFIED + " (random.jpg)" in text
@@ -231,3 +236,31 @@ def test_the_check_counts_the_most_boxes_a_usable_image_trains_on(tmp_path):
     assert check.usable == 2 and check.to_dict()["most_boxes"] == 6
     again = labels.check_split([str(tmp_path / "images" / "train")], len(NAMES), cache_dir=tmp_path / "cache")
     assert again.most_boxes == 6  # read from the verdicts' cache
+
+
+def test_orphan_label_files_and_images_sharing_one_label_file_are_named_in_the_plan(tmp_path, cache_dir):
+    """Label files whose images were deleted, and a.jpg beside a.png (both read a.txt): Ultralytics says nothing of
+    either; the plan warns with the files, and a shared label file is counted once."""
+    root = tmp_path / "ds"
+    for i in range(4):
+        _write(root, "train", f"img{i}.jpg", _jpeg(), GOOD)
+    _write(root, "train", "pair.jpg", _jpeg(), GOOD)
+    _write(root, "train", "pair.png", _jpeg(mode="L"), None)  # reads pair.txt, written beside pair.jpg
+    for name in ("gone1.txt", "gone2.txt"):
+        (root / "labels" / "train" / name).write_text(GOOD)
+    for i in range(2):
+        _write(root, "val", f"v{i}.jpg", _jpeg(), GOOD)
+    data = root / "data.yaml"
+    data.write_text(yaml.safe_dump({"path": str(root), "train": "images/train", "val": "images/val", "names": NAMES}))
+
+    check = labels.check_split([str(root / "images" / "train")], len(NAMES)).to_dict()
+    assert check["images"] == 6 and check["usable"] == 6 and check["labels_found"] == 5
+    assert check["orphan_labels"] == {"count": 2, "first": ["gone1.txt", "gone2.txt"]}
+    assert check["shared_labels"] == {"count": 1, "first": ["pair.txt <- pair.jpg and pair.png"]}
+    val = labels.check_split([str(root / "images" / "val")], len(NAMES)).to_dict()
+    assert val["orphan_labels"]["count"] == 0 and val["shared_labels"]["count"] == 0 and val["labels_found"] == 2
+
+    text = dry_run_output(compose_config(["data=custom", f"data.path={data}", "gpus=0", "dry_run=true"]), tmp_path)
+    assert "WARNING: 2 train label file(s) without an image, never read (gone1.txt, gone2.txt)" in text
+    assert "WARNING: 1 train label file(s) read by two images or more (pair.txt <- pair.jpg and pair.png)" in text
+    assert "val label file" not in text

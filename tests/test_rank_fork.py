@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from dataclasses import replace
@@ -93,6 +94,8 @@ if pid == 0:
         socket_open = False
     print(json.dumps({"sigterm_default": signal.getsignal(signal.SIGTERM) == signal.SIG_DFL,
                       "sigint": signal.getsignal(signal.SIGINT) is signal.default_int_handler,
+                      "sigquit_default": signal.getsignal(signal.SIGQUIT) == signal.SIG_DFL,
+                      "sigusr1_ignored": signal.getsignal(signal.SIGUSR1) == signal.SIG_IGN,
                       "own_session": os.getsid(0) == os.getpid(), "socket_open": socket_open, "argv": sys.argv,
                       "name": open("/proc/self/comm").read().strip(), "torch_threads": torch.get_num_threads(),
                       "openblas_threads": getter()}), flush=True)
@@ -101,15 +104,29 @@ os.waitpid(pid, 0)
 """
 
 
-def test_a_forked_rank_gets_what_a_fresh_interpreter_would_have(tmp_path):
-    """Signal dispositions from before torchrun's handlers, its own session, none of torchrun's sockets, the rank's
-    command line and name, and the plan's thread counts applied to torch and to numpy's OpenBLAS (both loaded before
-    the fork with other counts)."""
+def _started_with(ignored: tuple[int, ...]):
+    """The dispositions the caller hands the test's interpreter: these ignored (SIG_IGN survives exec), the others
+    default, whatever the dispositions of whoever runs pytest."""
+    def preexec():
+        for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2):
+            signal.signal(s, signal.SIG_IGN if s in ignored else signal.SIG_DFL)
+    return preexec
+
+
+@pytest.mark.parametrize("ignored", [(signal.SIGUSR1,), (signal.SIGINT, signal.SIGQUIT, signal.SIGUSR1)],
+                         ids=["terminal", "background-job"])
+def test_a_forked_rank_gets_what_a_fresh_interpreter_would_have(ignored, tmp_path):
+    """Signal dispositions a fresh interpreter started by torchrun would have (the ones torchrun's agent catches at
+    their defaults, SIGINT raising KeyboardInterrupt, though the caller ignored them as a background job does; the
+    SLURM job's ignored USR1 kept), its own session, none of torchrun's sockets, the rank's command line and name, and
+    the plan's thread counts applied to torch and to numpy's OpenBLAS (both loaded before the fork with other counts)."""
     env = {k: v for k, v in os.environ.items() if not k.endswith("_NUM_THREADS")}
-    out = subprocess.run([sys.executable, "-c", BECOME_RANK], env=env, capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-c", BECOME_RANK], env=env, capture_output=True, text=True, timeout=120,
+                         preexec_fn=_started_with(ignored))
     assert out.returncode == 0, out.stderr[-3000:]
     seen = json.loads(out.stdout.strip().splitlines()[-1])
     assert seen["sigterm_default"] and seen["sigint"] and seen["own_session"] and not seen["socket_open"], seen
+    assert seen["sigquit_default"] and seen["sigusr1_ignored"], seen
     assert seen["argv"][0].endswith(os.path.join("launcher", "rank", "worker.py")) and seen["argv"][1:] == ["/runs/x"]
     assert seen["name"] == "ddp-rank3"
     assert seen["torch_threads"] == 1 and seen["openblas_threads"] == 1, seen

@@ -133,3 +133,34 @@ def test_a_slurm_dry_run_without_sbatch_warns_that_it_is_missing(tmp_path, cache
     out = capsys.readouterr().out
     assert "WARNING: launcher=slurm: sbatch is not on PATH here" in out and "(a real run would refuse)" in out
     assert "dry run: nothing started" in out
+
+
+UNWRITABLE_CACHE = "/proc/no-home/.cache/ddp-launch"  # /proc takes no new folder, whoever asks (root included)
+
+
+def test_an_unwritable_cache_is_refused_before_the_run_folder_is_written_and_a_resume_may_move_it(
+        tmp_path, cache_dir, monkeypatch, capsys):
+    """A home folder that cannot be written (the default paths.cache lies under it): one line naming the folder and
+    the key, before the run folder is written (a dry run warns). A run whose stored cache went bad resumes with
+    paths.cache=ANOTHER, planned again for it."""
+    with pytest.raises(PlanError) as e:
+        start.start(compose_config(["gpus=0", f"paths.cache={UNWRITABLE_CACHE}", *TINY]), tmp_path / "run", tmp_path)
+    assert f"paths.cache={UNWRITABLE_CACHE} cannot be created or written" in str(e.value)
+    assert "set paths.cache=A_WRITABLE_FOLDER" in str(e.value) and not (tmp_path / "run").exists()
+    dry = compose_config(["gpus=0", f"paths.cache={UNWRITABLE_CACHE}", "dry_run=true", *TINY])
+    assert start.start(dry, tmp_path / "run", tmp_path) == 0 and not (tmp_path / "run").exists()
+    assert f"WARNING: paths.cache={UNWRITABLE_CACHE} cannot" in capsys.readouterr().out
+
+    monkeypatch.setattr(local.LocalEnvironment, "start", lambda self, cfg, plan, folder: 0)  # the folder, no ranks
+    assert start.start(compose_config(["gpus=0", *TINY]), tmp_path / "run", tmp_path) == 0
+    config = (tmp_path / "run" / "config.yaml").read_text()
+    (tmp_path / "run" / "config.yaml").write_text(config.replace(str(cache_dir), UNWRITABLE_CACHE))
+    resumed = []
+    monkeypatch.setattr(local.LocalEnvironment, "resume", lambda self, cfg, plan, folder: resumed.append(plan) or 0)
+    with pytest.raises(PlanError) as e:
+        start.resume(tmp_path / "run", {})
+    assert f"paths.cache={UNWRITABLE_CACHE} cannot be created or written" in str(e.value) and not resumed
+    good = tmp_path / "new-cache"
+    assert start.resume(tmp_path / "run", {"paths.cache": str(good)}) == 0
+    assert resumed[0].env["YOLO_CONFIG_DIR"].startswith(str(good)) and (good / "ultralytics").is_dir()
+    assert RunFolder(tmp_path / "run").load()[0]["paths"]["cache"] == str(good)

@@ -149,7 +149,12 @@ def resolve_data(data_cfg: dict, base_dir: Path, *, generate: bool = True, cache
         root = Path(str(data_cfg["root"])).expanduser()
         folder = shapes.dataset_dir(root, spec)
         if generate:
-            yaml_path = shapes.ensure_dataset(root, spec)
+            try:
+                yaml_path = shapes.ensure_dataset(root, spec)
+            except OSError as e:
+                why = e.strerror or e
+                return None, [Problem(f"data.root={root}: the synthetic dataset cannot be written there ({why}); set "
+                                      "data.root (or paths.cache) to a writable folder", environment=True)]
         elif (folder / shapes.MARKER).is_file():
             yaml_path = folder / shapes.MARKER
         else:

@@ -9,6 +9,8 @@ rules run here, so the plan can say how many images each split really has and wh
   any label problem: a class id >= nc, coordinates above 1.01 or below 0 (1 % tolerance), a non-integer class,
   rows that are not 5 numbers, segment and box rows mixed. One bad line drops the whole image.
 * kept: an image without a label file or with an empty one (a background image), duplicate label rows (removed).
+* noted, as Ultralytics says nothing of them: label files whose image is gone (it never reads them), and images that
+  share one label file (a.jpg and a.png both read a.txt).
 
 Only the label files (small) and each image's header are read (a JPEG whose end marker is missing is decoded, as
 Ultralytics decodes it). Verdicts are cached under paths.cache keyed by every file's size and mtime, like
@@ -102,18 +104,26 @@ def label_file(image: str) -> str:
 class SplitCheck:
     images: int = 0  # listed
     usable: int = 0  # what the ranks train or validate on
-    labels_found: int = 0
+    labels_found: int = 0  # label files read by the split's images (one shared by two images counts once)
     dropped: dict[str, list[str]] = field(default_factory=dict)  # reason -> files
     kept: dict[str, list[str]] = field(default_factory=dict)  # worth knowing: background images, duplicates, ...
     most_boxes: int = 0  # the most boxes in one usable image (what a batch's padded targets must hold)
+    orphan_labels: list[str] = field(default_factory=list)  # label files beside the split's whose image is gone
+    shared_labels: dict[str, list[str]] = field(default_factory=dict)  # a label file -> the images that read it
 
     def to_dict(self) -> dict:
         """The split as the plan, summary.json and the final lines give it: counts, and the first files per reason."""
         def counted(d):
             return {reason: {"count": len(files), "first": [Path(f).name for f in files[:EXAMPLES]]}
                     for reason, files in sorted(d.items(), key=lambda kv: -len(kv[1]))}
+        shared = sorted(self.shared_labels.items())
         return {"images": self.images, "usable": self.usable, "labels_found": self.labels_found,
-                "dropped": counted(self.dropped), "kept": counted(self.kept), "most_boxes": self.most_boxes}
+                "dropped": counted(self.dropped), "kept": counted(self.kept), "most_boxes": self.most_boxes,
+                "orphan_labels": {"count": len(self.orphan_labels),
+                                  "first": [Path(f).name for f in self.orphan_labels[:EXAMPLES]]},
+                "shared_labels": {"count": len(shared), "first": [
+                    f"{Path(label).name} <- {' and '.join(Path(i).name for i in images)}"
+                    for label, images in shared[:EXAMPLES]]}}
 
 
 def describe(split: str, check: dict) -> list[str]:
@@ -123,10 +133,22 @@ def describe(split: str, check: dict) -> list[str]:
         return "; ".join(f"{r['count']} {reason} ({', '.join(r['first'])}{', ...' if r['count'] > len(r['first']) else ''})"
                          for reason, r in reasons.items())
 
+    def more(r: dict) -> str:
+        return ", ..." if r["count"] > len(r["first"]) else ""
+
     dropped = sum(r["count"] for r in check["dropped"].values())
     lines = [f"{dropped} of {check['images']} {split} images dropped: {listed(check['dropped'])}"] if dropped else []
     if check["kept"]:
         lines.append(f"{split} images kept: {listed(check['kept'])}")
+    orphans, shared = check.get("orphan_labels") or {"count": 0}, check.get("shared_labels") or {"count": 0}
+    if orphans["count"]:
+        lines.append(f"WARNING: {orphans['count']} {split} label file(s) without an image, never read "
+                     f"({', '.join(orphans['first'])}{more(orphans)}): their images are gone; put them back or delete "
+                     "the label files")
+    if shared["count"]:
+        lines.append(f"WARNING: {shared['count']} {split} label file(s) read by two images or more "
+                     f"({'; '.join(shared['first'])}{more(shared)}): each image trains on the same boxes; give each "
+                     "image its own name")
     return lines
 
 
@@ -286,8 +308,14 @@ def check_split(entries: list[str], nc: int, *, kpt_shape=None, cache_dir: Path 
     with ThreadPoolExecutor(THREADS) as pool:
         verdicts = [v for chunk in pool.map(lambda c: [verdict(im) for im in c], chunks) for v in chunk]
     result = SplitCheck(images=len(images))
+    readers: dict[str, list[str]] = {}  # label file -> the images that read it
+    for image in images:
+        readers.setdefault(label_file(image), []).append(image)
+    result.labels_found = sum(1 for image in images if stamps[image][2] >= 0 and readers[label_file(image)][0] == image)
+    result.shared_labels = {label: found for label, found in readers.items()
+                            if len(found) > 1 and stamps[found[0]][2] >= 0}
+    result.orphan_labels = [f for f in _label_files(entries) if f not in readers]
     for image, (dropped, note, boxes) in zip(images, verdicts):
-        result.labels_found += stamps[image][2] >= 0
         if dropped:
             result.dropped.setdefault(dropped, []).append(image)
             continue
@@ -299,6 +327,18 @@ def check_split(entries: list[str], nc: int, *, kpt_shape=None, cache_dir: Path 
     if cache_file is not None and write_cache and fresh != cached:
         _write_cache(cache_file, fresh)
     return result
+
+
+def _label_files(entries: list[str]) -> list[str]:
+    """The label files where Ultralytics looks for a split's labels: below each image folder's labels/ twin (the
+    folder itself, where the path holds no images/), sorted. A split given as a .txt list of images has no folder."""
+    found: set[str] = set()
+    for entry in entries:
+        if os.path.isdir(entry):
+            folder = os.path.dirname(label_file(os.path.join(entry, "x.jpg")))
+            if os.path.isdir(folder):
+                found.update(f for f in _files_under(folder) if f.endswith(".txt"))
+    return sorted(found)
 
 
 def _read_cache(path: Path | None) -> dict:

@@ -46,6 +46,9 @@ AFTER_FORK = frozenset({
 AFTER_FORK_PREFIXES = ("DDP_LAUNCH_", "PET_", "TORCHELASTIC_", "YOLO_", "NCCL_", "TORCH_NCCL_")
 # Dispositions torchrun's agent changes before it starts the ranks (its signals_to_handle, and the launcher's USR1).
 SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
+# The ones torchrun's agent catches before it starts the ranks (PContext.start): exec resets a caught signal to its
+# default, so a fresh rank has the default whatever its caller ignored (a background job ignores SIGINT).
+AGENT_CAUGHT = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 PRELOADED = ("torch._dynamo", WORKER_MODULE)  # what the warm torchrun imports beyond torchrun, for the ranks
 # torch.cuda.is_available() answered by NVML's count: no cuInit, and torch leaves the process's forks able to use CUDA
 NVML_CUDA_CHECK = "PYTORCH_NVML_BASED_CUDA_CHECK"
@@ -115,5 +118,13 @@ def cuda_started_since() -> str | None:
 
 
 def saved_signals() -> dict[int, object]:
-    """The dispositions to hand to the ranks: taken in the warm torchrun before torchrun's agent installs its own."""
-    return {s: signal.getsignal(s) for s in SIGNALS}
+    """The dispositions to hand to the ranks, as a fresh interpreter started by torchrun would have them: taken in the
+    warm torchrun before torchrun's agent installs its own. An ignored signal stays ignored across exec (the SLURM
+    job's USR1) unless the agent catches it; a caught one becomes the default (SIGINT's: Python's KeyboardInterrupt)."""
+    return {s: _after_exec(s, signal.SIG_DFL if s in AGENT_CAUGHT else signal.getsignal(s)) for s in SIGNALS}
+
+
+def _after_exec(signum: int, disposition) -> object:
+    if disposition is signal.SIG_IGN:
+        return signal.SIG_IGN
+    return signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL

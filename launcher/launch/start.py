@@ -11,12 +11,14 @@ import shutil
 from pathlib import Path
 
 from launcher.inputs import ultralytics_files
-from launcher.inputs.data import resolve_data
+from launcher.inputs.data import DatasetInfo, resolve_data
 from launcher.inputs.model_task import task_problem
 from launcher.inputs.models import resolve_model
 from launcher.launch import environments, starting_weights
 from launcher.launch.logs import say
 from launcher.launch.outcome import say_finished
+from launcher.launch.resumed_data import DATA_KEYS, missing_problems, moved_dataset
+from launcher.launch.run_lock import RunLock
 from launcher.launch.ultralytics_home import prepare_ultralytics_home
 from launcher.machine.ports import port_is_free
 from launcher.plan.checks import check_plan
@@ -25,10 +27,10 @@ from launcher.plan.plan import make_plan
 from launcher.problems import PlanError, Problem, config_problems
 from launcher.run_folder import RunFolder, writable
 
-# What `ddp-launch resume=RUN_DIR` may change: where and on how many ranks the run continues. Everything else is
-# the run's own config (a different epoch count or learning rate is another run).
+# What `ddp-launch resume=RUN_DIR` may change: where and on how many ranks the run continues, and where its cache
+# is. Everything else is the run's own config (a different epoch count or learning rate is another run).
 RESUME_KEYS = ("gpus", "nproc", "nnodes", "node_rank", "mode", "dist.master_addr", "dist.master_port",
-               "dist.timeout_s", "dist.max_restarts")
+               "dist.timeout_s", "dist.max_restarts", "paths.cache")
 
 
 def start(cfg: dict, run_dir: Path, base_dir: Path, on_plan=None, translated: list[str] = ()) -> int:
@@ -39,8 +41,8 @@ def start(cfg: dict, run_dir: Path, base_dir: Path, on_plan=None, translated: li
     env = environments.get(cfg["launcher"]["name"])
     cfg = env.planning_config(cfg)
     # Where it runs first: the cluster's tools, the run folder (one that holds a run keeps its records as they are).
-    errors, env_warnings = check_plan(env.problems(cfg, run_dir) + RunFolder(run_dir).new_run_problems(),
-                                      dry_run=dry_run)
+    errors, env_warnings = check_plan(env.problems(cfg, run_dir) + RunFolder(run_dir).new_run_problems()
+                                      + cache_problems(_cache(cfg)), dry_run=dry_run)
     if errors:
         raise PlanError(errors)
     hw = env.hardware(cfg)
@@ -77,10 +79,11 @@ def start(cfg: dict, run_dir: Path, base_dir: Path, on_plan=None, translated: li
         return 0
 
     assert data is not None and model is not None
+    prepare_ultralytics_home(_cache(cfg))  # before the run folder: a failure here leaves nothing behind
     folder = RunFolder(run_dir)
-    folder.create(cfg, plan, model, data)
-    prepare_ultralytics_home(Path(cfg["paths"]["cache"]).expanduser())
-    return env.start(cfg, plan, folder)
+    with RunLock(run_dir).held():  # the first file of the run: one trainer per folder, for the run's life
+        folder.create(cfg, plan, model, data)
+        return env.start(cfg, plan, folder)
 
 
 def resume(run_dir: Path, overrides: dict, fresh_dir: Path | None = None) -> int:
@@ -88,19 +91,23 @@ def resume(run_dir: Path, overrides: dict, fresh_dir: Path | None = None) -> int
 
     `overrides` ({key: value} as given on the command line) may only move the run (RESUME_KEYS): the plan is then
     made again for the new topology (global batch, lr0 and warmup follow the plan's rules) and the ranks restart
-    the interrupted epoch. `fresh_dir`, the folder Hydra made for this invocation, is removed when it is empty."""
+    the interrupted epoch; or name where its dataset moved (data.path: resumed_data.py). The folder may have moved
+    too: everything in it is found from where it is now. `fresh_dir`, the folder Hydra made for this invocation, is
+    removed when it is empty."""
     folder = RunFolder(Path(run_dir).expanduser().resolve())
     if fresh_dir is not None and fresh_dir != folder.path and fresh_dir.is_dir():
         if not any(p for p in fresh_dir.iterdir() if p.name != ".hydra"):
             shutil.rmtree(fresh_dir)
     cfg, plan = folder.load()
     overrides = {k: v for k, v in overrides.items() if _select(cfg, k) != v}  # what really changes
-    refused = sorted(k for k in overrides if k not in RESUME_KEYS)
+    refused = sorted(k for k in overrides if k not in RESUME_KEYS + DATA_KEYS)
     if refused:
         raise PlanError([
             Problem(f"resume={folder.path} continues the run with its own config; {', '.join(refused)} cannot change. "
-                    f"Only where it runs may: {', '.join(RESUME_KEYS)}. Start a new run to change the rest")
+                    f"Only where it runs may: {', '.join(RESUME_KEYS)}, and data.path where its dataset moved. Start a "
+                    "new run to change the rest")
         ])
+    moved_to = overrides.pop("data.path", overrides.pop("data.root", None))
     if folder.finished():
         say_finished(folder)
         return 0
@@ -112,12 +119,25 @@ def resume(run_dir: Path, overrides: dict, fresh_dir: Path | None = None) -> int
     if overrides and env.name == "slurm":
         raise PlanError([Problem(f"resume={folder.path} resubmits the run's own job.sbatch; {', '.join(overrides)} "
                                  "cannot change a SLURM run's allocation")])
-    if overrides:
-        cfg, plan = _replan(cfg, overrides, env, folder)
-    prepare_ultralytics_home(Path(cfg["paths"]["cache"]).expanduser())
-    batch = "chosen on the GPUs" if plan.batch_pending else plan.global_batch  # auto, measured again on a new topology
-    say(f"resuming {folder.path} with its own config (world size {plan.world_size}, global batch {batch})")
-    return env.resume(cfg, plan, folder)
+    cache = Path(str(overrides.get("paths.cache", cfg["paths"]["cache"]))).expanduser()
+    if cache_problems(cache):
+        raise PlanError(cache_problems(cache))
+    with RunLock(folder.path).held():  # before anything is written into the folder, until the run ends
+        data = None if moved_to is None else moved_dataset(folder, plan, cfg["data"]["name"], moved_to, Path.cwd(),
+                                                             cache)
+        if data is None and missing_problems(folder):
+            raise PlanError(missing_problems(folder))
+        if overrides:
+            cfg, plan = _replan(cfg, overrides, env, folder, data)
+        if data is not None:
+            folder.move_data(data.spec)
+            say(f"the run's dataset is now {data.spec['path']} (the one before: {folder.path / 'data.prev.yaml'})")
+        if overrides:
+            folder.replan(cfg, plan)
+        prepare_ultralytics_home(cache)
+        batch = "chosen on the GPUs" if plan.batch_pending else plan.global_batch  # auto: measured again
+        say(f"resuming {folder.path} with its own config (world size {plan.world_size}, global batch {batch})")
+        return env.resume(cfg, plan, folder)
 
 
 def resume_target(value, base_dir: Path) -> Path:
@@ -146,6 +166,16 @@ def _cache(cfg: dict) -> Path:
     return Path(cfg["paths"]["cache"]).expanduser()
 
 
+def cache_problems(cache: Path) -> list[Problem]:
+    """paths.cache must take files before any rank starts: Ultralytics' offline settings, the synthetic data and the
+    data checks' verdicts are written there (its default lies under the home folder)."""
+    if writable(cache):
+        return []
+    return [Problem(f"paths.cache={cache} cannot be created or written (a missing or read-only home folder, or no "
+                    "permission), and ddp-launch keeps Ultralytics' offline settings and the data checks there; set "
+                    "paths.cache=A_WRITABLE_FOLDER (or DDP_LAUNCH_CACHE)", environment=True)]
+
+
 def weight_dirs(cfg: dict) -> list[Path]:
     """Where a weights file named without a folder is looked for after the current one: paths.weights (where
     model.allow_download puts it), then the weights folder of the user's own Ultralytics settings."""
@@ -162,8 +192,9 @@ def _select(cfg: dict, key: str):
     return node
 
 
-def _replan(cfg: dict, overrides: dict, env, folder: RunFolder):
-    """The run's config with the topology overrides, planned for this machine, and written into the run folder."""
+def _replan(cfg: dict, overrides: dict, env, folder: RunFolder, data: DatasetInfo | None):
+    """The run's config with the topology overrides, planned for this machine on its dataset (`data`, where it
+    moved; else the folder's data.yaml): PlanError before anything is written."""
     moved = copy.deepcopy(cfg)
     for key, value in overrides.items():
         node = moved
@@ -172,12 +203,13 @@ def _replan(cfg: dict, overrides: dict, env, folder: RunFolder):
             node = node[p]
         node[leaf] = value
     moved = env.planning_config(moved)
-    data, data_problems = resolve_data({"name": moved["data"]["name"], "path": str(folder.data_file)}, folder.path,
-                                       cache_dir=_cache(moved))
+    data_problems = []
+    if data is None:
+        data, data_problems = resolve_data({"name": moved["data"]["name"], "path": str(folder.data_file)}, folder.path,
+                                           cache_dir=_cache(moved))
     plan, problems = make_plan(moved, env.hardware(moved), data, port_is_free=port_is_free)
     errors, _ = check_plan(problems + data_problems, dry_run=False)
     if errors:
         raise PlanError(errors)
-    folder.replan(moved, plan)
     say(describe(plan, None, data))
     return moved, plan

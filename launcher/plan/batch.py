@@ -33,18 +33,24 @@ def batch_fields(cfg: dict, batch_per_device: int | None, *, devices_per_rank: i
     rule = optim.get("lr_scaling", "linear")
     if not checks.one_of(rule, lr.LR_RULES, "optim.lr_scaling", problems):
         rule = "none"
+    cap = optim.get("lr0_cap")
+    if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, float)) or cap <= 0):
+        problems.append(Problem(f"optim.lr0_cap={cap!r}: expected a number > 0 (the most lr0 may be once scaled), or "
+                                "null for no cap"))
+        cap = None
     epochs = as_int(train.get("epochs"), "train.epochs", problems, 1) or 1
     per_pass = None if batch_per_device is None else batch_per_device * devices_per_rank * world_size
     accumulate = _accumulate(train, per_pass, problems)
     fields = dict(batch_per_device=batch_per_device, batch_per_rank=None, global_batch=None, base_lr=float(base_lr),
                   base_batch=base_batch, lr_scaling=rule, lr0=None, warmup_epochs=None, warmup_iterations=None,
-                  warmup_images=None, batches_per_epoch=None, accumulate=accumulate)
+                  warmup_images=None, batches_per_epoch=None, accumulate=accumulate,
+                  lr0_cap=None if cap is None else float(cap))
     if batch_per_device is None:
         return fields
     batch_per_rank = batch_per_device * devices_per_rank * accumulate
     global_batch = batch_per_rank * world_size
     fields.update(accumulate=accumulate, batch_per_rank=batch_per_rank, global_batch=global_batch,
-                  lr0=lr.scaled_lr(float(base_lr), base_batch, global_batch, rule))
+                  lr0=lr.capped(lr.scaled_lr(float(base_lr), base_batch, global_batch, rule), cap))
     if train_images:
         per_rank = math.ceil(train_images / world_size)  # DistributedSampler pads to equal shards
         batches_per_epoch = math.ceil(per_rank / batch_per_rank)

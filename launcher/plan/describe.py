@@ -7,6 +7,7 @@ from pathlib import Path
 from launcher.inputs import labels
 from launcher.inputs.data import DatasetInfo
 from launcher.inputs.models import ModelSpec
+from launcher.plan import lr
 from launcher.plan.batch import held_fraction
 from launcher.plan.plan import LaunchPlan
 
@@ -76,20 +77,30 @@ def _training_text(cfg: dict) -> str:
             f"{mosaic}, {val}")
 
 
+def lr0_rule(plan: LaunchPlan) -> str:
+    """lr0 and the rule that made it: '1.28 = base_lr 0.01 x linear(8192/64)', and the cap when it took over."""
+    scaled = f"base_lr {plan.base_lr:g} x {plan.lr_scaling}({plan.global_batch}/{plan.base_batch})"
+    uncapped = lr.scaled_lr(plan.base_lr, plan.base_batch, plan.global_batch, plan.lr_scaling)
+    if plan.lr0_cap is not None and uncapped > plan.lr0_cap:
+        return f"{plan.lr0:.6g} = optim.lr0_cap ({scaled} would be {uncapped:.6g})"
+    return f"{plan.lr0:.6g} = {scaled}"
+
+
 def batch_lines(plan: LaunchPlan) -> list[str]:
     """batch, lr0 and warmup; for train.batch_per_device=auto before the ranks measure it, the rule they follow."""
     devices = plan.devices_per_rank * plan.world_size
     if plan.batch_pending:
         return [f"batch           auto per device x {devices} device(s): {auto_batch_rule(plan.auto_batch)}; chosen on "
                 "the GPUs before the first step (train.batch_per_device=auto)",
-                f"lr0             base_lr {plan.base_lr:g} x {plan.lr_scaling}(global batch/{plan.base_batch}), once the "
-                "batch is chosen",
+                f"lr0             base_lr {plan.base_lr:g} x {plan.lr_scaling}(global batch/{plan.base_batch})"
+                + (f", at most optim.lr0_cap {plan.lr0_cap:g}" if plan.lr0_cap is not None else "")
+                + ", once the batch is chosen",
                 "warmup          in steps once the batch is chosen"]
     lines = [
         f"batch           {plan.batch_per_device} per device x {devices} device(s)"
         + (f" x {plan.accumulate} accumulated micro-batches" if plan.accumulate > 1 else "")
         + f" = global batch {plan.global_batch}",
-        f"lr0             {plan.lr0:.6g} = base_lr {plan.base_lr:g} x {plan.lr_scaling}({plan.global_batch}/{plan.base_batch})",
+        f"lr0             {lr0_rule(plan)}",
     ]
     if plan.warmup_iterations is not None:
         lines.append(

@@ -8,7 +8,8 @@ The contract (README, "Batch size and learning rate"):
 * Ultralytics' own implicit scaling (gradient accumulation up to nbs, weight decay multiplied by batch/nbs) is
   switched off: accumulation is 1 and weight decay is used as given.
 * The only batch-size rule is then ``lr0 = base_lr x f(global_batch / base_batch)``, with f linear, sqrt or none,
-  applied once. For SGD, linear scaling reproduces what Ultralytics does above nbs (step, weight decay and all).
+  applied once, and capped at ``optim.lr0_cap`` when one is set. For SGD, linear scaling reproduces what
+  Ultralytics does above nbs (step, weight decay and all).
 * Warmup is a length of data (epochs or images), converted to optimizer steps for the actual world size, so adding
   ranks does not shorten it in images.
 """
@@ -27,6 +28,11 @@ def scaled_lr(base_lr: float, base_batch: int, global_batch: int, rule: str) -> 
         raise ValueError(f"optim.lr_scaling={rule!r}: expected one of {', '.join(LR_RULES)}")
     ratio = global_batch / base_batch
     return base_lr * {"linear": ratio, "sqrt": math.sqrt(ratio), "none": 1.0}[rule]
+
+
+def capped(lr0: float, cap: float | None) -> float:
+    """lr0 no higher than optim.lr0_cap (None: no cap)."""
+    return lr0 if cap is None else min(lr0, float(cap))
 
 
 def loss_scale(base_batch: int, local_batch: int) -> float:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from launcher.inputs.data import DatasetInfo
 from launcher.machine.hardware import Hardware
-from launcher.plan import checks, keys
+from launcher.plan import checks, keys, ultralytics_values
 from launcher.plan.batch import AUTO_BATCH_MULTIPLE, batch_fields, per_device_batch
 from launcher.plan.checks import as_int
 from launcher.plan.environment import (CUDA_CONNECTIONS, bytecode_environment, cuda_environment,
@@ -57,7 +57,7 @@ class LaunchPlan:
     base_lr: float
     base_batch: int
     lr_scaling: str
-    lr0: float | None
+    lr0: float | None  # the scaled lr0, capped at lr0_cap
     warmup_epochs: float | None  # None until the dataset size is known
     warmup_iterations: int | None
     warmup_images: int | None
@@ -79,6 +79,7 @@ class LaunchPlan:
     augment_on: str = "cpu"  # loader.augment_on resolved: gpu (bytes in, decode and augmentation on the GPU) | cpu
     # per split: the images Ultralytics uses and drops, and why (inputs/labels.py); train_images counts the usable
     images: dict = field(default_factory=dict)
+    lr0_cap: float | None = None  # optim.lr0_cap: the most lr0 may be once scaled; None: no cap
 
     @property
     def micro_batch(self) -> int | None:
@@ -138,7 +139,7 @@ def make_plan(
                                                     problems=problems, notes=notes)
     batch = batch_fields(cfg, batch_per_device, devices_per_rank=top.devices_per_rank, world_size=top.world_size,
                          train_images=train_images, problems=problems, notes=notes)
-    problems += checks.optim_problems(optim)
+    problems += checks.optim_problems(optim) + ultralytics_values.optimizer_problems(optim, batch)
 
     problems += checks.train_problems(train)
     problems += checks.step_problems(train, optim, device=top.device, mode=top.mode, hw=hw)

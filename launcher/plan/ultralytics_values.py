@@ -1,9 +1,11 @@
-"""Ultralytics train arguments passed through train.extra, checked in the plan as Ultralytics' check_cfg would check
-them in every rank, so that a wrong value is refused before any process starts."""
+"""Ultralytics train arguments passed through train.extra, and the optimizer's values the ranks hand Ultralytics,
+checked in the plan as Ultralytics' check_cfg would check them in every rank, so that a wrong value is refused before
+any process starts."""
 
 from __future__ import annotations
 
 import difflib
+import math
 
 from launcher.inputs import ultralytics_files
 from launcher.plan.ultralytics_keys import OWNED, REFUSED
@@ -30,6 +32,33 @@ def extra_problems(extra: dict) -> list[Problem]:
             wrong = ultralytics_value_problem(key, value, known[key])
             if wrong:
                 problems.append(Problem(f"train.extra.{key}={value!r}: {wrong}"))
+    return problems
+
+
+# optim.* -> the Ultralytics train argument the ranks give it as (rank/ultralytics/build.py, hyperparameters)
+OPTIM_ARGUMENTS = {"momentum": "momentum", "weight_decay": "weight_decay", "lrf": "lrf",
+                   "warmup_bias_lr": "warmup_bias_lr", "warmup_momentum": "warmup_momentum"}
+
+
+def optimizer_problems(optim: dict, batch: dict) -> list[Problem]:
+    """optim.* values as Ultralytics checks them (momentum, weight_decay, lrf and the warmup's in [0, 1]), and lr0 as
+    scaled for the planned global batch (`batch`: plan/batch.py's fields), with the rule that made it."""
+    known = ultralytics_files.default_train_args()
+    problems = []
+    for key, argument in OPTIM_ARGUMENTS.items():
+        wrong = ultralytics_value_problem(argument, optim.get(key), known.get(argument))
+        if wrong:
+            problems.append(Problem(f"optim.{key}={optim.get(key)!r}: {wrong} (Ultralytics refuses it in every rank)"))
+    lr0 = batch.get("lr0")
+    limit = 1.0  # CFG_FRACTION_KEYS holds lr0: check_cfg refuses it above 1
+    if lr0 is not None and lr0 > limit:
+        sqrt = batch["base_lr"] * math.sqrt(batch["global_batch"] / batch["base_batch"])
+        advice = (f"optim.lr_scaling=sqrt (lr0 {sqrt:.3g} here), " if batch["lr_scaling"] == "linear" and sqrt <= limit
+                  else "")
+        problems.append(Problem(
+            f"lr0 {lr0:.4g} = base_lr {batch['base_lr']:g} x {batch['global_batch']}/{batch['base_batch']} by "
+            f"optim.lr_scaling={batch['lr_scaling']}: Ultralytics refuses an lr0 above {limit:g}, and every rank would "
+            f"stop at its start; use {advice}a cap such as optim.lr0_cap=0.1, or a smaller optim.base_lr"))
     return problems
 
 

@@ -24,6 +24,7 @@ from pathlib import Path
 from launcher.inputs.ultralytics_files import installed_version
 from launcher.launch.environments.slurm_job import JOB_MODULE, node_torchrun_command, rendezvous_port
 from launcher.launch.logs import say
+from launcher.launch.run_lock import RunLock
 from launcher.machine.hardware import Gpu, Hardware, bytecode_kept
 from launcher.plan.plan import LaunchPlan
 from launcher.problems import PlanError, Problem
@@ -289,8 +290,8 @@ def submit_job(cfg: dict, plan: LaunchPlan, run_dir: Path) -> int:
 
 
 def sbatch(cfg: dict, plan: LaunchPlan, run_dir: Path) -> int:
-    """Submit RUN_DIR/job.sbatch (slurm.submit=true); `ddp-launch resume=RUN_DIR` of a SLURM run comes here too:
-    the job resumes from the run's checkpoint."""
+    """Submit RUN_DIR/job.sbatch (slurm.submit=true); `ddp-launch resume=RUN_DIR` of a SLURM run comes here too,
+    its script written again first (the folder may have moved): the job resumes from the run's checkpoint."""
     s = cfg["slurm"]
     script = Path(run_dir) / SCRIPT_NAME
     cmd = ["sbatch", "--parsable", str(script)]
@@ -304,6 +305,7 @@ def sbatch(cfg: dict, plan: LaunchPlan, run_dir: Path) -> int:
         say(result.stderr.strip())
         return result.returncode
     job_id = result.stdout.strip().split(";")[0]  # --parsable: "id" or "id;cluster"
+    RunLock(Path(run_dir)).hand_to_job(job_id)  # the job holds the folder from now on
     log = Path(run_dir) / LOG_NAME
     say(f"\nsubmitted SLURM job {job_id}: {plan.nnodes} node(s) x {plan.nproc_per_node} rank(s)")
     if plan.nnodes > 1:  # the endpoint is decided in the job; the job id gives its port
@@ -353,4 +355,4 @@ class SlurmEnvironment:
         return submit_job(cfg, plan, folder.path)
 
     def resume(self, cfg: dict, plan: LaunchPlan, folder: RunFolder) -> int:
-        return sbatch(cfg, plan, folder.path)  # the job resumes from the run's checkpoint
+        return submit_job(cfg, plan, folder.path)  # job.sbatch written for where the folder is now; resumes there

@@ -24,6 +24,7 @@ SIGTERM to torchrun (launch/torchrun.py, run_torchrun), which stops the ranks; t
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
 import signal
@@ -37,12 +38,14 @@ from launcher.launch.logs import say as _say
 from launcher.launch.logs import verbose_console
 from launcher.launch.outcome import report
 from launcher.launch.parent_death import parent_death_signal
+from launcher.launch.run_lock import RunLock
 from launcher.machine.hardware import usable_cpu_count
 from launcher.plan.plan import LaunchPlan
 from launcher.problems import PlanError
 from launcher.run_folder import RunFolder
 
 JOB_MODULE = "launcher.launch.environments.slurm_job"
+LOCK_HANDOVER_S = 60  # how long node 0 waits for the run folder's lock: the submitter holds it until sbatch returns
 
 # A multi-node rendezvous port derived from the job id: every node computes the same one without talking, it stays
 # the same when the job is requeued, and two jobs whose first node is the same host collide only when their ids are
@@ -156,11 +159,13 @@ def _run(run_dir_arg: str) -> int:
         return 2
     say("torchrun: " + " ".join(shlex.quote(c) for c in cmd))
 
-    logs = [folder.rank_log(0)] if node_id == 0 else []  # the job log follows rank 0, wherever it runs
-    compiling = bytecode.start_for(plan.env, usable_cpu_count(), parent_death_signal())
-    if compiling is not None:
-        say(compiling[1])
-    code, signum = torchrun.run_torchrun(cmd, {}, logs, prefix=False, verbose=verbose_console(cfg))
+    try:
+        # node 0 holds the folder; the submitting ddp-launch hands its lock to the job as soon as sbatch answers
+        with RunLock(run_dir).held(wait_s=LOCK_HANDOVER_S) if node_id == 0 else contextlib.nullcontext():
+            code, signum = _node_torchrun(folder, cmd, plan, cfg, node_id)
+    except PlanError as e:
+        say(str(e))
+        return 2
 
     action, exit_code = decide(code, signum, folder.finished(), node_id, bool(cfg["slurm"]["requeue"]))
     if action == "requeue":
@@ -180,6 +185,16 @@ def _run(run_dir_arg: str) -> int:
     # Node 0 ends as a local run does: the result, or what went wrong (which also goes into summary.json).
     reported = report(folder, code, signum, 0)
     return reported if action == "done" else exit_code
+
+
+def _node_torchrun(folder: RunFolder, cmd: list[str], plan: LaunchPlan, cfg: dict, node_id: int):
+    """This node's torchrun, to its end: (exit code, the signal that stopped it or None)."""
+    logs = [folder.rank_log(0)] if node_id == 0 else []  # the job log follows rank 0, wherever it runs
+    compiling = bytecode.start_for(plan.env, usable_cpu_count(), parent_death_signal())
+    if compiling is not None:
+        say(compiling[1])
+    return torchrun.run_torchrun(cmd, {}, logs, prefix=False, verbose=verbose_console(cfg))
+
 
 if __name__ == "__main__":
     sys.exit(main())
