@@ -58,22 +58,44 @@ def console_gone(stream) -> None:
 
 class QuietStop:
     """torchrun's stderr, copied line by line, less the traceback of the SignalException it raises when it is told to
-    stop: the launcher asked for that stop and says so itself, and 30 lines of traceback read like a crash. Every
-    other line and traceback (a real failure) passes unchanged."""
+    stop: the launcher asked for that stop and says so itself, and 30 lines of traceback read like a crash. With
+    `rendezvous_refusal`, the traceback of a rendezvous that timed out (a node that never joined, a node 0 that never
+    answered) becomes that one line, and `refused` is set. Every other line and traceback (a real failure) passes
+    unchanged."""
 
-    def __init__(self, out):
-        self.out = out
+    RENDEZVOUS_ERRORS = ("DistStoreError", "DistNetworkError", "RendezvousTimeoutError", "RendezvousConnectionError")
+
+    def __init__(self, out, rendezvous_refusal: str | None = None):
+        self.out, self.rendezvous_refusal = out, rendezvous_refusal
         self.held: list[str] = []  # a traceback, until its last line says what it was
+        self.refused = False
+        self._in_retry = False
 
     def feed(self, line: str) -> None:
+        if self.rendezvous_refusal and self._connection_retry(line):
+            return
         if not self.held and not line.startswith("Traceback (most recent call last):"):
             self._write(line)
             return
         self.held.append(line)
         if len(self.held) > 1 and line[:1] not in (" ", "\t"):  # the exception's own line ends the traceback
             block, self.held = self.held, []
-            if "SignalException" not in line:
+            if self.rendezvous_refusal and any(e in line for e in self.RENDEZVOUS_ERRORS) and any(
+                    "next_rendezvous" in held for held in block):
+                if not self.refused:
+                    self._write(f"\n{self.rendezvous_refusal} ({line.strip().rsplit('Error: ', 1)[-1]})\n")
+                self.refused = True
+            elif "SignalException" not in line:
                 self._write("".join(block))
+
+    def _connection_retry(self, line: str) -> bool:
+        """c10d's own log of a node that cannot reach the rendezvous yet (a line per try, then a C++ backtrace):
+        what the waiting line and the refusal say already."""
+        if "[c10d]" in line and "connect" in line:
+            self._in_retry = True
+        elif not (self._in_retry and line.startswith(("Exception raised from", "frame #", "<omitting", "\n"))):
+            self._in_retry = False
+        return self._in_retry
 
     def copy(self, pipe) -> None:
         """Copy `pipe` (torchrun's stderr, bytes) to the console until it closes."""
