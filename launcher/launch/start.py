@@ -13,7 +13,7 @@ from pathlib import Path
 from launcher.inputs import ultralytics_files
 from launcher.inputs.data import resolve_data
 from launcher.inputs.models import resolve_model
-from launcher.launch import environments, starting_weights
+from launcher.launch import environments, resume_checkpoints, starting_weights
 from launcher.launch.logs import say
 from launcher.launch.outcome import say_finished
 from launcher.launch.ultralytics_home import prepare_ultralytics_home
@@ -112,6 +112,11 @@ def resume(run_dir: Path, overrides: dict, fresh_dir: Path | None = None) -> int
     if overrides:
         cfg, plan = _replan(cfg, overrides, env, folder)
     prepare_ultralytics_home(Path(cfg["paths"]["cache"]).expanduser())
+    line, problems = resume_checkpoints.verdict(folder, resume_checkpoints.inspect(folder, _cache(cfg)))
+    if problems:
+        raise PlanError(problems)
+    if line:
+        say(line)
     batch = "chosen on the GPUs" if plan.batch_pending else plan.global_batch  # auto, measured again on a new topology
     say(f"resuming {folder.path} with its own config (world size {plan.world_size}, global batch {batch})")
     return env.resume(cfg, plan, folder)
