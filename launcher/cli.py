@@ -83,16 +83,19 @@ def main() -> None:
         print("\n".join(version_lines()))
         return
     start_ahead(argv)  # nothing for --help and the other information flags (warm_torchrun.wanted)
-    from launcher.entry import GROUPS, conf_dir, print_help_if_asked, translated_or_exit
+    from launcher.entry import GROUPS, conf_dir, interrupted, print_help_if_asked, translated_or_exit
 
     conf = Path(conf_dir())
     if print_help_if_asked(argv, "ddp-launch", "train Ultralytics YOLO on every GPU and node, through torchrun",
                            groups={g: GROUPS[g] for g in ("model", "data", "launcher", "experiment")},
                            files=[(conf / "config.yaml", "")]):
         return
-    translation = translated_or_exit(argv)  # Ultralytics' keys as typed (epochs=3, batch=64, device=0,1, ...)
-    sys.argv = [sys.argv[0], *translation.argv]  # what Hydra's app reads
-    compose_and_launch(translation.shown)
+    try:
+        translation = translated_or_exit(argv)  # Ultralytics' keys as typed (epochs=3, batch=64, device=0,1, ...)
+        sys.argv = [sys.argv[0], *translation.argv]  # what Hydra's app reads
+        compose_and_launch(translation.shown)
+    except KeyboardInterrupt:
+        interrupted()
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ may write into a run folder before the task sees it (RunFolderGuard)."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -16,6 +17,7 @@ from launcher.problems import PlanError
 from launcher.run_folder import RunFolder, nearest_folder, writable
 
 EXIT_PLAN_ERROR = 2
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports Ctrl-C
 
 
 class Jobs:
@@ -49,6 +51,10 @@ class Jobs:
         except PlanError as e:
             print(f"ERROR: {e}", file=sys.stderr, flush=True)
             code = EXIT_PLAN_ERROR
+        except KeyboardInterrupt:
+            if run_dir is not None:
+                RunFolderGuard.remove_if_refused(run_dir)
+            interrupted()
         self.codes.append(code)
         if self._current is not None and run_dir is not None:
             self.rows.append((*self._current, code, run_dir))
@@ -58,6 +64,35 @@ class Jobs:
         if self.rows:
             print("\n" + sweep_table(self.rows), flush=True)
         sys.exit(max(self.codes, default=0))  # --help, --cfg: no job ran
+
+
+def interrupted() -> None:
+    """Ctrl-C before any rank started (composing, planning, checking the data; a run's torchrun forwards it instead):
+    one line and exit code 130 at once. A check's threads may be blocked in a read (a slow file system): nothing
+    waits for them, and the warm torchrun is told to go."""
+    from launcher.launch.warm_torchrun import warm
+
+    warm.discard()
+    print(f"\n{Path(sys.argv[0]).name}: stopped by Ctrl-C (SIGINT) before any rank started", file=sys.stderr,
+          flush=True)
+    sys.stdout.flush()
+    os._exit(EXIT_INTERRUPTED)
+
+
+def unreadable_overrides(args: list[str]) -> list[str]:
+    """A line per command-line override that Hydra's grammar cannot read (a path with a space or a character outside
+    ASCII, unquoted), saying how to quote it; Hydra's own message comes without the hint."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parser, lines = OverridesParser.create(), []
+    for arg in (a for a in args if "=" in a and not a.startswith("-")):
+        try:
+            parser.parse_override(arg)
+        except Exception as e:  # noqa: BLE001 - Hydra's grammar errors have no type of their own
+            key, value = arg.split("=", 1)
+            lines.append(f"{arg!r} cannot be read ({str(e).strip().splitlines()[0]}): quote the value (each value of a "
+                         f"sweep), the quotes kept from the shell: '{key}=\"{value}\"'")
+    return lines
 
 
 def sweep_size(args: list[str]) -> int | None:
@@ -93,6 +128,13 @@ def translated_or_exit(argv: list[str]):
     from launcher.plan.ultralytics_keys import translate
 
     translation = translate(argv)
+    unreadable = unreadable_overrides(translation.argv)
+    if unreadable:
+        from launcher.launch.warm_torchrun import warm
+
+        warm.discard()
+        print("\n".join(f"ERROR: {line}" for line in unreadable), file=sys.stderr, flush=True)
+        sys.exit(EXIT_PLAN_ERROR)
     if translation.problems:
         from launcher.launch.warm_torchrun import warm
 

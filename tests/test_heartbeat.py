@@ -70,6 +70,53 @@ def test_a_rank_working_on_one_step_past_the_timeout_while_the_others_wait_is_na
     assert "dist.timeout_s=60" in failure["error"]
 
 
+def test_a_frozen_rank_is_blamed_not_the_rank_waiting_for_it_inside_a_collective(job):
+    """Rank 1 stopped by SIGSTOP mid-step: its beats stop, while ranks 0 and 2 sit inside the step's all-reduce,
+    "working" with no change either. Only rank 1 is named (it would be the run's root cause)."""
+    beats, clock, exits, folder = job
+    for b in beats:
+        b.working(7)
+    publish(beats)
+    assert beats[0].watch() == []
+    for _ in range(7):  # 70 s: ranks 0 and 2 still beat, rank 1 is frozen
+        clock.t += 10
+        beats[0].publish()
+        beats[2].publish()
+        beats[0].watch()
+    assert exits == [EXIT_HUNG]
+    (failure,) = folder.failures()
+    assert failure["rank"] == 1 and failure["step"] == 7
+    assert failure["error"].startswith("hung: rank 1 made no progress for 70 s (after step 7; its process stopped")
+    assert "rank(s) 0, 2 waited for it" in failure["error"]
+
+
+def test_a_frozen_rank_that_was_waiting_is_blamed_while_the_others_work(job):
+    """Frozen just after a step's agreement ("waiting" as last published): the others are stuck working in the
+    next step's collective; the silent rank is the one named."""
+    beats, clock, exits, folder = job
+    for b in beats:
+        b.working(7)
+    beats[1].waiting(7)
+    publish(beats)
+    beats[0].watch()
+    clock.t += 61
+    beats[0].publish()
+    beats[2].publish()
+    assert beats[0].watch() == [1] and exits == [EXIT_HUNG]
+    assert [f["rank"] for f in folder.failures()] == [1]
+
+
+def test_of_ranks_stuck_working_the_one_a_step_behind_is_blamed(job):
+    beats, clock, exits, folder = job
+    beats[0].working(8)
+    beats[1].working(7)  # still in step 7's backward; ranks 0 and 2 wait in step 8's first all-reduce
+    beats[2].working(8)
+    clock.t += 61
+    publish(beats)
+    assert beats[0].watch() == [1]
+    assert [f["rank"] for f in folder.failures()] == [1]
+
+
 def test_no_verdict_while_the_ranks_progress_or_before_every_rank_trains(job):
     beats, clock, exits, _ = job
     beats[0].publish()

@@ -218,3 +218,24 @@ def test_a_stop_before_the_first_checkpoint_points_to_what_exists_not_to_weights
     assert f"before the first checkpoint; {folder} holds the run's config, plan and logs" in out
     assert f"Start it from its first step with: ddp-launch resume={folder}" in out
     assert "before the first checkpoint" in folder.summary()["detail"]
+
+
+# torchrun signalled twice (SLURM signals every process of the step; the launcher forwards its own): the second
+# SignalException interrupts torchrun's shutdown, chained to the first.
+CHAINED_STOP = STOPPED_TORCHRUN + """
+During handling of the above exception, another exception occurred:
+
+Traceback (most recent call last):
+  File "/venv/lib/python3.11/site-packages/torch/distributed/elastic/multiprocessing/api.py", line 885, in _close
+    proc.join(time_to_wait)
+KeyError: 30
+"""
+
+
+def test_a_torchrun_signalled_twice_shows_no_fragment_of_its_chained_tracebacks():
+    out = io.StringIO()
+    QuietStop(out).copy(io.BytesIO((CHAINED_STOP + FAILED_TORCHRUN).encode()))
+    assert out.getvalue() == STOPPED_TORCHRUN.splitlines(keepends=True)[0] + FAILED_TORCHRUN
+    out = io.StringIO()
+    QuietStop(out).copy(io.BytesIO(CHAINED_STOP.encode()))  # the chain at the very end of the stream too
+    assert out.getvalue() == STOPPED_TORCHRUN.splitlines(keepends=True)[0]

@@ -19,7 +19,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from launcher.bench import report, time_to_model, variants
 from launcher.bench.cells import Cell, plan_cells
-from launcher.entry import GROUPS, Jobs, RunFolderGuard, conf_dir, print_help_if_asked, translated_or_exit
+from launcher.entry import (GROUPS, Jobs, RunFolderGuard, conf_dir, interrupted, print_help_if_asked,
+                            translated_or_exit)
 from launcher.inputs.data import resolve_data
 from launcher.inputs.models import resolve_model
 from launcher.launch import torchrun
@@ -202,8 +203,11 @@ def main() -> None:
                            groups={g: GROUPS[g] for g in ("model", "data", "bench")}, files=[(conf / "bench" / "default.yaml", "bench.")]):
         print("Every ddp-launch key works here too: ddp-launch --help lists them.")
         return
-    sys.argv = [sys.argv[0], *translated_or_exit(sys.argv[1:]).argv]  # Ultralytics' keys, as in ddp-launch
-    _hydra_entry()
+    try:
+        sys.argv = [sys.argv[0], *translated_or_exit(sys.argv[1:]).argv]  # Ultralytics' keys, as in ddp-launch
+        _hydra_entry()
+    except KeyboardInterrupt:
+        interrupted()
     jobs.exit()
 
 

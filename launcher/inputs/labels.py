@@ -305,8 +305,11 @@ def check_split(entries: list[str], nc: int, *, kpt_shape=None, cache_dir: Path 
     # them that every thread reads headers on a first scan
     size = max(16, min(CHUNK, -(-len(images) // (4 * THREADS))))
     chunks = [images[i : i + size] for i in range(0, len(images), size)]
-    with ThreadPoolExecutor(THREADS) as pool:
+    pool = ThreadPoolExecutor(THREADS)
+    try:
         verdicts = [v for chunk in pool.map(lambda c: [verdict(im) for im in c], chunks) for v in chunk]
+    finally:  # Ctrl-C: the chunks not started are dropped, not checked before the launcher can stop
+        pool.shutdown(wait=False, cancel_futures=True)
     result = SplitCheck(images=len(images))
     readers: dict[str, list[str]] = {}  # label file -> the images that read it
     for image in images:

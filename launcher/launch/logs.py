@@ -58,28 +58,71 @@ def console_gone(stream) -> None:
 
 class QuietStop:
     """torchrun's stderr, copied line by line, less the traceback of the SignalException it raises when it is told to
-    stop: the launcher asked for that stop and says so itself, and 30 lines of traceback read like a crash. Every
-    other line and traceback (a real failure) passes unchanged."""
+    stop (with every traceback chained to it: a second signal, SLURM's to every process, interrupts torchrun's own
+    shutdown): the launcher asked for that stop and says so itself, and 30 lines of traceback read like a crash. With
+    `rendezvous_refusal`, the traceback of a rendezvous that timed out (a node that never joined, a node 0 that never
+    answered) becomes that one line, and `refused` is set. Every other line and traceback (a real failure) passes
+    unchanged."""
 
-    def __init__(self, out):
-        self.out = out
-        self.held: list[str] = []  # a traceback, until its last line says what it was
+    RENDEZVOUS_ERRORS = ("DistStoreError", "DistNetworkError", "RendezvousTimeoutError", "RendezvousConnectionError")
+    TRACEBACK = "Traceback (most recent call last):"
+    CHAINED = ("During handling of the above exception, another exception occurred:",
+               "The above exception was the direct cause of the following exception:")
+
+    def __init__(self, out, rendezvous_refusal: str | None = None):
+        self.out, self.rendezvous_refusal = out, rendezvous_refusal
+        self.held: list[str] = []  # a traceback (and those chained to it), until the chain ends
+        self.ended = False  # the held traceback's exception line came: a chained one may follow
+        self.refused = False
+        self._in_retry = False
 
     def feed(self, line: str) -> None:
-        if not self.held and not line.startswith("Traceback (most recent call last):"):
+        if self.rendezvous_refusal and self._connection_retry(line):
+            return
+        chained = any(h.strip() in self.CHAINED for h in self.held[-2:])  # a traceback now continues the chain
+        if self.ended and (not line.strip() or line.strip() in self.CHAINED
+                           or chained and line.startswith(self.TRACEBACK)):
+            self.held.append(line)  # the chain goes on
+            self.ended = not line.startswith(self.TRACEBACK)
+            return
+        if self.ended:
+            self._release()
+        if not self.held and not line.startswith(self.TRACEBACK):
             self._write(line)
             return
         self.held.append(line)
         if len(self.held) > 1 and line[:1] not in (" ", "\t"):  # the exception's own line ends the traceback
-            block, self.held = self.held, []
-            if "SignalException" not in line:
-                self._write("".join(block))
+            self.ended = True
+
+    def _release(self) -> None:
+        """The held chain of tracebacks, shown whole unless a stop or a refused rendezvous explains it."""
+        block, self.held, self.ended = self.held, [], False
+        exceptions = [line for i, line in enumerate(block) if i and line[:1] not in (" ", "\t", "\n")
+                      and line.strip() not in self.CHAINED and not line.startswith(self.TRACEBACK)]
+        if self.rendezvous_refusal and any(e in line for line in exceptions for e in self.RENDEZVOUS_ERRORS) and any(
+                "next_rendezvous" in line for line in block):
+            if not self.refused:
+                self._write(f"\n{self.rendezvous_refusal} ({exceptions[-1].strip().rsplit('Error: ', 1)[-1]})\n")
+            self.refused = True
+        elif not any("SignalException" in line for line in exceptions):
+            self._write("".join(block))
+
+    def _connection_retry(self, line: str) -> bool:
+        """c10d's own log of a node that cannot reach the rendezvous yet (a line per try, then a C++ backtrace):
+        what the waiting line and the refusal say already."""
+        if "[c10d]" in line and "connect" in line:
+            self._in_retry = True
+        elif not (self._in_retry and line.startswith(("Exception raised from", "frame #", "<omitting", "\n"))):
+            self._in_retry = False
+        return self._in_retry
 
     def copy(self, pipe) -> None:
         """Copy `pipe` (torchrun's stderr, bytes) to the console until it closes."""
         for raw in pipe:
             self.feed(raw.decode(errors="replace"))
-        if self.held:  # cut off mid-traceback: show what there is
+        if self.ended:
+            self._release()
+        elif self.held:  # cut off mid-traceback: show what there is
             self._write("".join(self.held))
             self.held = []
 

@@ -14,7 +14,7 @@ from launcher.inputs import ultralytics_files
 from launcher.inputs.data import DatasetInfo, resolve_data
 from launcher.inputs.model_task import task_problem
 from launcher.inputs.models import resolve_model
-from launcher.launch import environments, starting_weights
+from launcher.launch import environments, resume_checkpoints, starting_weights
 from launcher.launch.logs import say
 from launcher.launch.outcome import say_finished
 from launcher.launch.resumed_data import DATA_KEYS, missing_problems, moved_dataset
@@ -129,12 +129,17 @@ def resume(run_dir: Path, overrides: dict, fresh_dir: Path | None = None) -> int
             raise PlanError(missing_problems(folder))
         if overrides:
             cfg, plan = _replan(cfg, overrides, env, folder, data)
+        line, problems = resume_checkpoints.verdict(folder, resume_checkpoints.inspect(folder, _cache(cfg)))
+        if problems:
+            raise PlanError(problems)
         if data is not None:
             folder.move_data(data.spec)
             say(f"the run's dataset is now {data.spec['path']} (the one before: {folder.path / 'data.prev.yaml'})")
         if overrides:
             folder.replan(cfg, plan)
         prepare_ultralytics_home(cache)
+        if line:
+            say(line)
         batch = "chosen on the GPUs" if plan.batch_pending else plan.global_batch  # auto: measured again
         say(f"resuming {folder.path} with its own config (world size {plan.world_size}, global batch {batch})")
         return env.resume(cfg, plan, folder)

@@ -34,13 +34,33 @@ FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1)
 
 def rendezvous_args(plan: LaunchPlan) -> list[str]:
     """torchrun's rendezvous options for a local launch: standalone c10d (the kernel picks the port, so jobs on one
-    node never race), or the static master address and port every node was given."""
+    node never race), or the static master address and port every node was given, waited on for at most
+    dist.timeout_s (torchrun's static rendezvous reads `timeout` from --rdzv-conf: the store's wait for the other
+    nodes, 600 s otherwise)."""
     rdzv = plan.rendezvous
     if rdzv.kind == "standalone":
         return ["--standalone"]
     if rdzv.kind == "static":
-        return ["--node-rank", str(plan.node_rank), "--master-addr", rdzv.addr, "--master-port", str(rdzv.port)]
+        return ["--node-rank", str(plan.node_rank), "--master-addr", rdzv.addr, "--master-port", str(rdzv.port),
+                "--rdzv-conf", f"timeout={plan.timeout_s}"]
     raise ValueError(f"a {rdzv.kind!r} rendezvous is decided in the job, on each node (slurm_job.py)")
+
+
+def rendezvous_wait(plan: LaunchPlan) -> tuple[str, str] | None:
+    """For a node of a multi-node launch by hand: the line that says what it waits for, and the one-line refusal
+    when that does not come within dist.timeout_s (torchrun's rendezvous then times out). None for one node."""
+    rdzv = plan.rendezvous
+    if rdzv.kind != "static" or plan.nnodes < 2:
+        return None
+    at, limit = f"{rdzv.addr}:{rdzv.port}", f"dist.timeout_s={plan.timeout_s}"
+    if plan.node_rank == 0:
+        others = ", ".join(map(str, range(1, plan.nnodes)))
+        return (f"waiting for node {others} of {plan.nnodes} at {at} (at most {limit} s)",
+                f"ddp-launch: refused: node {others} of {plan.nnodes} did not join at {at} within {limit} s; start "
+                f"the same command with node_rank=N on each node (or raise dist.timeout_s)")
+    return (f"node {plan.node_rank} of {plan.nnodes}: waiting for node 0 at {at} (at most {limit} s)",
+            f"ddp-launch: refused: node 0 of {plan.nnodes} did not answer at {at} within {limit} s; start it with "
+            f"node_rank=0, and check dist.master_addr and dist.master_port (or raise dist.timeout_s)")
 
 
 def torchrun_command(plan: LaunchPlan, run_dir: Path, rendezvous: list[str], *, nnodes: int | None = None,
@@ -69,7 +89,8 @@ def format_command(cmd: list[str], env: dict[str, str]) -> str:
 
 
 def run_torchrun(
-    cmd: list[str], env: dict[str, str], log_files: list[Path], prefix: bool, keep=None, verbose: bool = False
+    cmd: list[str], env: dict[str, str], log_files: list[Path], prefix: bool, keep=None, verbose: bool = False,
+    stderr_filter: QuietStop | None = None,
 ) -> tuple[int, int | None]:
     """Run torchrun to completion. Returns (exit code, the signal that stopped the launcher or None).
 
@@ -79,7 +100,8 @@ def run_torchrun(
     without the traceback it prints when it is stopped (logs.QuietStop); torchrun is the warm one that `ddp-launch` started
     before planning, when there is one (warm_torchrun.py); its per-attempt folders (by default an empty
     /tmp/torchelastic_* left by every launch) go to a private temporary folder, removed when torchrun ends. The rank
-    logs' diagnostics reach the console only with `verbose` (log.verbose).
+    logs' diagnostics reach the console only with `verbose` (log.verbose). `stderr_filter`: the QuietStop that copies
+    torchrun's stderr, where the caller wants to know what it saw (QuietStop.refused).
     """
     streamer = LogStreamer(log_files, prefix=prefix, keep=keep, verbose=verbose)
     scratch = None
@@ -94,7 +116,7 @@ def run_torchrun(
     proc = warm.take(cmd, {**os.environ, **env}) or subprocess.Popen(
         cmd, env={**os.environ, **env}, start_new_session=True, stderr=subprocess.PIPE,
         preexec_fn=parent_death_signal())
-    stderr = threading.Thread(target=QuietStop(sys.stderr).copy, args=(proc.stderr,), daemon=True)
+    stderr = threading.Thread(target=(stderr_filter or QuietStop(sys.stderr)).copy, args=(proc.stderr,), daemon=True)
     stderr.start()
     streamer.start()
     received: list[int] = []

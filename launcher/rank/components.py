@@ -121,8 +121,11 @@ class Rank:
         # 3. the network, and the resume state
         self.state = TrainState(world_size=world, global_batch=plan.global_batch, device=self.device)
         checkpoint_io.remove_stale_temporaries(folder.weights)  # left by a writer that was SIGKILLed
-        resume, resumed_from = checkpoint_io.load_resumable(folder.weights / "last.pt", log=self.log)
         self.net, self.frozen = build.network(self.hyp, self.data, cfg["model"].get("weights"))
+        expected = self.net.state_dict()
+        resume, resumed_from = checkpoint_io.load_resumable(
+            folder.weights / "last.pt", log=self.log,
+            fits=lambda ckpt: checkpoint_io.mismatch(expected, _resume_part(ckpt, "model")))
         if resume is not None:
             self.net.load_state_dict(_resume_part(resume, "model"))  # the raw model in fp32: training continues exactly
         self.net = self.on_device(self.net)

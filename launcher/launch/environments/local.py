@@ -8,11 +8,12 @@ dist.fallback=dp, a DDP run whose process group never came up is started again a
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from launcher.inputs.data import resolve_data
 from launcher.launch import bytecode, torchrun
-from launcher.launch.logs import note, say, verbose_console
+from launcher.launch.logs import QuietStop, note, say, verbose_console
 from launcher.launch.outcome import report
 from launcher.launch.parent_death import parent_death_signal
 from launcher.machine import hardware
@@ -20,6 +21,9 @@ from launcher.plan.checks import check_plan
 from launcher.plan.plan import LaunchPlan, make_plan
 from launcher.problems import Problem
 from launcher.run_folder import RunFolder
+
+
+EXIT_NOT_JOINED = 2  # as a refused plan: the run cannot start as asked
 
 
 class LocalEnvironment:
@@ -69,9 +73,16 @@ class LocalEnvironment:
         if compiling:
             note(compiling, folder.launcher_log, verbose)
         say(f"\nstarting {plan.nproc_per_node} rank(s); logs in {folder.logs}\n")
+        waiting, refusal = torchrun.rendezvous_wait(plan) or (None, None)
+        if waiting:
+            say(waiting)
+        stderr = QuietStop(sys.stderr, rendezvous_refusal=refusal)
         cmd = torchrun.local_command(plan, folder.path)
         code, signum = torchrun.run_torchrun(cmd, plan.env, [folder.rank_log(r) for r in shown], prefix=len(shown) > 1,
-                                             verbose=verbose)
+                                             verbose=verbose, stderr_filter=stderr)
+        if stderr.refused and signum is None:
+            folder.write_outcome("refused", EXIT_NOT_JOINED, refusal)
+            return EXIT_NOT_JOINED
         return report(folder, code, signum, plan.node_rank)
 
     def _compile_bytecode(self, plan: LaunchPlan) -> str | None:
