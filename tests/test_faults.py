@@ -196,9 +196,11 @@ def test_a_signal_to_the_launcher_checkpoints_exits_128_plus_it_and_the_run_resu
     tmp.mkdir()
     proc = start_and_wait_for(run, epochs, f"epoch 2/{epochs} step 2/4", env={"TMPDIR": str(tmp)})
     log = run / "logs" / "rank0.log"
+    assert (run / "run.lock").is_file()  # one trainer in the folder, while it trains
     proc.send_signal(signum)
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 128 + signum, what_happened(run, out)
+    assert not (run / "run.lock").exists()  # the stop lets the folder go
     assert f"got {signal.Signals(signum).name}" in out and f"Continue with: ddp-launch resume={run}" in out, out[-3000:]
     assert "Traceback" not in out and "SignalException" not in out, out[-3000:]
     assert "Received 15 death signal, shutting down workers" in out, out[-3000:]  # torchrun's own lines still pass
