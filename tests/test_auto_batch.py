@@ -179,20 +179,20 @@ def test_the_training_arguments_follow_the_measured_batch(tmp_path):
 
 
 def test_the_probes_validation_batch_runs_the_real_network_and_its_nms_and_leaves_it_training():
-    """components.Rank._probe_validation (on CUDA beside the probe's graphs) with a real yolov8n on the CPU: the
+    """batch_probe.probe_validation (on CUDA beside the probe's graphs) with a real yolov8n on the CPU: the
     training arguments leave conf None (BaseValidator fills it in later), so the probe's NMS must not read it."""
     from types import SimpleNamespace
 
     from ultralytics.cfg import get_cfg
 
-    from launcher.rank.components import Rank
+    from launcher.rank.batch_probe import probe_validation
     from launcher.rank.ultralytics import build
 
     hyp = get_cfg(overrides={"imgsz": 64, "plots": False, "model": "yolov8n.yaml"})
     assert hyp.conf is None
     data = {"nc": 3, "names": {0: "a", 1: "b", 2: "c"}, "channels": 3}
     net, frozen = build.network(hyp, data, None)
-    rank = SimpleNamespace(cfg={"val": {}}, hyp=hyp, device=torch.device("cpu"), amp_dtype=None, data=data,
-                           _val_engine=lambda: "fast", _val_graphs=lambda: False)
-    Rank._probe_validation(rank, net, frozen, 8)
+    rank = SimpleNamespace(cfg={"val": {"engine": "fast"}, "train": {}}, hyp=hyp, device=torch.device("cpu"),
+                           amp_dtype=None, data=data)
+    probe_validation(rank, net, frozen, 8)
     assert net.training

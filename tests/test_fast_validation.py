@@ -506,7 +506,7 @@ def test_a_split_placed_a_slice_at_a_time_is_the_split_placed_at_once(steps_befo
 
 
 def test_a_split_that_fails_to_read_during_training_fails_the_first_validation_with_its_cause():
-    from launcher.rank.ultralytics.fast_validation import SplitReader
+    from launcher.rank.validate.split_reader import SplitReader
 
     def batches():
         yield from ()

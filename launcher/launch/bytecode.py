@@ -10,7 +10,7 @@ the optimizer's first call imports. Thousands of modules, seconds each time.
 (RANK_PACKAGES, and the standard library) into that folder, right before torchrun starts: their imports then find
 bytecode already there. The files go in the order the imports reach them (import_order: a crawl of the modules'
 top-level import statements from ENTRIES), then the rest: where cores are few, the pool keeps ahead of the imports
-only that way. A module an import reaches first is compiled by the importer, as before; both write the file
+only that way. A module an import reaches first is compiled by the importer, as Python does; both write the file
 atomically, so either copy is whole. Once every package is compiled, a stamp records them (where each is installed,
 when), and the launches after it start nothing. docs/benchmarks/cpu-fresh-start/ has what it saves.
 

@@ -34,6 +34,8 @@ def build_step(rank) -> tuple:
 
 
 def capture_network(rank, net: nn.Module, batch: int) -> GraphedDetector:
+    """`net`'s training forward and backward captured for `batch` images of the step's input type and layout;
+    raises what the capture raised (out of memory included)."""
     dtype, channels_last = rank.step_input
     return GraphedDetector(net, batch, rank.hyp.imgsz, rank.amp_dtype, input_dtype=dtype,
                            channels_last=channels_last, triton_kernels=rank.triton_kernels())

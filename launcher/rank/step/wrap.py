@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-# torch 2.13 renamed DDP's broadcast_buffers to forward_sync_buffers (the old name warns); the GPU machines run 2.11.
+# torch 2.13 renamed DDP's broadcast_buffers to forward_sync_buffers (the old name warns there; older torch knows only it)
 _TORCH_2_13 = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 13)
 BUFFER_SYNC_KWARG = "forward_sync_buffers" if _TORCH_2_13 else "broadcast_buffers"
 

@@ -14,7 +14,7 @@ DetectionValidator that never runs a batch itself:
   - the confusion matrix of ConfusionMatrix.process_batch on the same detections (only when plots are drawn: the
     final validation), counted a batch at a time on the device (rank/validate/confusion.py; image by image through
     process_batch itself where Ultralytics' `visualize` wants its matches), summed over the ranks;
-  - val_batch{0,1,2}_labels.jpg and _pred.jpg from rank 0's first three batches (up to 16 images each, as before);
+  - val_batch{0,1,2}_labels.jpg and _pred.jpg from rank 0's first three batches (up to 16 images each, as Ultralytics);
   in a training run all three are drawn in the plotter's thread, after the final weights are written (`draw`).
 The validation loss is the EMA's own Ultralytics loss on the same outputs, summed per batch and divided by the batch
 count, averaged over the ranks (Ultralytics' rule; larger batches move it a little). DetMetrics' per-image
@@ -25,7 +25,6 @@ Per-rank statistics go to rank 0 through the rank's own process group (Comm.gath
 
 from __future__ import annotations
 
-import threading
 import time
 from copy import copy, deepcopy
 
@@ -44,6 +43,7 @@ from launcher.rank.ultralytics.validation import label_loss_items
 from launcher.rank.validate.confusion import confusion_counts
 from launcher.rank.validate.engine import NmsSettings, detections_of, run_pass
 from launcher.rank.validate.forward import InferenceForward, autocast_to
+from launcher.rank.validate.split_reader import SplitReader
 from launcher.rank.validate.store import Placement, PreloadedSplit
 
 PLOTTED_BATCHES = 3  # BaseValidator plots its first three batches
@@ -155,6 +155,25 @@ class FastValidator:
         if self.split is None:
             self.preload(device)
         model = ema.ema
+        self._ready_validator(model, device, data, plots)
+        self._ready_forward(model, device, amp)
+        first = "pass_s" not in self.timing  # the run's first pass: it pays for what the later ones reuse
+        result, plotted, elapsed = self._pass(model, comm, device, plots, first)
+        everyone = self._gather(comm, result, plots)
+        if everyone is None:
+            return None, None
+        drawing = _Drawing(self.validator, plotted) if plots else None  # before the statistics are cleared
+        stats = self._metrics(first, elapsed, result.images, per_class)
+        if drawing is not None:
+            _draw(drawing, draw)
+        loss = mean_loss([r["loss"] for r in everyone])
+        metrics = {k: round(float(x), 5) for k, x in {**stats, **label_loss_items(loss, "val")}.items()}
+        return metrics, metrics.pop("fitness", None)
+
+    # --- the Ultralytics adapter: a DetectionValidator set up as BaseValidator.__call__ sets it in training ---------
+    def _ready_validator(self, model, device, data, plots: bool) -> None:
+        """The validator's state for a pass over `model` (the EMA): training mode, device, data and plots set,
+        `model` in float32 eval mode, metrics and confusion matrix cleared (init_metrics)."""
         v = self.validator
         v.training, v.device, v.data = True, device, data
         v.args.plots = plots
@@ -162,6 +181,12 @@ class FastValidator:
             model.end2end = v.args.nms is False
         model.float().eval()
         v.init_metrics(model)  # names, nc, the head's max_det, the confusion matrix, cleared statistics
+
+    # --- the graphed forward -------------------------------------------------------------------------------------
+    def _ready_forward(self, model, device, amp: bool) -> None:
+        """`self.forward` over this validation's network: the EMA under autocast, or its folded copy (made once,
+        refreshed with the EMA's weights after); CUDA-graphed per shape where cuda_graphs. Joins the validation's
+        kernels compiled during training, and makes the post-processing's stream, once."""
         if self.stream is None and device.type == "cuda" and self.pipelined:
             self.stream = torch.cuda.Stream(device)
         self._amp_dtype = self.amp_dtype if amp and device.type == "cuda" else None
@@ -183,24 +208,15 @@ class FastValidator:
             self.forward = InferenceForward(network, device, batch=self.batch, graphs=self.cuda_graphs,
                                             amp_dtype=None if self.fold else self._amp_dtype, log=self.log,
                                             detail=self.detail)
+
+    # --- the statistics ------------------------------------------------------------------------------------------
+    def _pass(self, model, comm: Comm, device, plots: bool, first: bool):
+        """One pass over this rank's shard: (run_pass's result, rank 0's first batches to plot with their
+        detections, the pass's seconds). With `plots`, the confusion matrix counted too (_confusion_counter)."""
+        v = self.validator
         plotted: list = []
         confusion: list[torch.Tensor] = []  # each batch's confusion counts, on the device until the pass ends
-
-        def each_batch(vb, det, boxes):
-            if plots:
-                cm = v.confusion_matrix
-                if cm.matches is None:  # the counts alone: the whole batch at once
-                    confusion.append(confusion_counts(det, det.valid(), boxes, vb.cls, vb.valid(), cm.nc,
-                                                      float(v.args.conf)))
-                else:  # `visualize`: Ultralytics' matches bookkeeping is per image, in process_batch
-                    for i in range(vb.n):
-                        n = int(vb.count[i])
-                        truth = {"cls": vb.cls[i, :n], "bboxes": boxes[i, :n]}
-                        cm.process_batch(detections_of(det, i), truth, conf=v.args.conf)
-                if comm.rank == 0 and len(plotted) < PLOTTED_BATCHES:
-                    plotted.append((vb, det))
-
-        first = "pass_s" not in self.timing  # the run's first pass: it pays for what the later ones reuse
+        each_batch = self._confusion_counter(comm.rank, confusion, plotted) if plots else None
         ends: list[float] = []  # each batch's end on the host (its post-processing reads the host once)
 
         def on_batch() -> None:
@@ -225,18 +241,52 @@ class FastValidator:
             steps = [b - a for a, b in zip([started, *ends], [*ends, finished])]
             self.detail(f"validation: the first pass batch by batch: {', '.join(f'{x:.3f}' for x in steps[:-1])} s, "
                         f"then {steps[-1]:.3f} s to its end")
+        return result, plotted, elapsed
+
+    def _confusion_counter(self, rank: int, confusion: list, plotted: list):
+        """run_pass's `each_batch` when plots are drawn: each batch's confusion counts appended to `confusion` (on
+        the device), or, where Ultralytics' `visualize` wants its matches, counted by process_batch image by image;
+        on rank 0 the first PLOTTED_BATCHES batches kept in `plotted`."""
+        v = self.validator
+
+        def each_batch(vb, det, boxes):
+            cm = v.confusion_matrix
+            if cm.matches is None:  # the counts alone: the whole batch at once
+                confusion.append(confusion_counts(det, det.valid(), boxes, vb.cls, vb.valid(), cm.nc,
+                                                  float(v.args.conf)))
+            else:  # `visualize`: Ultralytics' matches bookkeeping is per image, in process_batch
+                for i in range(vb.n):
+                    n = int(vb.count[i])
+                    truth = {"cls": vb.cls[i, :n], "bboxes": boxes[i, :n]}
+                    cm.process_batch(detections_of(det, i), truth, conf=v.args.conf)
+            if rank == 0 and len(plotted) < PLOTTED_BATCHES:
+                plotted.append((vb, det))
+
+        return each_batch
+
+    # --- the gather ----------------------------------------------------------------------------------------------
+    def _gather(self, comm: Comm, result, plots: bool) -> list[dict] | None:
+        """Every rank's statistics, loss, image count and (with `plots`) confusion matrix on rank 0, in rank order,
+        and folded into the validator there (DetectionValidator.gather_stats); None on the other ranks, whose
+        statistics are cleared."""
+        v = self.validator
         loss = {k: (v_.cpu() / max(result.batches, 1)).float() for k, v_ in result.loss.items()}
         mine = {"stats": result.stats, "loss": loss, "images": result.images,
                 "matrix": v.confusion_matrix.matrix if plots else None}
         everyone = comm.gather(mine)
         if comm.rank != 0:
             v.metrics.clear_stats()
-            return None, None
+            return None
         v.metrics.stats = gathered_stats([r["stats"] for r in everyone])
         v.seen = sum(r["images"] for r in everyone)
         if plots and comm.world_size > 1:
             v.confusion_matrix.matrix = np.sum([r["matrix"] for r in everyone], axis=0)
-        drawing = _Drawing(v, plotted) if plots else None  # before the statistics are cleared
+        return everyone
+
+    def _metrics(self, first: bool, elapsed: float, images: int, per_class: bool) -> dict:
+        """Rank 0: Ultralytics' metrics of the gathered statistics (DetMetrics.process, each class's detections
+        grouped once; no plots: those are _Drawing's), its table printed; the statistics cleared after."""
+        v = self.validator
         v.args.plots = False  # the metrics without the plots: those are drawing's
         detections = sum(len(c) for c in v.metrics.stats["conf"])
         metrics_started = time.perf_counter()
@@ -246,19 +296,11 @@ class FastValidator:
         if first:  # on the host, and as long as the detections are many: an untrained model's, at conf 0.001
             self.detail(f"validation: the metrics over {detections} detections in "
                         f"{time.perf_counter() - metrics_started:.2f} s")
-        v.speed = {"preprocess": 0.0, "inference": 1e3 * elapsed / max(result.images, 1), "loss": 0.0,
+        v.speed = {"preprocess": 0.0, "inference": 1e3 * elapsed / max(images, 1), "loss": 0.0,
                    "postprocess": 0.0}
         v.finalize_metrics()
         print_table(v, per_class=per_class)
-        if drawing is not None:
-            if draw is None:
-                with PLOT_LOCK:  # matplotlib's pyplot is not thread-safe (plots.py)
-                    drawing()
-            else:
-                draw("the final validation's plots", drawing)
-        loss = mean_loss([r["loss"] for r in everyone])
-        metrics = {k: round(float(x), 5) for k, x in {**stats, **label_loss_items(loss, "val")}.items()}
-        return metrics, metrics.pop("fitness", None)
+        return stats
 
     def _loss(self, model, targets: dict, preds) -> dict:
         """The EMA's own loss items under autocast to the AMP dtype, whichever forward made `preds` (its BCE in fp32)."""
@@ -275,42 +317,6 @@ class FastValidator:
             ema.ema.load_state_dict(weights)
         comm.broadcast_from_rank0(list(ema.ema.state_dict().values()))
         return self.validate(ema, comm, **kwargs)
-
-
-class SplitReader:
-    """PreloadedSplit.read of a loader in a thread of its own, started now (host memory only: it makes no CUDA call
-    while the training thread may be capturing a graph), then the loader's close, which joins its workers off the
-    training thread; `result()` waits for it: (the groups, the seconds the read took), or raises what the thread
-    raised."""
-
-    def __init__(self, loader):
-        self.loader = loader
-        self._result: tuple[dict, float] | None = None
-        self._error: BaseException | None = None
-        self.thread = threading.Thread(target=self._read, name="val-split-reader", daemon=True)
-        self.thread.start()
-
-    def _read(self) -> None:
-        started = time.perf_counter()
-        try:
-            self._result = PreloadedSplit.read(iter(self.loader)), time.perf_counter() - started
-        except BaseException as e:  # noqa: BLE001 - raised by result(), in the validating thread
-            self._error = e
-        finally:
-            close = getattr(self.loader, "close", None)  # InfiniteDataLoader's: its workers are done either way
-            if close is not None:
-                close()
-
-    @property
-    def succeeded(self) -> bool:
-        """The split is read (result() returns at once)."""
-        return not self.thread.is_alive() and self._result is not None
-
-    def result(self) -> tuple[dict, float]:
-        self.thread.join()
-        if self._error is not None:
-            raise RuntimeError("reading the validation split during training failed") from self._error
-        return self._result
 
 
 class _Drawing:
@@ -335,6 +341,16 @@ class _Drawing:
         curves.process(save_dir=v.save_dir, plot=True, on_plot=v.on_plot)  # the PR, F1, P and R curves
         for normalize in True, False:  # DetectionValidator.finalize_metrics's
             self.matrix.plot(save_dir=v.save_dir, normalize=normalize, on_plot=v.on_plot)
+
+
+def _draw(drawing: _Drawing, draw) -> None:
+    """The plots drawn now (under PLOT_LOCK: matplotlib's pyplot is not thread-safe, plots.py), or handed to `draw`
+    (rank 0's Plotter.later) to be drawn in the plotter's thread."""
+    if draw is None:
+        with PLOT_LOCK:
+            drawing()
+    else:
+        draw("the final validation's plots", drawing)
 
 
 def mean_loss(losses: list[dict]) -> dict:
