@@ -29,9 +29,9 @@ from launcher.plan.environment import TORCHRUN_STARTED
 from launcher.plan.plan import LaunchPlan
 
 # How long torchrun, told to stop, waits for the ranks before it SIGKILLs them (its default, 30 s, can end rank 0
-# while it writes its checkpoint on a loaded machine). A rank with no progress ends itself sooner
-# (rank/signals.py, StopSignal's grace), so this only bounds a checkpoint write.
-SHUTDOWN_TIMEOUT, SHUTDOWN_TIMEOUT_S = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT", 180
+# while it writes its checkpoint on a loaded machine). A rank with no progress ends itself sooner (rank/signals.py,
+# StopSignal's grace), so this bounds a checkpoint write, and a frozen (SIGSTOPped) rank that cannot end itself.
+SHUTDOWN_TIMEOUT, SHUTDOWN_TIMEOUT_S = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT", 90
 
 # HUP: the terminal closed or the ssh session dropped; USR1: SLURM's advance warning of the time limit
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1)
