@@ -185,14 +185,17 @@ def test_the_probes_validation_batch_runs_the_real_network_and_its_nms_and_leave
 
     from ultralytics.cfg import get_cfg
 
+    from launcher.machine.hardware import Hardware
+    from launcher.plan.plan import make_plan
     from launcher.rank.batch_probe import probe_validation
     from launcher.rank.ultralytics import build
+    from tests.conftest import compose_config
 
     hyp = get_cfg(overrides={"imgsz": 64, "plots": False, "model": "yolov8n.yaml"})
     assert hyp.conf is None
     data = {"nc": 3, "names": {0: "a", 1: "b", 2: "c"}, "channels": 3}
     net, frozen = build.network(hyp, data, None)
-    rank = SimpleNamespace(cfg={"val": {"engine": "fast"}, "train": {}}, hyp=hyp, device=torch.device("cpu"),
-                           amp_dtype=None, data=data)
+    plan, _ = make_plan(compose_config(["gpus=0", "val.engine=fast"]), Hardware(cpu_count=2))
+    rank = SimpleNamespace(plan=plan, hyp=hyp, device=torch.device("cpu"), amp_dtype=None, data=data)
     probe_validation(rank, net, frozen, 8)
     assert net.training

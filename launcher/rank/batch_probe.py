@@ -11,7 +11,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from launcher.plan import checks
 from launcher.plan.describe import batch_lines
 from launcher.plan.plan import LaunchPlan, with_batch
 from launcher.rank.step import auto_batch
@@ -23,7 +22,6 @@ from launcher.rank.ultralytics.fast_validation import VAL_CONF, nms_settings
 from launcher.rank.ultralytics.loss import training_criterion
 from launcher.rank.validate.forward import InferenceForward
 from launcher.rank.validate.nms import batched_nms
-from launcher.rank.validation_build import val_engine, val_graphs
 
 
 def measure_batch(rank, validation: bool) -> dict:
@@ -91,10 +89,9 @@ def probe_validation(rank, net: nn.Module, frozen, batch: int) -> None:
     """One validation batch as the run's first validation takes it, beside the probe's training graphs: the
     forward at val.batch on square imgsz images (no rectangular batch is larger), CUDA-graphed as the fast
     engine's, and NMS of what an untrained network finds (thousands of candidates per image)."""
-    val, imgsz = rank.cfg.get("val") or {}, int(rank.hyp.imgsz)
-    rows = checks.val_batch(val, batch)
+    imgsz, rows = int(rank.hyp.imgsz), rank.plan.val_batch_at(batch)
     forward = InferenceForward(net, rank.device, batch=rows, amp_dtype=rank.amp_dtype, log=lambda _: None,
-                               graphs=val_engine(rank.cfg) == "fast" and val_graphs(rank.cfg, rank.device))
+                               graphs=rank.plan.val_engine == "fast" and rank.plan.val_cuda_graphs)
     settings = nms_settings(rank.hyp, end2end=bool(getattr(net, "end2end", False)), conf=VAL_CONF)
     net.eval()
     try:

@@ -76,8 +76,7 @@ class Rank:
             torch.empty(1, device=self.device)  # the driver and the CUDA context, made here to be timed as their own part
         self._stamp("cuda_init")
         train, loader_cfg = cfg["train"], cfg["loader"]
-        amp = train["amp"] if self.device.type == "cuda" else False
-        self.amp_dtype = (torch.bfloat16 if amp == "bf16" else torch.float16) if amp else None
+        self.amp_dtype = (torch.bfloat16 if plan.amp == "bf16" else torch.float16) if plan.amp else None
         # the training graphs' Triton kernels (step/triton_modules.py), compiled on a thread from the start: on a fresh
         # machine (no Triton cache) compiling them takes longer than the set-up's other parts
         self.kernels = (kernels.WarmUp(self.device, self.amp_dtype or torch.float32, kernels.TRAINING)
@@ -91,7 +90,7 @@ class Rank:
         torch.set_num_threads(plan.threads_per_rank)  # importing Ultralytics changed it
         build.seed(self.hyp, self.rank, world)
         # timed once per shape, before any graph is captured: the graphs replay what it chose
-        torch.backends.cudnn.benchmark = self.device.type == "cuda" and bool(train.get("cudnn_benchmark", False))
+        torch.backends.cudnn.benchmark = plan.cudnn_benchmark
         self._stamp("hyperparameters_and_seeds")
         self.data = build.dataset_info(self.hyp)
         self._stamp("dataset_check")

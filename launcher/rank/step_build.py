@@ -43,7 +43,7 @@ def capture_network(rank, net: nn.Module, batch: int) -> GraphedDetector:
 
 def captures_step(rank, net: nn.Module) -> bool:
     """train.graph_scope: the whole step captured where it can be (auto; captured_step.py), else the network."""
-    if not rank.plan.cuda_graphs or rank.cfg["train"].get("graph_scope", "auto") == "network":
+    if rank.plan.graph_scope != "step":
         return False
     why_not = uses_captured_step(net, device=rank.device, world_size=rank.world, accumulate=rank.plan.accumulate)
     if why_not is not None and net is rank.net:
@@ -71,7 +71,7 @@ def captured_step(rank) -> CapturedStep | None:
         for p in rank.net.parameters():
             p.grad = None
         failure = f"CUDA graph capture of the whole step failed ({type(e).__name__}: {e})"
-        if rank.cfg["train"].get("cuda_graphs", "auto") is True:
+        if rank.plan.cuda_graphs_required:
             raise RuntimeError(f"{failure}; capture the network only: train.graph_scope=network") from e
         rank.log(f"WARNING: {failure}; capturing the network only")
         return None
@@ -96,7 +96,7 @@ def graphed_network(rank) -> nn.Module | None:
         graphed = capture_network(rank, rank.net, rank.plan.micro_batch)
     except Exception as e:  # a network with host syncs or data-dependent shapes in its forward
         failure = f"CUDA graph capture of the network failed ({type(e).__name__}: {e})"
-        if rank.cfg["train"].get("cuda_graphs", "auto") is True:
+        if rank.plan.cuda_graphs_required:
             raise RuntimeError(f"{failure}; train without graphs: train.cuda_graphs=false") from e
         rank.log(f"WARNING: {failure}; training eagerly (train.cuda_graphs=auto)")
         return None

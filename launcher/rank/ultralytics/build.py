@@ -43,7 +43,7 @@ def hyperparameters(cfg: dict, plan: LaunchPlan, run_dir: Path, local_rank: int)
         "warmup_momentum": optim["warmup_momentum"],
         "warmup_bias_lr": optim["warmup_bias_lr"],
         "cos_lr": optim["cos_lr"],
-        "amp": train["amp"] if plan.device == "cuda" else False,
+        "amp": plan.amp,
         "cache": False if train["cache"] == "shared" else train["cache"],  # shared: ddp-launch's node cache
         "close_mosaic": train["close_mosaic"],
         "patience": train["patience"],
