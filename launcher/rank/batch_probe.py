@@ -29,17 +29,17 @@ def measure_batch(rank, validation: bool) -> dict:
     the step as the run takes it, built here from the same parts as the run's own (a network of its own, its
     loss, optimizer, EMA, scaler and CUDA graphs), all freed before the run's are built; then settled with a
     validation batch beside the steps (`validation`: the run validates). The RNG is left as the seed set it."""
-    plan, cfg = rank.plan, rank.cfg
+    plan, settings = rank.plan, rank.settings
     memory = auto_batch.CudaMemory(rank.device)
     dtype, channels_last = rank.step_input
     with torch.random.fork_rng(devices=[rank.device]):
-        net, frozen = build.network(rank.hyp, rank.data, cfg["model"].get("weights"))
+        net, frozen = build.network(rank.hyp, rank.data, settings.model.weights)
         net = rank.on_device(net)
         step = TrainStep(net, net, optimizer=rank.new_optimizer(net, plan.base_lr),
                          scaler=torch.amp.GradScaler("cuda", enabled=rank.amp_dtype == torch.float16),
-                         ema=build.ema(net), loss_scale=1.0, grad_clip=float(cfg["optim"].get("grad_clip", 10.0)),
+                         ema=build.ema(net), loss_scale=1.0, grad_clip=float(settings.optim.grad_clip),
                          amp_dtype=rank.amp_dtype)
-        net.criterion, _ = training_criterion(net, sync_free=bool(cfg["train"].get("sync_free_loss", True)))
+        net.criterion, _ = training_criterion(net, sync_free=bool(settings.train.sync_free_loss))
         build.train_mode(net, frozen)
         graphs = [plan.cuda_graphs]
         whole = captures_step(rank, net)

@@ -32,5 +32,5 @@ def validator(rank, loader):
         return Validator(loader, rank.hyp, rank.folder.path, on_batch=beat)
     return FastValidator(loader, rank.hyp, rank.folder.path,
                          batch=rank.plan.val_batch, amp_dtype=rank.amp_dtype, cuda_graphs=rank.plan.val_cuda_graphs,
-                         folded=rank.cfg.get("val", {}).get("fold_batchnorm", False) is True,
+                         folded=rank.settings.val.fold_batchnorm is True,
                          device=rank.device, on_batch=beat, log=rank.log, detail=rank.detail)
