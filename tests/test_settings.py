@@ -39,9 +39,10 @@ def test_the_settings_defaults_are_the_shipped_configs():
         yaml_keys, field_names = set(root[group]), {f.name for f in fields(cls)}
         wrong += [f"{group}.{k}: in conf/config.yaml, not in {cls.__name__}" for k in yaml_keys - field_names]
         wrong += [f"{group}.{k}: in {cls.__name__}, not in conf/config.yaml" for k in field_names - yaml_keys]
-    for group, cls, values in [*((g, c, root[g]) for g, c in GROUPS.items()), ("model", s.ModelSettings, root["model"]),
-                               ("paths", s.PathsSettings, root["paths"]),
-                               ("bench", s.BenchSettings, shipped(REPO / "conf" / "bench" / "default.yaml"))]:
+    checked = [*((g, c, root[g]) for g, c in GROUPS.items()), ("model", s.ModelSettings, root["model"]),
+               ("paths", s.PathsSettings, root["paths"]),
+               ("bench", s.BenchSettings, shipped(REPO / "conf" / "bench" / "default.yaml"))]
+    for group, cls, values in checked:
         for f in fields(cls):
             shown = values.get(f.name, default_of(f))
             if not (isinstance(shown, str) and "${" in shown) and default_of(f) != shown:
@@ -58,7 +59,8 @@ def test_the_settings_hold_the_composed_config():
         7, 3.0, False, 5)
     assert (settings.train.epochs, settings.train.imgsz, settings.model.cfg) == (30, 160, "yolov8n.yaml")  # shapes'
     assert settings.bench is None
-    assert s.Settings.of({**cfg, "bench": {"cell": "ddp-2", "steps": 4}}).bench == s.BenchSettings(cell="ddp-2", steps=4)
+    cell = s.Settings.of({**cfg, "bench": {"cell": "ddp-2", "steps": 4}})
+    assert cell.bench == s.BenchSettings(cell="ddp-2", steps=4)
 
 
 def raw_reads(source: str, module: str) -> list[str]:

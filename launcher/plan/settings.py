@@ -169,11 +169,12 @@ class Settings:
     @classmethod
     def of(cls, cfg: dict) -> Settings:
         """The settings of a resolved config (RunFolder.load's)."""
+        dist = cfg.get("dist") or {}
         return cls(train=_of(TrainSettings, cfg.get("train")), val=_of(ValSettings, cfg.get("val")),
                    optim=_of(OptimSettings, cfg.get("optim")), loader=_of(LoaderSettings, cfg.get("loader")),
-                   dist=_of(DistSettings, {**(cfg.get("dist") or {}),
-                                           "nccl": _of(NcclSettings, (cfg.get("dist") or {}).get("nccl"))}), log=_of(LogSettings, cfg.get("log")),
-                   debug=_of(DebugSettings, cfg.get("debug")), model=_of(ModelSettings, cfg.get("model")),
-                   data=_of(DataSettings, cfg.get("data")), paths=_of(PathsSettings, cfg.get("paths")),
+                   dist=_of(DistSettings, {**dist, "nccl": _of(NcclSettings, dist.get("nccl"))}),
+                   log=_of(LogSettings, cfg.get("log")), debug=_of(DebugSettings, cfg.get("debug")),
+                   model=_of(ModelSettings, cfg.get("model")), data=_of(DataSettings, cfg.get("data")),
+                   paths=_of(PathsSettings, cfg.get("paths")),
                    bench=_of(BenchSettings, cfg["bench"]) if cfg.get("bench") else None,
                    **{k: cfg[k] for k in ("seed", "gpus") if k in cfg})

@@ -77,7 +77,7 @@ class Rank:
             torch.cuda.set_device(self.device)
             torch.empty(1, device=self.device)  # the driver and the CUDA context, made here to be timed as their own part
         self._stamp("cuda_init")
-        train, loader_cfg = settings.train, settings.loader
+        train = settings.train
         self.amp_dtype = (torch.bfloat16 if plan.amp == "bf16" else torch.float16) if plan.amp else None
         # the training graphs' Triton kernels (step/triton_modules.py), compiled on a thread from the start: on a fresh
         # machine (no Triton cache) compiling them takes longer than the set-up's other parts
@@ -155,8 +155,8 @@ class Rank:
         self.inputs = TrainInputs(
             loader, self.sampler, self.device, self._prepare,
             decode=self.gpu_input.decoded if self.gpu_input is not None else None,
-            fetch_ahead=bool(loader_cfg.fetch_ahead), persistent=bool(loader_cfg.persistent_workers),
-            background=self.gpu_input is not None and bool(loader_cfg.fetch_ahead),
+            fetch_ahead=bool(settings.loader.fetch_ahead), persistent=bool(settings.loader.persistent_workers),
+            background=self.gpu_input is not None and bool(settings.loader.fetch_ahead),
         )
         self._stamp("train_data")
         self.val_loader = self.validator = None

@@ -86,23 +86,23 @@ def train(cfg: dict, plan: LaunchPlan, folder: RunFolder, stamps: dict | None = 
         timeline.stamp("components_built")
         timeline.setup = r.setup_stamps
         timeline.setup_memory = r.setup_memory
-        train_cfg, state = r.settings.train, r.state
+        settings, state = r.settings, r.state
         meter, monitor = _meter(r, METER_SKIP_STEPS)
-        early_stop = h.EarlyStop(int(train_cfg.patience), r.log)
+        early_stop = h.EarlyStop(int(settings.train.patience), r.log)
         layout = checkpoint.Layout(r.ema, r.hyp)
         checkpointer = r.checkpointer(lambda: _layout(r, layout, early_stop), layout.complete, checkpoint.stripped,
                                       extra={"early_stop": early_stop})
         r.restore(checkpointer)
-        samples = h.RecordSamples() if r.settings.debug.record_samples else None
-        epochs, on_rank0 = int(train_cfg.epochs), r.rank == 0
-        integrations = r.settings.log.integrations or []
+        samples = h.RecordSamples() if settings.debug.record_samples else None
+        epochs, on_rank0 = int(settings.train.epochs), r.rank == 0
+        integrations = settings.log.integrations or []
         input_time = h.InputTime(r.gpu_input, r.inputs, METER_SKIP_STEPS) if r.gpu_input else None
-        plotter = Plotter(folder.path, r.log) if on_rank0 and train_cfg.plots else None
+        plotter = Plotter(folder.path, r.log) if on_rank0 and settings.train.plots else None
         figures = EpochFigures(meter, monitor, r.device, r.comm, r.heartbeat) if integrations else None
         evaluate = h.Evaluate(lambda loop: _validate(r, loop, plotter), lambda loop, w: _validate(r, loop, plotter, w),
-                              lambda: _best_weights(r, checkpointer), interval=int(train_cfg.val_interval),
+                              lambda: _best_weights(r, checkpointer), interval=int(settings.train.val_interval),
                               comm=r.comm, device=r.device, log=r.log, final_table=r.validator.print_table)
-        save = h.Checkpoint(checkpointer, int(train_cfg.save_period), lambda written: _strip(r, written)) \
+        save = h.Checkpoint(checkpointer, int(settings.train.save_period), lambda written: _strip(r, written)) \
             if on_rank0 else None
         if on_rank0:
             evaluate = Timed(evaluate, timeline, name="val", final="final_val", keep=lambda loop: loop.state.validated)
@@ -130,7 +130,7 @@ def train(cfg: dict, plan: LaunchPlan, folder: RunFolder, stamps: dict | None = 
             early_stop,
             save,
             h.Plots(plotter, folder.path / "results.csv", r.train_dataset.labels, r.data["names"]) if plotter else None,
-            progress.Progress(meter, r.optimizer, r.device, r.rank, int(r.settings.log.interval_steps),
+            progress.Progress(meter, r.optimizer, r.device, r.rank, int(settings.log.interval_steps),
                               r.log, monitor, warmup_steps=plan.warmup_iterations or 0),
             progress.InputBoundWarning(meter, plan.workers_per_rank, r.log, monitor, gpu_input=r.gpu_input is not None,
                                 inputs=r.inputs),
