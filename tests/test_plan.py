@@ -414,8 +414,9 @@ def test_cuda_connections_left_to_the_environment(overrides, hw):
 def test_the_plan_decides_the_ranks_precision_graphs_and_validation_once():
     plan, _ = plan_for(["train.amp=bf16", "val.batch=24", "train.graph_scope=network", "train.cuda_graphs=true"])
     assert (plan.amp, plan.cuda_graphs, plan.cuda_graphs_required, plan.graph_scope) == ("bf16", True, True, "network")
-    assert (plan.val_engine, plan.val_batch, plan.val_cuda_graphs) == ("fast", 24, True)
+    assert (plan.val_engine, plan.val_batch, plan.val_cuda_graphs, plan.fused_optimizer) == ("fast", 24, True, True)
     plan, _ = plan_for(["gpus=0", "+train.extra.save_json=true"])
+    assert not plan.fused_optimizer
     assert (plan.amp, plan.cuda_graphs, plan.graph_scope, plan.val_engine, plan.val_cuda_graphs) == (
         False, False, "network", "ultralytics", False)
     assert plan.val_batch == min(2 * plan.micro_batch, 128)
@@ -429,7 +430,7 @@ def test_an_older_plan_json_without_the_ranks_decisions_takes_them_from_its_conf
     cfg = compose_config(["train.amp=bf16", "+train.extra.save_txt=true", "val.cuda_graphs=false"])
     plan, _ = make_plan(cfg, GPU_BOX)
     older = {k: v for k, v in plan.to_dict().items()
-             if k not in ("amp", "cudnn_benchmark", "cuda_graphs_required", "graph_scope", "val_engine",
+             if k not in ("amp", "fused_optimizer", "cudnn_benchmark", "cuda_graphs_required", "graph_scope", "val_engine",
                           "val_batch_fixed", "val_cuda_graphs")}
     assert LaunchPlan.from_dict(older, cfg) == plan
     assert LaunchPlan.from_dict(plan.to_dict(), cfg) == plan

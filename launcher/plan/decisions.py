@@ -1,5 +1,5 @@
 """The settings a rank would otherwise work out again from the config, decided once here and carried by LaunchPlan:
-the step's precision, cuDNN's autotuning, CUDA graphs and what they hold, the validation engine, batch and graphs."""
+the step's precision, the fused optimizer, cuDNN's autotuning, CUDA graphs and what they hold, the validation engine, batch and graphs."""
 
 from __future__ import annotations
 
@@ -9,10 +9,11 @@ from launcher.plan import checks
 def rank_decisions(cfg: dict, *, device: str, mode: str) -> dict:
     """LaunchPlan's fields decided from `cfg` for ranks on `device` in `mode` (make_plan's, and an older plan.json's
     missing ones: LaunchPlan.from_dict)."""
-    train, val = cfg["train"], cfg.get("val") or {}
+    train, val, fused = cfg["train"], cfg.get("val") or {}, cfg["optim"].get("fused", "auto")
     graphs = checks.uses_cuda_graphs(train, device=device, mode=mode)
     return {
         "amp": train.get("amp", True) if device == "cuda" else False,
+        "fused_optimizer": device == "cuda" if fused == "auto" else bool(fused),
         "cudnn_benchmark": device == "cuda" and bool(train.get("cudnn_benchmark", False)),
         "cuda_graphs": graphs,
         "cuda_graphs_required": train.get("cuda_graphs", "auto") is True,

@@ -74,6 +74,7 @@ class LaunchPlan:
     lr0_cap: float | None = None  # optim.lr0_cap: the most lr0 may be once scaled; None: no cap
     # decided for the ranks (decisions.py): train.amp on CUDA (true: fp16 | bf16), false on the CPU; cuDNN autotuning
     amp: bool | str = False
+    fused_optimizer: bool = False  # optim.fused resolved (auto: on CUDA)
     cudnn_benchmark: bool = False
     cuda_graphs_required: bool = False  # train.cuda_graphs=true: a failed capture ends the run, no eager fallback
     graph_scope: str = "network"  # step: the whole step captured where the rank can | network: the network's only

@@ -242,7 +242,7 @@ class Rank:
         """optim.name over `net`'s parameter groups at `lr`, fused where optim.fused allows it."""
         optim = self.settings.optim
         return fused_optimizer(build.optimizer(net, str(optim.name), lr, optim.momentum, optim.weight_decay),
-                               optim.fused, self.device)
+                               self.plan.fused_optimizer, self.device)
 
     @property
     def input_dtype(self) -> torch.dtype:
