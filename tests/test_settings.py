@@ -16,10 +16,11 @@ from tests.conftest import REPO, compose_config
 RANK = REPO / "launcher" / "rank"
 GROUPS = {"train": s.TrainSettings, "val": s.ValSettings, "optim": s.OptimSettings, "loader": s.LoaderSettings,
           "dist": s.DistSettings, "log": s.LogSettings, "debug": s.DebugSettings}
-# Dicts under launcher/rank/ whose keys happen to share a config key's name: (module, the dict's name) -> what it is
+# Dicts under launcher/rank/ whose keys happen to share a config key's name: (module file, the dict's name) -> what it
+# is (a file name is unique in the package, wherever its folder)
 NOT_CONFIG = {
     ("faults.py", "fields"): "a fault of DDP_LAUNCH_FAULTS (rank, kind, step, attempt)",
-    ("metrics/step_profile.py", "e"): "an event of torch.profiler's trace (name, cat, tid)",
+    ("step_profile.py", "e"): "an event of torch.profiler's trace (name, cat, tid)",
 }
 
 
@@ -64,12 +65,12 @@ def test_the_settings_hold_the_composed_config():
 
 
 def raw_reads(source: str, module: str) -> list[str]:
-    """`.get("key", default)` of a config key, and indexing or .get on a dict named *cfg, in `source` (the module
-    `module` under launcher/rank/)."""
+    """`.get("key", default)` of a config key, and indexing or .get on a dict named *cfg, in `source` (the module file
+    named `module`)."""
     keys = config_keys()
     found = []
     for node in ast.walk(ast.parse(source)):
-        where = f"{module}:{getattr(node, 'lineno', 0)}"
+        where = f"line {getattr(node, 'lineno', 0)}"
         if isinstance(node, ast.Subscript) and _named_cfg(node.value):
             found.append(f"{where}: {ast.unparse(node)}")
         elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get":
@@ -104,12 +105,12 @@ def config_keys() -> frozenset[str]:
 
 
 def test_no_rank_module_reads_the_raw_config():
-    found = [line for path in sorted(RANK.rglob("*.py")) for line in raw_reads(path.read_text(),
-                                                                               path.relative_to(RANK).as_posix())]
+    found = [f"{path.relative_to(RANK)}: {line}" for path in sorted(RANK.rglob("*.py"))
+             for line in raw_reads(path.read_text(), path.name)]
     assert not found, "read the rank's typed settings (launcher/plan/settings.py) instead:\n" + "\n".join(found)
 
 
 def test_the_scan_finds_a_raw_read():
     source = 'def f(rank, train, e):\n    return rank.cfg["optim"], train.get("grad_clip", 10.0), e.get("name", "?")\n'
     assert len(raw_reads(source, "step_build.py")) == 3
-    assert len(raw_reads(source, "metrics/step_profile.py")) == 2  # `e` there is a profiler event
+    assert len(raw_reads(source, "step_profile.py")) == 2  # `e` there is a profiler event
