@@ -72,10 +72,10 @@ class LaunchPlan:
     # per split: the images Ultralytics uses and drops, and why (inputs/labels.py); train_images counts the usable
     images: dict = field(default_factory=dict)
     lr0_cap: float | None = None  # optim.lr0_cap: the most lr0 may be once scaled; None: no cap
-    # decided for the ranks (decisions.py): train.amp on CUDA (true: fp16 | bf16), false on the CPU; cuDNN autotuning
-    amp: bool | str = False
+    # decided for the ranks (decisions.py), so that none derives them again from the config
+    amp: bool | str = False  # train.amp on CUDA (true: fp16 | bf16), false on the CPU
     fused_optimizer: bool = False  # optim.fused resolved (auto: on CUDA)
-    cudnn_benchmark: bool = False
+    cudnn_benchmark: bool = False  # train.cudnn_benchmark on CUDA
     cuda_graphs_required: bool = False  # train.cuda_graphs=true: a failed capture ends the run, no eager fallback
     graph_scope: str = "network"  # step: the whole step captured where the rank can | network: the network's only
     val_engine: str = "fast"  # val.engine resolved: fast | ultralytics
