@@ -29,6 +29,7 @@ from torch import nn
 
 from launcher.machine.environment_report import report as environment_report
 from launcher.plan.plan import LaunchPlan
+from launcher.plan.settings import Settings
 from launcher.rank import batch_probe, checkpoint_io, kernels, step_build, training_input, validation_build
 from launcher.rank.data.pipeline import TrainInputs, to_device
 from launcher.rank.data.sampler import EpochBatchSampler, mosaic_closes_at, sample_seed
@@ -65,6 +66,7 @@ class Rank:
 
     def __init__(self, cfg: dict, plan: LaunchPlan, folder: RunFolder, *, validation: bool = True):
         self.cfg, self.plan, self.folder = cfg, plan, folder
+        self.settings = settings = Settings.of(cfg)  # what the rank reads of the config
         self.rank, self.local_rank, world = rank_info()
         self.log, self.detail = rank_lines(self.rank)  # a line for the console; a diagnostic
         self.world = world
@@ -75,9 +77,8 @@ class Rank:
             torch.cuda.set_device(self.device)
             torch.empty(1, device=self.device)  # the driver and the CUDA context, made here to be timed as their own part
         self._stamp("cuda_init")
-        train, loader_cfg = cfg["train"], cfg["loader"]
-        amp = train["amp"] if self.device.type == "cuda" else False
-        self.amp_dtype = (torch.bfloat16 if amp == "bf16" else torch.float16) if amp else None
+        train = settings.train
+        self.amp_dtype = (torch.bfloat16 if plan.amp == "bf16" else torch.float16) if plan.amp else None
         # the training graphs' Triton kernels (step/triton_modules.py), compiled on a thread from the start: on a fresh
         # machine (no Triton cache) compiling them takes longer than the set-up's other parts
         self.kernels = (kernels.WarmUp(self.device, self.amp_dtype or torch.float32, kernels.TRAINING)
@@ -87,18 +88,18 @@ class Rank:
         decode_batch = (plan.batch_per_rank or 64) if plan.augment_on == "gpu" else 0  # (auto: not measured yet)
         self.prewarm = Prewarm(self.device, decode_batch=decode_batch, log=self.log).start()
         self.faults = FaultInjector.from_env(self.rank)
-        self.hyp = build.hyperparameters(cfg, plan, folder.path, self.local_rank)
+        self.hyp = build.hyperparameters(settings, plan, folder.path, self.local_rank)
         torch.set_num_threads(plan.threads_per_rank)  # importing Ultralytics changed it
         build.seed(self.hyp, self.rank, world)
         # timed once per shape, before any graph is captured: the graphs replay what it chose
-        torch.backends.cudnn.benchmark = self.device.type == "cuda" and bool(train.get("cudnn_benchmark", False))
+        torch.backends.cudnn.benchmark = plan.cudnn_benchmark
         self._stamp("hyperparameters_and_seeds")
         self.data = build.dataset_info(self.hyp)
         self._stamp("dataset_check")
 
         # 1. the node's image cache, before the process group; the batch this GPU takes (train.batch_per_device=auto)
-        self.caches = (training_input.image_caches(cfg, plan, self.data, int(self.hyp.imgsz), self.log)
-                       if train["cache"] == "shared" else {})
+        self.caches = (training_input.image_caches(settings, plan, self.data, int(self.hyp.imgsz), self.log)
+                       if train.cache == "shared" else {})
         if plan.batch_pending:
             self.prewarm.join()  # the probe captures graphs
         measured = batch_probe.measure_batch(self, validation) if plan.batch_pending else None
@@ -121,7 +122,7 @@ class Rank:
         # 3. the network, and the resume state
         self.state = TrainState(world_size=world, global_batch=plan.global_batch, device=self.device)
         checkpoint_io.remove_stale_temporaries(folder.weights)  # left by a writer that was SIGKILLed
-        self.net, self.frozen = build.network(self.hyp, self.data, cfg["model"].get("weights"))
+        self.net, self.frozen = build.network(self.hyp, self.data, settings.model.weights)
         expected = self.net.state_dict()
         resume, resumed_from = checkpoint_io.load_resumable(
             folder.weights / "last.pt", log=self.log,
@@ -131,47 +132,47 @@ class Rank:
         self.net = self.on_device(self.net)
         self.stride = max(int(self.net.stride.max()), 32)
         self.scaler = torch.amp.GradScaler("cuda", enabled=self.amp_dtype == torch.float16)
-        if plan.mode == "ddp" and cfg["dist"]["sync_bn"]:
+        if plan.mode == "ddp" and settings.dist.sync_bn:
             self.net = nn.SyncBatchNorm.convert_sync_batchnorm(self.net)
 
         self._stamp("network")
         # 4. the loaders and the optimizer
-        self.cores = training_input.bind_cores(cfg, plan, self.device, self.local_rank, self.detail)
-        self.close_at = mosaic_closes_at(int(train["epochs"]), int(train["close_mosaic"]))
+        self.cores = training_input.bind_cores(settings, plan, self.device, self.local_rank, self.detail)
+        self.close_at = mosaic_closes_at(int(train.epochs), int(train.close_mosaic))
         self.train_dataset, self.gpu_input = training_input.training_set(
-            cfg, plan, self.hyp, self.data, self.device, caches=self.caches, stride=self.stride,
+            settings, plan, self.hyp, self.data, self.device, caches=self.caches, stride=self.stride,
             close_at=self.close_at, input_dtype=self.input_dtype, log=self.log, detail=self.detail)
         if self.kernels is not None and self.gpu_input is not None:  # the first batch's kernels, after the graphs'
             self.input_kernels = self.kernels.then(self.gpu_input.warm_up)
         self.generator = torch.Generator(device=self.device) if self.gpu_input else None  # the augmentation's draws
         self.sampler = EpochBatchSampler(
             len(self.train_dataset), plan.batch_per_rank, num_replicas=self.comm.world_size if plan.mode == "ddp" else 1,
-            rank=self.rank if plan.mode == "ddp" else 0, seed=int(cfg["seed"]),
+            rank=self.rank if plan.mode == "ddp" else 0, seed=int(settings.seed),
             fill_last=bool(plan.cuda_graphs) and self.device.type == "cuda",  # every step the graph's shape
         )
-        loader = training_input.train_loader(cfg, plan, self.train_dataset, self.sampler, self.hyp, self.device,
+        loader = training_input.train_loader(settings, plan, self.train_dataset, self.sampler, self.hyp, self.device,
                                              gpu_input=self.gpu_input, close_at=self.close_at, cores=self.cores)
         self.inputs = TrainInputs(
             loader, self.sampler, self.device, self._prepare,
             decode=self.gpu_input.decoded if self.gpu_input is not None else None,
-            fetch_ahead=bool(loader_cfg.get("fetch_ahead", True)), persistent=bool(loader_cfg["persistent_workers"]),
-            background=self.gpu_input is not None and bool(loader_cfg.get("fetch_ahead", True)),
+            fetch_ahead=bool(settings.loader.fetch_ahead), persistent=bool(settings.loader.persistent_workers),
+            background=self.gpu_input is not None and bool(settings.loader.fetch_ahead),
         )
         self._stamp("train_data")
         self.val_loader = self.validator = None
         if validation:
             self.val_loader, self.validator = validation_build.validation_set(self)
         self._stamp("val_data")
-        optim = cfg["optim"]
+        optim = settings.optim
         self.optimizer = self.new_optimizer(self.net, plan.lr0)
-        self.schedule = Schedule(self.optimizer, epochs=int(train["epochs"]), lrf=optim["lrf"], cos_lr=optim["cos_lr"],
-                                 warmup_steps=plan.warmup_iterations or 0, warmup_bias_lr=optim["warmup_bias_lr"],
-                                 warmup_momentum=optim["warmup_momentum"], momentum=optim["momentum"])
+        self.schedule = Schedule(self.optimizer, epochs=int(train.epochs), lrf=optim.lrf, cos_lr=optim.cos_lr,
+                                 warmup_steps=plan.warmup_iterations or 0, warmup_bias_lr=optim.warmup_bias_lr,
+                                 warmup_momentum=optim.warmup_momentum, momentum=optim.momentum)
 
         # 5. class weights, the EMA, the training loss
         build.class_weights(self.net, self.hyp, self.train_dataset.labels, self.data["nc"])
         self.ema = build.ema(self.net)
-        self.net.criterion, detection = training_criterion(self.net, sync_free=bool(train.get("sync_free_loss", True)))
+        self.net.criterion, detection = training_criterion(self.net, sync_free=bool(train.sync_free_loss))
         if not detection:
             self.log(f"WARNING: {type(self.net.criterion).__name__}: loss normalised per rank (not a YOLO detection "
                      "loss), and not sync-free")
@@ -239,9 +240,9 @@ class Rank:
 
     def new_optimizer(self, net: nn.Module, lr: float) -> torch.optim.Optimizer:
         """optim.name over `net`'s parameter groups at `lr`, fused where optim.fused allows it."""
-        optim = self.cfg["optim"]
-        return fused_optimizer(build.optimizer(net, str(optim["name"]), lr, optim["momentum"], optim["weight_decay"]),
-                               optim.get("fused", "auto"), self.device)
+        optim = self.settings.optim
+        return fused_optimizer(build.optimizer(net, str(optim.name), lr, optim.momentum, optim.weight_decay),
+                               self.plan.fused_optimizer, self.device)
 
     @property
     def input_dtype(self) -> torch.dtype:
@@ -253,7 +254,7 @@ class Rank:
         input pipeline calls first; the randomness a function of the seed, the step and the rank alone), or moved
         and scaled."""
         if self.gpu_input is not None:
-            self.generator.manual_seed(sample_seed(int(self.cfg["seed"]), ni, self.rank))
+            self.generator.manual_seed(sample_seed(int(self.settings.seed), ni, self.rank))
             raw = self.gpu_input(raw, self.generator)  # carries MAX_TARGETS, read with its box count
         return to_device(raw, self.device, imgsz=self.hyp.imgsz, stride=self.stride, multi_scale=self.hyp.multi_scale)
 
