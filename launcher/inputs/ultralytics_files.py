@@ -18,7 +18,7 @@ import yaml
 
 # The releases whose internals launcher/rank/ultralytics/ is tested against, oldest and newest (pyproject.toml
 # declares the same range; .ci/run tests both ends; scripts/try-ultralytics.sh tries another release).
-OLDEST_VERSION = "8.4.160"
+OLDEST_VERSION = "8.4.158"
 NEWEST_VERSION = "8.4.190"
 WINDOW = f"{OLDEST_VERSION} to {NEWEST_VERSION}"
 PIP_WINDOW = f"pip install 'ultralytics>={OLDEST_VERSION},<={NEWEST_VERSION}'"
