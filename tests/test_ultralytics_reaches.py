@@ -45,7 +45,7 @@ REACHES = {
                           "strip_optimizer")],
 }
 
-# reach -> the test files that compare what it computes with what Ultralytics computes
+# reach -> the tests (files or node ids) that compare what it computes with what Ultralytics computes
 BEHAVIOUR = {
     "validation.py": ["tests/test_fast_validation.py"],
     "results_table.py": ["tests/test_fast_validation.py"],
@@ -53,11 +53,20 @@ BEHAVIOUR = {
     "class_metrics.py": ["tests/test_fast_validation.py"],
     "folded.py": ["tests/test_folded_copy.py"],
     "loss.py": ["tests/test_loss.py"],
-    "datasets.py": ["tests/test_image_cache.py", "tests/test_data_check.py", "tests/test_gpu_augment.py"],
+    "datasets.py": ["tests/test_image_cache.py", "tests/test_gpu_augment.py",
+                    "tests/test_data_check.py::test_the_split_lists_the_files_ultralytics_lists",
+                    "tests/test_ultralytics_reaches.py::test_a_loader_forks_its_workers_at_its_first_iteration",
+                    "tests/test_fast_validation.py::test_a_split_read_ahead_during_training_validates_as_one_read"],
     "build.py": ["tests/test_ultralytics_adapter.py"],
     "blocks.py": ["tests/test_step.py"],
     "checkpoint.py": ["tests/test_checkpointer.py"],
     "time_to_model.py": ["tests/test_time_to_model.py"],
+    # the launcher's own re-statements, read from Ultralytics' files without importing it
+    "inputs/labels.py": ["tests/test_data_check.py::test_the_check_drops_exactly_what_ultralytics_drops_with_a_reason_each",
+                         "tests/test_ultralytics_reaches.py::test_the_launchers_copies_of_ultralytics_constants"],
+    "plan/ultralytics_values.py": ["tests/test_bad_input.py::test_train_extra_values_are_checked_as_ultralytics_checks_them",
+                                   "tests/test_ultralytics_reaches.py::test_the_launchers_copies_of_ultralytics_constants"],
+    "launch/ultralytics_home.py": ["tests/test_ultralytics_reaches.py::test_the_launchers_copies_of_ultralytics_constants"],
 }
 
 
@@ -94,7 +103,16 @@ def test_the_reaches_keep_the_signatures_the_adapter_calls():
     assert "preprocess" in vars(v8DetectionLoss)
 
 
-def test_the_launchers_copies_of_ultralytics_constants_are_the_installed_ones():
+def test_a_loader_forks_its_workers_at_its_first_iteration():
+    """datasets.start_workers forks the validation loader's workers when ddp-launch chooses (read_ahead, during the
+    first epoch); Ultralytics' loader must not have forked them when it was built (it did up to 8.4.157)."""
+    from ultralytics.data.build import InfiniteDataLoader
+
+    loader = InfiniteDataLoader(list(range(4)), batch_size=2, num_workers=1)
+    assert loader.iterator is None
+
+
+def test_the_launchers_copies_of_ultralytics_constants():
     """What the launcher reads without importing Ultralytics: its settings file version and image suffixes."""
     from ultralytics.data.utils import IMG_FORMATS
     from ultralytics.utils import SETTINGS

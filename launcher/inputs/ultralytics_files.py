@@ -156,6 +156,13 @@ def cfg_type_rules() -> dict:
 
 
 @functools.cache
+def integral_floats_are_integers() -> bool:
+    """Whether check_cfg takes an integral float for an integer argument (epochs=1e2): from 8.4.172 it does, before it
+    refuses it; read from the module's source, as the tables are."""
+    return "is_integer()" in (package_dir() / "cfg" / "__init__.py").read_text()
+
+
+@functools.cache
 def default_arg_sections() -> dict[str, str]:
     """{key: the section of default.yaml it stands in} ("Train settings", "Predict settings", ...): which of
     Ultralytics' arguments are training ones is said by the file's own section headers."""

@@ -35,7 +35,7 @@ Reaches into internals, each in one place:
   strip_optimizer wrapped to stamp when final_eval has stripped the checkpoints.
 
 They are tested against a window of releases (inputs/ultralytics_files.py; tests/test_ultralytics_reaches.py checks
-each reach): importing this package checks it, as the launcher checks the package metadata when it plans, so a
+each reach), and what differs inside it is named in releases.py: importing this package checks it, as the launcher checks the package metadata when it plans, so a
 release outside is refused before any rank starts unless DDP_LAUNCH_ALLOW_ULTRALYTICS=1 asks to try it.
 """
 

@@ -1,7 +1,9 @@
 """What differs between the Ultralytics releases of the tested window (inputs/ultralytics_files.py), each named with
 the releases it applies to. The other modules of this package ask here; no other package learns about versions.
 
-A release that is not a plain one (a development build) is taken as the newest of the window.
+A release that is not a plain one (a development build) is taken as the newest of the window. The launcher reads what
+it needs of Ultralytics from the installed files (inputs/ultralytics_files.py: check_cfg's tables and its rule for
+integral floats, which takes them from 8.4.172), so it follows the release without a number.
 """
 
 from __future__ import annotations
