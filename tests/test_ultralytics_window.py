@@ -103,3 +103,23 @@ def test_pyproject_declares_the_window_the_launcher_checks():
     """`pip install .` keeps a release of the window that the environment already holds."""
     deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
     assert f"ultralytics>={OLDEST_VERSION},<={NEWEST_VERSION}" in deps
+
+
+def test_ci_tries_the_ends_of_the_window_after_the_suite():
+    ci = (REPO / ".ci" / "run").read_text()
+    tail = ci[ci.index("&& pytest\n"):]
+    assert "OLDEST_VERSION" in tail and "NEWEST_VERSION" in tail
+    assert 'DDP_LAUNCH_ALLOW_ULTRALYTICS=0 scripts/try-ultralytics.sh "$end" --train' in tail
+
+
+def test_a_broken_reach_is_named_by_the_test_that_failed():
+    from tests.ultralytics_release_check import broken_reaches
+
+    said = broken_reaches([
+        "tests/test_ultralytics_reaches.py::test_each_reach_is_in_the_installed_release[loss.py: "
+        "ultralytics.utils.loss.BboxLoss.forward]",
+        "tests/test_checkpointer.py::test_ultralytics_layout_saves_the_ema_in_fp16_as_it_was_at_each_save",
+        "tests/test_ultralytics_reaches.py::test_a_loader_forks_its_workers_at_its_first_iteration",
+    ])
+    assert list(said) == ["launcher/rank/ultralytics/loss.py", "launcher/rank/ultralytics/checkpoint.py",
+                          "launcher/rank/ultralytics/datasets.py"]
