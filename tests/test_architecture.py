@@ -4,10 +4,14 @@ there is no import cycle, one package talks to Ultralytics, and the launcher pro
 from __future__ import annotations
 
 import ast
+import os
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from launcher.inputs.ultralytics_files import ALLOW_VARIABLE, WINDOW
 from tests.conftest import REPO
 
 PACKAGE = REPO / "launcher"
@@ -133,15 +137,20 @@ def test_the_launcher_process_never_imports_ultralytics(tmp_path, cache_dir):
     assert "LOADED []" in r.stdout, r.stdout.splitlines()[-1]
 
 
-def test_the_rank_side_refuses_another_ultralytics_release():
+@pytest.mark.parametrize("allowed", [False, True], ids=["refused", "tried"])
+def test_the_rank_side_refuses_a_release_outside_the_window_unless_the_switch_asks_to_try_it(allowed):
     code = (
         "import ultralytics\n"
         "ultralytics.__version__ = '8.3.0'\n"
         "import launcher.rank.ultralytics\n"
     )
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert r.returncode != 0
-    assert "ultralytics 8.3.0 is installed" in r.stderr and "supports exactly 8.4.190" in r.stderr
+    env = {k: v for k, v in os.environ.items() if k != ALLOW_VARIABLE} | ({ALLOW_VARIABLE: "1"} if allowed else {})
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    if allowed:
+        assert r.returncode == 0, r.stderr[-2000:]
+    else:
+        assert r.returncode != 0
+        assert "ultralytics 8.3.0 is installed" in r.stderr and f"is tested with {WINDOW}" in r.stderr
 
 
 def test_no_module_points_outside_the_repository():

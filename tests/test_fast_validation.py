@@ -27,6 +27,7 @@ from launcher.rank.validate.nms import batched_nms
 from launcher.rank.validate.store import Placement, PreloadedSplit
 
 NC = 3
+# Ultralytics' NMS is handed a copy of the predictions: up to 8.4.159 it converts their boxes to xyxy in place.
 
 
 def head_output(b: int, nc: int, anchors: int, seed: int, size: float = 160.0) -> torch.Tensor:
@@ -51,7 +52,7 @@ def rows(det, i: int) -> torch.Tensor:
 ])
 def test_batched_nms_keeps_the_boxes_ultralytics_keeps(nc, multi_label, agnostic, max_det):
     pred = head_output(4, nc, 120 if nc < 10 else 40, seed=nc + max_det)
-    ref = ultralytics_nms.non_max_suppression(pred, 0.001, 0.7, multi_label=multi_label, agnostic=agnostic,
+    ref = ultralytics_nms.non_max_suppression(pred.clone(), 0.001, 0.7, multi_label=multi_label, agnostic=agnostic,
                                               max_det=max_det)
     det = batched_nms(pred, 0.001, 0.7, max_det=max_det, multi_label=multi_label, agnostic=agnostic)
     assert sum(len(r) for r in ref) > 4 * 20  # enough survivors, and suppression happened
@@ -68,7 +69,7 @@ def test_images_with_more_candidates_than_a_chunk_keep_the_boxes_ultralytics_kee
     monkeypatch.setattr(nms, "CHUNK", 64)  # image 0 has ~600 candidates, the others fewer than 64
     pred = head_output(3, 3, 200, seed=7)
     pred[1:, 4:] *= 0.05
-    ref = ultralytics_nms.non_max_suppression(pred, 0.001, 0.7, multi_label=True, max_det=max_det)
+    ref = ultralytics_nms.non_max_suppression(pred.clone(), 0.001, 0.7, multi_label=True, max_det=max_det)
     det = batched_nms(pred, 0.001, 0.7, max_det=max_det)
     assert len(ref[0]) == max_det or len(ref[0]) > 64  # image 0's survivors span several chunks
     for i, want in enumerate(ref):
@@ -84,7 +85,7 @@ def test_a_chain_of_overlapping_boxes_is_suppressed_as_greedy_nms_does():
                         torch.full((n,), 40)]).float()
     pred = torch.cat([xywh, (0.9 - 0.01 * torch.arange(n)).float()[None]])[None].repeat(2, 1, 1)
     pred[1, 4, 1::2] = 0  # the second image: the odd boxes below conf, nothing suppressed
-    ref = ultralytics_nms.non_max_suppression(pred, 0.001, 0.7, max_det=300)
+    ref = ultralytics_nms.non_max_suppression(pred.clone(), 0.001, 0.7, max_det=300)
     det = batched_nms(pred, 0.001, 0.7, max_det=300)
     assert [len(r) for r in ref] == [20, 20] and torch.equal(ref[0][:, 0], 80 + 10 * torch.arange(20).float())
     for i, want in enumerate(ref):
@@ -99,7 +100,7 @@ def compare_scans_in_interpreter() -> None:
     assert scans.usable(torch.zeros(1)), "Triton's interpreter is not active"
     for nc, multi_label, max_det in ((3, True, 300), (1, True, 40)):
         pred = head_output(2, nc, 100, seed=nc + max_det)
-        ref = ultralytics_nms.non_max_suppression(pred, 0.001, 0.7, multi_label=multi_label, max_det=max_det)
+        ref = ultralytics_nms.non_max_suppression(pred.clone(), 0.001, 0.7, multi_label=multi_label, max_det=max_det)
         det = batched_nms(pred, 0.001, 0.7, max_det=max_det, multi_label=multi_label)
         assert all(torch.equal(rows(det, i), want) for i, want in enumerate(ref)), (nc, multi_label, max_det)
     g = torch.Generator().manual_seed(0)
@@ -115,7 +116,7 @@ def compare_scans_in_interpreter() -> None:
         assert torch.equal(scans.greedy_nms(boxes, alive, 0.7, limit=limit), full & (full.cumsum(1) <= limit))
     pred = head_output(3, 3, 200, seed=7)  # image 0: ~600 candidates, ten tiles
     for max_det in (300, 3):
-        ref = ultralytics_nms.non_max_suppression(pred, 0.001, 0.7, multi_label=True, max_det=max_det)
+        ref = ultralytics_nms.non_max_suppression(pred.clone(), 0.001, 0.7, multi_label=True, max_det=max_det)
         det = batched_nms(pred, 0.001, 0.7, max_det=max_det)
         assert all(torch.equal(rows(det, i), want) for i, want in enumerate(ref)), max_det
     scans.CANDIDATES = 2048
@@ -147,7 +148,7 @@ def test_the_triton_scans_keep_and_match_what_ultralytics_does():
 def test_an_end_to_end_head_is_only_filtered_by_confidence():
     g = torch.Generator().manual_seed(0)
     pred = torch.rand(4, 50, 6, generator=g)
-    ref = ultralytics_nms.non_max_suppression(pred, 0.3, 0.7, max_det=20, end2end=True)
+    ref = ultralytics_nms.non_max_suppression(pred.clone(), 0.3, 0.7, max_det=20, end2end=True)
     det = batched_nms(pred, 0.3, 0.7, max_det=20, end2end=True)
     for i, want in enumerate(ref):
         assert torch.equal(rows(det, i), want), i
@@ -222,7 +223,7 @@ def test_metrics_from_the_same_predictions_equal_ultralytics(tmp_path, replayed)
     preds = [head_output(len(b["im_file"]), NC, 300, seed=5 + k, size=90.0) for k, b in enumerate(batches)]
     ref = _ultralytics_validator(tmp_path)
     for batch, pred in zip(batches, preds):
-        ref.update_metrics(ref.postprocess(pred), {**batch, "img": batch["img"].float() / 255})
+        ref.update_metrics(ref.postprocess(pred.clone()), {**batch, "img": batch["img"].float() / 255})
     want = ref.get_stats()
 
     shards = [(batches[:2], preds[:2]), (batches[2:], preds[2:])]

@@ -109,6 +109,7 @@ RUN_ELSEWHERE = {
     "ddp-launch -m dry_run=true seed=1,2,3": "tests/test_sweeps.py",
     "ddp-launch -m train.epochs=1 seed=1,2": "tests/test_sweeps.py",
     "ddp-launch log.integrations=[tensorboard]": "tests/test_tracking.py",
+    "ddp-launch resume=RUN_DIR data.path=NEW": "tests/test_moved_runs.py",
 }
 
 

@@ -10,13 +10,20 @@ from __future__ import annotations
 import functools
 import importlib.metadata
 import importlib.util
+import os
 import re
 from pathlib import Path
 
 import yaml
 
-# The release whose internals launcher/rank/ultralytics/ is written against (and pyproject.toml pins).
-SUPPORTED_VERSION = "8.4.190"
+# The releases whose internals launcher/rank/ultralytics/ is tested against, oldest and newest (pyproject.toml
+# declares the same range; .ci/run tests both ends; scripts/try-ultralytics.sh tries another release).
+OLDEST_VERSION = "8.4.158"
+NEWEST_VERSION = "8.4.190"
+WINDOW = f"{OLDEST_VERSION} to {NEWEST_VERSION}"
+PIP_WINDOW = f"pip install 'ultralytics>={OLDEST_VERSION},<={NEWEST_VERSION}'"
+# Set to 1 to run an Ultralytics release outside the window: the plan warns instead of refusing.
+ALLOW_VARIABLE = "DDP_LAUNCH_ALLOW_ULTRALYTICS"
 
 
 def installed_version() -> str | None:
@@ -27,15 +34,48 @@ def installed_version() -> str | None:
         return None
 
 
+def release(version: str | None) -> tuple[int, int, int] | None:
+    """8.4.190 -> (8, 4, 190); None for no version or one that is not a plain release (8.4.191rc1, 8.4.190.dev0)."""
+    match = re.fullmatch(r"(\d+)\.(\d+)\.(\d+)", version or "")
+    return tuple(int(x) for x in match.groups()) if match else None
+
+
+def in_window(version: str | None) -> bool:
+    """Whether `version` is one of the releases rank/ultralytics/ is tested against."""
+    found = release(version)
+    return found is not None and release(OLDEST_VERSION) <= found <= release(NEWEST_VERSION)
+
+
+def allowed_outside_window(environ=os.environ) -> bool:
+    """Whether the user asked to run a release outside the window anyway (DDP_LAUNCH_ALLOW_ULTRALYTICS=1)."""
+    return environ.get(ALLOW_VARIABLE, "") not in ("", "0")
+
+
 def version_problem(installed: str | None) -> str | None:
-    """Why this Ultralytics cannot run the ranks, or None when it is the supported release."""
-    if installed == SUPPORTED_VERSION:
+    """Why this Ultralytics cannot run the ranks, or None when it is inside the tested window."""
+    if in_window(installed):
         return None
     found = f"ultralytics {installed} is installed" if installed else "ultralytics is not installed"
-    return (
-        f"{found}; ddp-launch drives Ultralytics' trainer internals and supports exactly {SUPPORTED_VERSION}: "
-        f"pip install 'ultralytics=={SUPPORTED_VERSION}' (or reinstall ddp-launch, which pins it)"
-    )
+    retry = f" (or {ALLOW_VARIABLE}=1 to try it anyway)" if installed else ""
+    return (f"{found}; ddp-launch drives Ultralytics' trainer internals and is tested with {WINDOW}: "
+            f"{PIP_WINDOW}{retry}")
+
+
+def window_status(installed: str | None, environ=os.environ) -> str:
+    """Where the installed release stands against the window, for `ddp-env`."""
+    if in_window(installed):
+        return f"inside the tested window {WINDOW}"
+    if allowed_outside_window(environ):
+        return f"outside the tested window {WINDOW}: tried anyway ({ALLOW_VARIABLE}=1)"
+    return f"outside the tested window {WINDOW}: a run is refused ({PIP_WINDOW}, or {ALLOW_VARIABLE}=1 to try it)"
+
+
+def outside_window_warning(installed: str) -> str:
+    """What a run outside the window risks, said when DDP_LAUNCH_ALLOW_ULTRALYTICS=1 lets it start."""
+    return (f"ultralytics {installed} is outside the tested window {WINDOW} ({ALLOW_VARIABLE}=1): the internals "
+            "rank/ultralytics/ reaches into (its loss, validator, datasets, checkpoint keys, optimizer groups) may "
+            "have moved, so the run may fail or train and validate differently from Ultralytics; "
+            f"scripts/try-ultralytics.sh {installed} names which reach broke ({PIP_WINDOW}: a tested release)")
 
 
 @functools.cache
@@ -116,6 +156,13 @@ def cfg_type_rules() -> dict:
 
 
 @functools.cache
+def integral_floats_are_integers() -> bool:
+    """Whether check_cfg takes an integral float for an integer argument (epochs=1e2): from 8.4.172 it does, before it
+    refuses it; read from the module's source, as the tables are."""
+    return "is_integer()" in (package_dir() / "cfg" / "__init__.py").read_text()
+
+
+@functools.cache
 def default_arg_sections() -> dict[str, str]:
     """{key: the section of default.yaml it stands in} ("Train settings", "Predict settings", ...): which of
     Ultralytics' arguments are training ones is said by the file's own section headers."""
@@ -133,7 +180,6 @@ def user_weights_dir() -> Path | None:
     """The weights folder of the user's own Ultralytics settings (settings.json's weights_dir, where `yolo` keeps
     the weights it downloads), read from the file; None where there is none."""
     import json
-    import os
 
     home = os.environ.get("YOLO_CONFIG_DIR")
     base = Path(home) if home else Path.home() / ".config" / "Ultralytics"

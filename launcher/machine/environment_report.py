@@ -15,6 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from launcher.inputs.ultralytics_files import window_status
 from launcher.machine.hardware import Hardware, detect, torch_builds, usable_cpu_count
 
 PACKAGES = ("ddp-launch", "torch", "torchvision", "triton", "ultralytics", "hydra-core", "omegaconf", "nvidia-ml-py", "numpy",
@@ -57,7 +58,8 @@ def _versions(with_torch: bool) -> list[str]:
     out = [f"python          {platform.python_version()} ({sys.executable})", f"platform        {platform.platform()}"]
     for name in PACKAGES:
         try:
-            out.append(f"{name:<15} {importlib.metadata.version(name)}")
+            found = importlib.metadata.version(name)
+            out.append(f"{name:<15} {found}" + (f" ({window_status(found)})" if name == "ultralytics" else ""))
         except importlib.metadata.PackageNotFoundError:
             if not name.startswith("opencv"):  # one of the two OpenCV wheels is expected to be absent
                 out.append(f"{name:<15} not installed")

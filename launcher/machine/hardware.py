@@ -15,7 +15,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from launcher.inputs.ultralytics_files import SUPPORTED_VERSION, installed_version
+from launcher.inputs.ultralytics_files import NEWEST_VERSION, allowed_outside_window, installed_version
 
 
 @dataclass(frozen=True)
@@ -34,7 +34,8 @@ class Hardware:
     triton_available: bool = False  # torch.compile's GPU code generator (train.compile on CUDA)
     driver: str = ""
     notes: tuple[str, ...] = field(default=())  # why GPU discovery found nothing (NVML, torch.cuda)
-    ultralytics_version: str | None = SUPPORTED_VERSION  # the installed release (its package metadata)
+    ultralytics_version: str | None = NEWEST_VERSION  # the installed release (its package metadata)
+    ultralytics_allowed: bool = False  # DDP_LAUNCH_ALLOW_ULTRALYTICS=1: a release outside the window is tried
     bytecode_kept: bool = True  # whether a fresh interpreter reads torch's compiled modules (bytecode_kept())
     cuda_visible: str | None = None  # the launcher's CUDA_VISIBLE_DEVICES, which `device=` indices count within
 
@@ -154,6 +155,7 @@ def detect() -> Hardware:
         driver=driver,
         notes=tuple(notes) if not gpus else (),
         ultralytics_version=installed_version(),
+        ultralytics_allowed=allowed_outside_window(),
         bytecode_kept=bytecode_kept(),
         cuda_visible=os.environ.get("CUDA_VISIBLE_DEVICES"),
     )

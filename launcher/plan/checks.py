@@ -50,9 +50,13 @@ def one_of(value, allowed: tuple, key: str, problems: list[Problem], what: str |
     return False
 
 
-def ultralytics_problems(hw: Hardware) -> list[Problem]:
-    """The installed Ultralytics must be the release the rank side is written against."""
+def ultralytics_problems(hw: Hardware, notes: list[str]) -> list[Problem]:
+    """The installed Ultralytics must be inside the window the rank side is tested against; outside it, with
+    DDP_LAUNCH_ALLOW_ULTRALYTICS=1 (hw.ultralytics_allowed), the refusal becomes a warning among the notes."""
     message = ultralytics_files.version_problem(hw.ultralytics_version)
+    if message and hw.ultralytics_allowed and hw.ultralytics_version:
+        notes.append("WARNING: " + ultralytics_files.outside_window_warning(hw.ultralytics_version))
+        return []
     return [Problem(message, environment=True)] if message else []
 
 

@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from launcher.inputs.data import DatasetInfo
+from launcher.inputs.ultralytics_files import ALLOW_VARIABLE
 from launcher.machine.hardware import Hardware
 from launcher.plan import checks, keys, ultralytics_values
 from launcher.plan.batch import AUTO_BATCH_MULTIPLE, batch_fields, per_device_batch
@@ -133,8 +134,8 @@ def make_plan(
     port_is_free: Callable[[int], bool] | None = None,
 ) -> tuple[LaunchPlan, list[Problem]]:
     """Decide the launch. Returns the plan (best effort, also when there are problems) and every problem found."""
-    problems: list[Problem] = checks.ultralytics_problems(hw) + checks.unknown_key_problems(cfg, keys.known_keys())
     notes: list[str] = []
+    problems: list[Problem] = checks.ultralytics_problems(hw, notes) + checks.unknown_key_problems(cfg, keys.known_keys())
     train, optim, loader, dist = cfg["train"], cfg["optim"], cfg["loader"], cfg["dist"]
 
     top = _topology(cfg, hw, problems, notes)
@@ -184,6 +185,8 @@ def make_plan(
         **distributed_environment(dist, single_node),
         **cuda_environment(train.get("cuda_connections", CUDA_CONNECTIONS), top.device),
         **({"CUDA_VISIBLE_DEVICES": top.visible} if top.visible else {}),
+        # the ranks' own check of the release (rank/ultralytics/__init__.py) follows the launcher's switch
+        **({ALLOW_VARIABLE: "1"} if hw.ultralytics_allowed else {}),
     }
 
     plan = LaunchPlan(

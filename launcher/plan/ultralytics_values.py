@@ -88,7 +88,8 @@ def ultralytics_value_problem(key: str, value, default) -> str | None:
     if key in rules["CFG_FRACTION_KEYS"]:
         return None if number and 0.0 <= value <= 1.0 else "expected a number between 0.0 and 1.0"
     if key in rules["CFG_INT_KEYS"]:
-        if not isinstance(value, int) and not (isinstance(value, float) and value.is_integer()):
+        integral = isinstance(value, float) and value.is_integer() and ultralytics_files.integral_floats_are_integers()
+        if not isinstance(value, int) and not integral:
             return "expected an integer"
         least = rules["CFG_INT_MIN"].get(key)
         return f"must be >= {least}" if least is not None and value < least else None

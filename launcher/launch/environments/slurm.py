@@ -21,7 +21,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from launcher.inputs.ultralytics_files import installed_version
+from launcher.inputs.ultralytics_files import allowed_outside_window, installed_version
 from launcher.launch.environments.slurm_job import JOB_MODULE, node_torchrun_command, rendezvous_port
 from launcher.launch.logs import say
 from launcher.launch.run_lock import RunLock
@@ -160,6 +160,7 @@ def allocation_hardware(cfg: dict) -> Hardware:
         cpu_count=cfg["slurm"]["cpus_per_task"],
         nccl_available=gpus > 0,  # the allocation's nodes are GPU nodes with a CUDA build of torch
         ultralytics_version=installed_version(),  # the nodes run this installation (the shared filesystem)
+        ultralytics_allowed=allowed_outside_window(),
         bytecode_kept=bytecode_kept(),  # ... and the same install's bytecode, or none
     )
 

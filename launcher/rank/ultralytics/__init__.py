@@ -34,13 +34,14 @@ Reaches into internals, each in one place:
 - time_to_model_ultralytics.py: the same two for the time-to-model benchmark's Ultralytics side, and engine.trainer's
   strip_optimizer wrapped to stamp when final_eval has stripped the checkpoints.
 
-They are written against one release: importing this package checks it (the launcher checks the package metadata
-when it plans, so a mismatch is refused before any rank starts).
+They are tested against a window of releases (inputs/ultralytics_files.py; tests/test_ultralytics_reaches.py checks
+each reach), and what differs inside it is named in releases.py: importing this package checks it, as the launcher checks the package metadata when it plans, so a
+release outside is refused before any rank starts unless DDP_LAUNCH_ALLOW_ULTRALYTICS=1 asks to try it.
 """
 
 from ultralytics import __version__ as _installed
 
-from launcher.inputs.ultralytics_files import SUPPORTED_VERSION, version_problem
+from launcher.inputs.ultralytics_files import allowed_outside_window, version_problem
 
-if _installed != SUPPORTED_VERSION:
+if version_problem(_installed) and not allowed_outside_window():
     raise ImportError(version_problem(_installed))

@@ -6,13 +6,14 @@ from __future__ import annotations
 import os
 import random
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import torch
 from torch import nn
 from ultralytics.cfg import get_cfg
 from ultralytics.data.utils import check_det_dataset
-from ultralytics.models.yolo.detect import DetectionValidator
+from ultralytics.models.yolo.detect import DetectionTrainer, DetectionValidator
 from ultralytics.nn.tasks import DetectionModel, load_checkpoint
 from ultralytics.utils import YAML
 from ultralytics.utils.checks import check_imgsz
@@ -149,9 +150,9 @@ def class_weights(net: nn.Module, hyp, labels: list[dict], nc: int) -> None:
     counts = np.bincount(classes, minlength=nc).astype(np.float32)
     if not counts.any():
         return
-    present = counts > 0
-    weights = (1.0 / np.where(present, counts, 1.0)) ** hyp.cls_pw
-    weights = np.where(present, weights, weights[present].mean())
+    # Ultralytics' own rule, on a stand-in trainer: it moves between releases (classes without labels get the mean
+    # weight from 8.4.175, weight 1 before)
+    weights = DetectionTrainer.compute_class_weights(SimpleNamespace(args=hyp), counts)
     net.class_weights = torch.from_numpy(weights / weights.mean()).to(next(net.parameters()).device)
 
 

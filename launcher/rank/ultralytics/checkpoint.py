@@ -19,6 +19,7 @@ from ultralytics.utils import DEFAULT_CFG_DICT, DEFAULT_CFG_KEYS
 from ultralytics.utils.torch_utils import convert_optimizer_state_dict_to_fp16, strip_optimizer
 
 from launcher.rank.checkpoint_io import RESUME_KEY
+from launcher.rank.ultralytics import releases
 
 
 class Layout:
@@ -96,7 +97,9 @@ def strip(path: Path) -> None:
 # strip_optimizer's metadata; the checkpoint's own date, version and licence come after it and win, as there
 STRIP_METADATA = {"license": "AGPL-3.0 License (https://ultralytics.com/license)",
                   "docs": "https://docs.ultralytics.com"}
-STRIPPED_KEYS = ("optimizer", "best_fitness", "stopper", "ema", "updates", "scaler")  # set to None by strip_optimizer
+# set to None by strip_optimizer (releases.py: "stopper" from 8.4.172)
+STRIPPED_KEYS = ("optimizer", "best_fitness", *(["stopper"] if releases.STRIP_CLEARS_STOPPER else []), "ema",
+                 "updates", "scaler")
 
 
 def stripped(ckpt: dict) -> dict:

@@ -35,7 +35,7 @@ from ultralytics.utils.metrics import DetMetrics
 
 from launcher.rank import kernels
 from launcher.rank.dist import Comm
-from launcher.rank.ultralytics import class_metrics, datasets
+from launcher.rank.ultralytics import class_metrics, datasets, releases
 from launcher.rank.ultralytics.folded import FoldedCopy
 from launcher.rank.ultralytics.plots import PLOT_LOCK
 from launcher.rank.ultralytics.results_table import print_table
@@ -251,10 +251,10 @@ class FastValidator:
 
         def each_batch(vb, det, boxes):
             cm = v.confusion_matrix
-            if cm.matches is None:  # the counts alone: the whole batch at once
+            if cm.matches is None and releases.GREEDY_CONFUSION:  # the counts alone: the whole batch at once
                 confusion.append(confusion_counts(det, det.valid(), boxes, vb.cls, vb.valid(), cm.nc,
                                                   float(v.args.conf)))
-            else:  # `visualize`: Ultralytics' matches bookkeeping is per image, in process_batch
+            else:  # `visualize` (Ultralytics' matches bookkeeping is per image) or an older rule (releases.py)
                 for i in range(vb.n):
                     n = int(vb.count[i])
                     truth = {"cls": vb.cls[i, :n], "bboxes": boxes[i, :n]}
