@@ -44,10 +44,10 @@ def test_the_verdict_falls_back_to_last_prev_or_refuses_naming_both_and_best(tmp
 
 @pytest.fixture(scope="module")
 def stopped(tmp_path_factory, cache_dir) -> Path:
-    """A run that died in epoch 3: last.pt (epoch 2), last.prev.pt (epoch 1) and best.pt."""
+    """A run stopped in epoch 3 (SIGTERM: its checkpoint writes finish): last.pt, last.prev.pt and best.pt."""
     run = tmp_path_factory.mktemp("stopped") / "run"
     r = ddp_launch([*BASE, f"hydra.run.dir={run}"], cwd=run.parent, timeout=600,
-                   env={"DDP_LAUNCH_FAULT": "rank=0,step=20,kind=exit"})
+                   env={"DDP_LAUNCH_FAULT": "rank=0,step=20,kind=sigterm"})  # stopped: its writes done
     assert r.returncode != 0 and (run / "weights" / "last.prev.pt").is_file(), r.stdout[-3000:] + r.stderr[-3000:]
     return run
 
@@ -70,7 +70,7 @@ def test_a_last_checkpoint_of_another_model_falls_back_to_the_previous_one_namin
                    env={"DDP_LAUNCH_FAULT": "rank=0,step=10,kind=exit"})  # a step after resuming is enough to see
     assert f"WARNING: {last} is another model's: {key} is [7," in r.stdout
     assert f"resuming from {prev} instead" in r.stdout
-    assert f"resuming from {prev} at epoch 2, step 1" in (run / "logs" / "rank0.log").read_text()
+    assert f"resuming from {prev} at epoch 3, step 1" in (run / "logs" / "rank0.log").read_text()
 
 
 @pytest.mark.slow
