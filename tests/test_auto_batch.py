@@ -185,7 +185,7 @@ def test_the_probes_validation_batch_runs_the_real_network_and_its_nms_and_leave
 
     from ultralytics.cfg import get_cfg
 
-    from launcher.rank.batch_probe import probe_validation
+    from launcher.rank.build_steps.batch_probe import probe_validation
     from launcher.rank.ultralytics import build
 
     hyp = get_cfg(overrides={"imgsz": 64, "plots": False, "model": "yolov8n.yaml"})

@@ -101,7 +101,7 @@ def test_a_launch_compiles_the_ranks_bytecode_in_the_cache_once_per_machine(tmp_
     first = LocalEnvironment()
     first._compile_bytecode(plan)
     assert first._compiling is not None and first._compiling.wait(timeout=300) == 0
-    for module in ("torch", "ultralytics", "launcher.rank.runs", "json"):
+    for module in ("torch", "ultralytics", "launcher.rank.run.runs", "json"):
         assert _cached(Path(importlib.util.find_spec(module).origin), folder, monkeypatch).is_file(), module
     again = LocalEnvironment()
     again._compile_bytecode(plan)
@@ -139,7 +139,7 @@ def test_the_compilation_started_beside_the_warm_torchrun_is_the_one_the_launch_
 def test_the_packages_compiled_ahead_hold_what_torchrun_and_a_rank_import():
     listing = subprocess.run(
         [sys.executable, "-c",
-         "import json, sys, torch.distributed.run, launcher.rank.worker, launcher.rank.runs, torch._dynamo\n"
+         "import json, sys, torch.distributed.run, launcher.rank.worker, launcher.rank.run.runs, torch._dynamo\n"
          "import omegaconf, matplotlib.pyplot  # the rank's config read (RunFolder.load), the plots\n"
          "print(json.dumps(sorted({m.__file__ for m in list(sys.modules.values())\n"
          "                         if (getattr(m, '__file__', None) or '').endswith('.py')})))"],

@@ -17,7 +17,7 @@ from ultralytics.nn.tasks import DetectionModel
 from ultralytics.utils import nms as ultralytics_nms
 
 from launcher.inputs.shapes import CLASSES, ShapesSpec, ensure_dataset
-from launcher.rank.dist import Comm
+from launcher.rank.group.dist import Comm
 from launcher.rank.ultralytics import datasets
 from launcher.rank.ultralytics.fast_validation import FastValidator, gathered_stats, nms_settings
 from launcher.rank.ultralytics.validation import Validator

@@ -73,7 +73,7 @@ def test_no_fork_after_the_cuda_driver_started_or_for_another_command_or_when_sw
 BECOME_RANK = r"""
 import json, os, signal, socket, sys
 from launcher.launch import rank_fork
-from launcher.rank import forked_start
+from launcher.rank.startup import forked_start
 saved = rank_fork.saved_signals()
 signal.signal(signal.SIGTERM, lambda *a: None)  # as torchrun's agent does before it starts the ranks
 listening = socket.socket(); listening.bind(("127.0.0.1", 0)); listening.listen()  # its rendezvous store's
@@ -142,7 +142,8 @@ def test_a_forked_rank_ends_with_its_status_though_a_thread_of_it_runs_on(status
 
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, start_processes
 
-    from launcher.rank import forked_start, worker
+    from launcher.rank import worker
+    from launcher.rank.startup import forked_start
 
     def run(argv, started, how=""):
         assert argv == [str(tmp_path)] and how

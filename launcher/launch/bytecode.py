@@ -51,7 +51,7 @@ STDLIB_SKIPPED = {"site-packages", "dist-packages", "test", "tests", "idlelib", 
 # What torchrun and a rank import, in that order (the warm torchrun: torchrun, then Dynamo and the rank's module for
 # the ranks it forks, rank_fork.py; the rank: omegaconf to read its config, its run): their imports are compiled
 # first, in the order they are reached.
-ENTRIES = ("torch.distributed.run", "torch._dynamo", "launcher.rank.worker", "omegaconf", "launcher.rank.runs")
+ENTRIES = ("torch.distributed.run", "torch._dynamo", "launcher.rank.worker", "omegaconf", "launcher.rank.run.runs")
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 STAMP = "compiled-ahead.json"
 NICE = 10  # below torchrun's and the ranks' own imports, which are on the critical path

@@ -29,15 +29,17 @@ from torch import nn
 
 from launcher.machine.environment_report import report as environment_report
 from launcher.plan.plan import LaunchPlan
-from launcher.rank import batch_probe, checkpoint_io, kernels, step_build, training_input, validation_build
+from launcher.rank.build_steps import batch_probe, step_build, training_input, validation_build
+from launcher.rank.kernels import kernels
+from launcher.rank.loop import checkpoint_io
 from launcher.rank.data.pipeline import TrainInputs, to_device
 from launcher.rank.data.sampler import EpochBatchSampler, mosaic_closes_at, sample_seed
-from launcher.rank.dist import Comm, rank_info
-from launcher.rank.faults import FaultInjector
-from launcher.rank.heartbeat import Heartbeat, NoHeartbeat
-from launcher.rank.lines import rank_lines
-from launcher.rank.prewarm import Prewarm
-from launcher.rank.state import Checkpointer, TrainState, upgrade
+from launcher.rank.group.dist import Comm, rank_info
+from launcher.rank.group.faults import FaultInjector
+from launcher.rank.group.heartbeat import Heartbeat, NoHeartbeat
+from launcher.rank.group.lines import rank_lines
+from launcher.rank.startup.prewarm import Prewarm
+from launcher.rank.loop.state import Checkpointer, TrainState, upgrade
 from launcher.rank.step import auto_batch
 from launcher.rank.step.optimizer import Schedule, fused_optimizer
 from launcher.rank.ultralytics import build

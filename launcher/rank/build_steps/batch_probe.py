@@ -17,13 +17,13 @@ from launcher.plan.plan import LaunchPlan, with_batch
 from launcher.rank.step import auto_batch
 from launcher.rank.step.captured_step import CapturedStep
 from launcher.rank.step.train_step import TrainStep
-from launcher.rank.step_build import capture_network, captures_step, most_targets_of
+from launcher.rank.build_steps.step_build import capture_network, captures_step, most_targets_of
 from launcher.rank.ultralytics import build
 from launcher.rank.ultralytics.fast_validation import VAL_CONF, nms_settings
 from launcher.rank.ultralytics.loss import training_criterion
 from launcher.rank.validate.forward import InferenceForward
 from launcher.rank.validate.nms import batched_nms
-from launcher.rank.validation_build import val_engine, val_graphs
+from launcher.rank.build_steps.validation_build import val_engine, val_graphs
 
 
 def measure_batch(rank, validation: bool) -> dict:

@@ -8,7 +8,7 @@ from functools import partial
 import torch
 
 from launcher.plan import checks
-from launcher.rank import training_input
+from launcher.rank.build_steps import training_input
 from launcher.rank.ultralytics import build, datasets
 from launcher.rank.ultralytics.fast_validation import FastValidator
 from launcher.rank.ultralytics.validation import Validator

@@ -32,7 +32,7 @@ def become_rank(signals: Mapping[int, object], run_dir: str, rank: int) -> None:
                          f"run again with {FORK_RANKS}=0 (and report it: launch/rank_fork.py)")
     os.setsid()
     _close_inherited_sockets()
-    sys.argv = [importlib.util.find_spec(__package__ + ".worker").origin, run_dir]  # as `python -m` sets them
+    sys.argv = [importlib.util.find_spec("launcher.rank.worker").origin, run_dir]  # as `python -m` sets them
     if sys.path:
         sys.path[0] = os.getcwd()
     _set_process_name(f"ddp-rank{rank}")

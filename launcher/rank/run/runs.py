@@ -1,4 +1,4 @@
-"""The two things a rank runs, as loop configurations over the same components (components.py): a training run, and
+"""The two things a rank runs, as loop configurations over the same components (rank/components.py): a training run, and
 a ddp-bench cell. Each builds its hook list here, in one place; the order of a list is the order hooks run in.
 
 A training run, per step: Meter stamps the batch in hand (before_launch) and the step's end as soon as it is launched
@@ -47,17 +47,17 @@ import torch
 from torch.profiler import profile
 
 from launcher.plan.plan import LaunchPlan
-from launcher.rank import checkpoint_io
-from launcher.rank import hooks as h
-from launcher.rank import progress
+from launcher.rank.loop import checkpoint_io
+from launcher.rank.run import hooks as h
+from launcher.rank.run import progress
 from launcher.rank.components import Rank
-from launcher.rank.loop import Hook, TrainLoop
+from launcher.rank.loop.loop import Hook, TrainLoop
 from launcher.rank.metrics import results, run_summary, step_profile
 from launcher.rank.metrics.epoch_figures import EpochFigures
 from launcher.rank.metrics.gpu_monitor import GpuMonitor
 from launcher.rank.metrics.meter import StepMeter
 from launcher.rank.metrics.timeline import Timed, Timeline, TimelineEdges
-from launcher.rank.train_batches import TrainBatchPlots
+from launcher.rank.run.train_batches import TrainBatchPlots
 from launcher.rank.ultralytics import build, checkpoint
 from launcher.rank.ultralytics.fast_validation import FastValidator
 from launcher.rank.ultralytics.plots import Plotter
