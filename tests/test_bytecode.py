@@ -1,4 +1,4 @@
-"""The ranks' bytecode compiled ahead, beside torchrun's start (launch/bytecode.py): what an import then reads, once
+"""The ranks' bytecode compiled ahead, beside torchrun's start (launch/startup/bytecode.py): what an import then reads, once
 per machine, and for the packages a rank really imports."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from launcher.launch import bytecode
+from launcher.launch.startup import bytecode
 from launcher.launch.environments.local import LocalEnvironment
-from launcher.launch.warm_torchrun import startup_environment
+from launcher.launch.startup.warm_torchrun import startup_environment
 from launcher.machine.hardware import Hardware
 from launcher.plan.plan import make_plan
 from tests.conftest import compose_config
@@ -87,7 +87,7 @@ def test_the_imports_are_compiled_in_the_order_an_interpreter_reaches_them_and_t
 
 
 def test_compiling_ahead_refuses_a_folder_the_interpreter_would_not_read(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "launcher.launch.bytecode", str(tmp_path / "x")],
+    out = subprocess.run([sys.executable, "-m", "launcher.launch.startup.bytecode", str(tmp_path / "x")],
                          env={**os.environ, "PYTHONPYCACHEPREFIX": str(tmp_path / "y")}, capture_output=True, text=True)
     assert out.returncode != 0 and "PYTHONPYCACHEPREFIX=" in out.stderr
     assert not (tmp_path / "x" / bytecode.STAMP).exists() and not (tmp_path / "y" / bytecode.STAMP).exists()

@@ -1001,7 +1001,7 @@ def test_a_checkpoint_of_device_state_reaches_the_host_equal(tmp_path):
 FORK_AFTER_THE_WARM_TORCHRUNS_IMPORTS = r"""
 import json, os
 import torch.distributed.run
-from launcher.launch import rank_fork
+from launcher.launch.startup import rank_fork
 from launcher.machine.libraries import cuda_driver_started, mapped
 rank_fork.preload()
 with rank_fork.cuda_asked_by_nvml():  # as the warm torchrun builds torchrun's config, which asks for CUDA
@@ -1020,7 +1020,7 @@ print(json.dumps({"started_before": before, "child": status, "started_after": cu
 
 def test_the_warm_torchruns_imports_leave_the_cuda_driver_unstarted_and_a_fork_of_it_uses_the_gpu():
     """torch's import maps libcuda.so (cuBLASLt loads it) without starting it, and torchrun's config asks for CUDA
-    through NVML: the ranks forked from the warm torchrun (launch/rank_fork.py) train on the GPU, and the probe tells
+    through NVML: the ranks forked from the warm torchrun (launch/startup/rank_fork.py) train on the GPU, and the probe tells
     a started driver from a mapped one."""
     import subprocess
     import sys

@@ -2,8 +2,8 @@
 run takes it (step/auto_batch.py), then the job's batch, the smallest any rank measured, and the plan for it.
 
 `measure_batch` runs before the process group (ranks measure different sizes, and the loss's normaliser would
-all-reduce); `take_batch` after it. Each takes the components.Rank being built and reads its settings and log; the probe's
-network, optimizer, EMA, loss and graphs are its own, built by the run's own functions (model_build.py,
+all-reduce); `take_batch` after it. Each takes the components.Rank being built and reads its settings and log; the
+probe's network, optimizer, EMA, loss and graphs are its own, built by the run's own functions (model_build.py,
 step_build.py) and freed before the run's are built.
 """
 
