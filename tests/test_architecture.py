@@ -189,3 +189,13 @@ def test_the_rank_side_refuses_another_ultralytics_release():
 def test_no_module_points_outside_the_repository():
     outside = [str(p.relative_to(REPO)) for p in PACKAGE.rglob("*.py") if "../shared" in p.read_text()]
     assert not outside, f"these refer to notes outside the repository: {outside}"
+
+
+def test_the_architecture_section_names_every_folder():
+    """docs/how-it-works.md's tree is the map a newcomer reads first: every package of launcher/ stands in it."""
+    text = (REPO / "docs" / "how-it-works.md").read_text()
+    tree = text[text.index("## Architecture"):text.index("## How ranks are started")]
+    folders = sorted(p.parent.relative_to(PACKAGE).as_posix() for p in PACKAGE.rglob("__init__.py")
+                     if p.parent != PACKAGE)
+    missing = [f for f in folders if f"{f.rsplit('/', 1)[-1]}/" not in tree]
+    assert not missing, f"docs/how-it-works.md's Architecture section does not name {missing}"
