@@ -173,11 +173,17 @@ def bench_cell(cfg: dict, plan: LaunchPlan, folder: RunFolder) -> dict | None:
         meter, monitor = _meter(r, skip)
         cpu = _HostCpu(skip, psutil.cpu_times)
         input_time = h.InputTime(r.gpu_input, r.inputs, skip) if r.gpu_input else None
-        hooks = [h.Meter(meter, r.inputs, monitor), h.Heartbeat(r.heartbeat), cpu, input_time,
-                 h.StopOnSignal(r.comm, r.heartbeat, r.inputs, log=r.log),
-                 _BenchProgress(skip + steps, r.log) if r.rank == 0 else None,
-                 step_profile.ProfileSteps(warmup, profiled, folder.path, r.device, r.log, then=meter.pause)
-                 if profiled and r.rank == 0 else None]
+        hooks = [
+            h.Meter(meter, r.inputs, monitor),  # first: stamps the step's launch before any other host work
+            h.Heartbeat(r.heartbeat),  # the watchdog sees each step done
+            cpu,  # host CPU use from the end of the warm-up
+            input_time,  # (loader.augment_on=gpu) the input's GPU time and its threads'
+            h.StopOnSignal(r.comm, r.heartbeat, r.inputs, log=r.log),  # every rank agrees on a signal; nothing to save
+            _BenchProgress(skip + steps, r.log) if r.rank == 0 else None,  # rank 0: a line every fifth of the steps
+            # rank 0 (bench.profile): the steps after the warm-up profiled, then the meter pauses over them
+            step_profile.ProfileSteps(warmup, profiled, folder.path, r.device, r.log, then=meter.pause)
+            if profiled and r.rank == 0 else None,
+        ]
         build.train_mode(r.net, r.frozen)
         loop = TrainLoop(r.step, r.inputs, r.state, [x for x in hooks if x is not None], epochs=1,
                          steps_per_epoch=skip + steps)
