@@ -94,7 +94,8 @@ def test_a_chain_of_overlapping_boxes_is_suppressed_as_greedy_nms_does():
 def compare_scans_in_interpreter() -> None:
     """Run in a process started with TRITON_INTERPRET=1: batched NMS and the matching with their Triton scans
     (scans.py, on CPU tensors) against Ultralytics, and each scan against the PyTorch form it replaces."""
-    from launcher.rank.validate import matching, nms, scans
+    from launcher.rank.kernels import scans
+    from launcher.rank.validate import matching, nms
 
     assert scans.usable(torch.zeros(1)), "Triton's interpreter is not active"
     for nc, multi_label, max_det in ((3, True, 300), (1, True, 40)):

@@ -537,7 +537,8 @@ if warm:
 before = len(list(cache.rglob("*.cubin")))
 y = torch.randn(4, 80, 13, 17, device="cuda", dtype=torch.half).contiguous(memory_format=torch.channels_last)
 if names == kernels.SCANS:
-    from launcher.rank.validate import matching, nms, scans
+    from launcher.rank.kernels import scans
+    from launcher.rank.validate import matching, nms
     boxes = torch.rand(3, 500, 4, device="cuda").cumsum(-1)
     scans.greedy_nms(boxes, torch.ones(3, 500, dtype=torch.bool, device="cuda"), 0.7)
     for targets in (5, 17):  # up to 16 and up to 32 targets an image
@@ -633,7 +634,8 @@ def test_the_scans_on_cuda_keep_and_match_what_the_cpu_forms_do():
     (5,000 candidates an image, three tiles of the NMS program, crowded, identical boxes among them; 300 detections
     against 40 targets), against torchvision's NMS and the PyTorch matching on the CPU: the same answers, bit for
     bit."""
-    from launcher.rank.validate import matching, nms, scans
+    from launcher.rank.kernels import scans
+    from launcher.rank.validate import matching, nms
 
     g = torch.Generator().manual_seed(0)
     xy = torch.rand(6, 5000, 2, generator=g) * 400  # three tiles an image
