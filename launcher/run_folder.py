@@ -219,7 +219,7 @@ class RunFolder:
             raise PlanError([Problem(f"{self.path}: not a ddp-launch run folder (no config.yaml and plan.json)")])
         cfg = OmegaConf.to_container(OmegaConf.load(self.config_file), resolve=True)
         cfg["data"] = {**cfg["data"], "path": str(self.data_file)}
-        return cfg, LaunchPlan.from_dict(json.loads(self.plan_file.read_text()))
+        return cfg, LaunchPlan.from_dict(json.loads(self.plan_file.read_text()), cfg)
 
     def dataset(self) -> dict:
         """data.yaml as the ranks read it."""

@@ -164,6 +164,7 @@ def test_the_training_arguments_follow_the_measured_batch(tmp_path):
     from launcher.machine.hardware import Gpu, Hardware
     from launcher.plan.plan import make_plan
     from launcher.plan.plan import with_batch
+    from launcher.plan.settings import Settings
     from launcher.rank.ultralytics import build
     from tests.conftest import compose_config
     from tests.test_plan import shapes
@@ -171,7 +172,7 @@ def test_the_training_arguments_follow_the_measured_batch(tmp_path):
     cfg = compose_config(["gpus=1", "train.batch_per_device=auto", "data.path=/x/data.yaml"])
     hw = Hardware(gpus=(Gpu(0, "NVIDIA H200", 141.0),), cpu_count=16, nccl_available=True)
     pending, _ = make_plan(cfg, hw, shapes(4096))
-    hyp = build.hyperparameters(cfg, pending, tmp_path, 0)
+    hyp = build.hyperparameters(Settings.of(cfg), pending, tmp_path, 0)
     plan = with_batch(pending, cfg, 128, {})
     build.set_batch(hyp, plan)
     assert (hyp.batch, hyp.nbs, hyp.lr0, hyp.warmup_epochs) == (128, 128, plan.lr0, plan.warmup_epochs)
@@ -185,14 +186,17 @@ def test_the_probes_validation_batch_runs_the_real_network_and_its_nms_and_leave
 
     from ultralytics.cfg import get_cfg
 
+    from launcher.machine.hardware import Hardware
+    from launcher.plan.plan import make_plan
     from launcher.rank.build_steps.batch_probe import probe_validation
     from launcher.rank.ultralytics import build
+    from tests.conftest import compose_config
 
     hyp = get_cfg(overrides={"imgsz": 64, "plots": False, "model": "yolov8n.yaml"})
     assert hyp.conf is None
     data = {"nc": 3, "names": {0: "a", 1: "b", 2: "c"}, "channels": 3}
     net, frozen = build.network(hyp, data, None)
-    rank = SimpleNamespace(cfg={"val": {"engine": "fast"}, "train": {}}, hyp=hyp, device=torch.device("cpu"),
-                           amp_dtype=None, data=data)
+    plan, _ = make_plan(compose_config(["gpus=0", "val.engine=fast"]), Hardware(cpu_count=2))
+    rank = SimpleNamespace(plan=plan, hyp=hyp, device=torch.device("cpu"), amp_dtype=None, data=data)
     probe_validation(rank, net, frozen, 8)
     assert net.training

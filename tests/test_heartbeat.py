@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import threading
+import time
 
 import pytest
 
@@ -179,3 +180,76 @@ def test_a_rank_whose_torchrun_is_gone_sends_itself_sigterm():
     stop_when_orphaned(period_s=1.0, getppid=lambda: next(parents), kill=lambda pid, sig: sent.append((pid, sig)),
                        sleep=slept.append, thread=False)
     assert sent == [(os.getpid(), signal.SIGTERM)] and slept == [1.0, 1.0]
+
+
+class Progress:
+    """What a rank's heartbeat reports to its StopSignal: (state, when it last changed)."""
+
+    def __init__(self, state="working"):
+        self.state, self.changed = state, time.time()
+
+    def __call__(self):
+        return self.state, self.changed
+
+
+def stopping(progress, grace_s=0.3):
+    """A StopSignal that has noted SIGTERM; its exits recorded."""
+    codes = []
+    stop = StopSignal(grace_s=grace_s, exit=codes.append, progress=progress, period_s=0.02)
+    stop._note(signal.SIGTERM, None)  # what the handler does; no real signal, so the caller's dispositions do not matter
+    return stop, codes
+
+
+def test_a_signalled_rank_still_making_progress_is_not_ended_and_one_that_agreed_to_stop_saves_unhurried():
+    """A loaded machine: the steps after the signal are slow, but they come; a rank is ended only after grace_s
+    without progress, and not at all once the ranks agreed to stop (rank 0 then writes its checkpoint)."""
+    progress = Progress()
+    stop, codes = stopping(progress)
+    try:
+        for _ in range(5):  # 0.75 s of slow steps, past the 0.3 s grace counted from the signal
+            time.sleep(0.15)
+            progress.changed = time.time()
+        assert codes == []
+        stop.decided()  # the step boundary: every rank stops here
+        time.sleep(0.6)  # the checkpoint write, as long as it takes
+        assert codes == []
+    finally:
+        stop.restore()
+
+
+def test_a_signalled_rank_waiting_for_its_peers_is_left_to_them_and_a_stuck_one_ends():
+    waiting = Progress("waiting")
+    stop, codes = stopping(waiting)
+    try:
+        time.sleep(0.6)
+        assert codes == []  # at a step-boundary agreement: the peers' own grace decides
+        waiting.state = "working"  # stuck in a step from now on
+        deadline = time.time() + 5
+        while not codes and time.time() < deadline:
+            time.sleep(0.02)
+        assert codes == [128 + signal.SIGTERM]
+    finally:
+        stop.restore()
+
+
+def test_the_signal_handler_writes_nothing_so_a_signal_during_a_print_cannot_break_it(monkeypatch):
+    """A signal arriving while the rank prints (a validation's progress) ran a handler that printed to the same
+    stream: "RuntimeError: reentrant call", and rank 0 died without its checkpoint. The handler only notes it."""
+
+    class Busy:  # the main thread is inside a write: another from it fails; other threads' writes wait their turn
+        def write(self, text):
+            if threading.current_thread() is threading.main_thread():
+                raise RuntimeError("reentrant call inside <_io.BufferedWriter name=1>")
+            return len(text)
+
+        def flush(self):
+            pass
+
+    stop = StopSignal(grace_s=60, exit=lambda code: None, period_s=60)
+    try:
+        monkeypatch.setattr("sys.stdout", Busy())
+        stop._note(signal.SIGTERM, None)
+        stop._note(signal.SIGTERM, None)  # the kernel's parent-death signal comes two or three times
+        assert stop.signum == signal.SIGTERM
+    finally:
+        stop.restore()

@@ -209,12 +209,13 @@ def test_bad_config_values_are_named(overrides, expected):
 
 
 def test_the_validation_engine_is_the_fast_one_unless_ultralytics_must_write_files_only_it_writes():
-    from launcher.plan.checks import val_batch, val_engine
+    from launcher.plan.checks import val_engine
+    from launcher.plan.decisions import val_batch_at
 
     assert val_engine({"engine": "auto"}, {"extra": {}}) == "fast"
     assert val_engine({"engine": "auto"}, {"extra": {"save_txt": True}}) == "ultralytics"
     assert val_engine({"engine": "ultralytics"}, {"extra": {}}) == "ultralytics"
-    assert (val_batch({"batch": "auto"}, 64), val_batch({"batch": 96}, 64)) == (128, 96)
+    assert (val_batch_at(None, 64), val_batch_at(96, 64), val_batch_at(None, 100)) == (128, 96, 128)
     _, problems = plan_for(["+train.extra.save_json=true"])  # auto gives way: nothing refused
     assert "validation engine" not in messages(problems)
 
@@ -407,3 +408,29 @@ def test_gpu_ranks_get_more_hardware_queues_than_cudas_default():
 def test_cuda_connections_left_to_the_environment(overrides, hw):
     plan, problems = plan_for(overrides, hw=hw)
     assert not problems and "CUDA_DEVICE_MAX_CONNECTIONS" not in plan.env
+
+
+# --- what the plan decides for the ranks -------------------------------------------------------------------------
+def test_the_plan_decides_the_ranks_precision_graphs_and_validation_once():
+    plan, _ = plan_for(["train.amp=bf16", "val.batch=24", "train.graph_scope=network", "train.cuda_graphs=true"])
+    assert (plan.amp, plan.cuda_graphs, plan.cuda_graphs_required, plan.graph_scope) == ("bf16", True, True, "network")
+    assert (plan.val_engine, plan.val_batch, plan.val_cuda_graphs, plan.fused_optimizer) == ("fast", 24, True, True)
+    plan, _ = plan_for(["gpus=0", "+train.extra.save_json=true"])
+    assert not plan.fused_optimizer
+    assert (plan.amp, plan.cuda_graphs, plan.graph_scope, plan.val_engine, plan.val_cuda_graphs) == (
+        False, False, "network", "ultralytics", False)
+    assert plan.val_batch == min(2 * plan.micro_batch, 128)
+    plan, _ = plan_for(["train.batch_per_device=auto"])
+    assert plan.val_batch is None and plan.val_batch_at(48) == 96 and plan.graph_scope == "step"
+
+
+def test_an_older_plan_json_without_the_ranks_decisions_takes_them_from_its_config():
+    from launcher.plan.plan import LaunchPlan
+
+    cfg = compose_config(["train.amp=bf16", "+train.extra.save_txt=true", "val.cuda_graphs=false"])
+    plan, _ = make_plan(cfg, GPU_BOX)
+    older = {k: v for k, v in plan.to_dict().items()
+             if k not in ("amp", "fused_optimizer", "cudnn_benchmark", "cuda_graphs_required", "graph_scope", "val_engine",
+                          "val_batch_fixed", "val_cuda_graphs")}
+    assert LaunchPlan.from_dict(older, cfg) == plan
+    assert LaunchPlan.from_dict(plan.to_dict(), cfg) == plan

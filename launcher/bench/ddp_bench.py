@@ -17,7 +17,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from launcher.bench import report, time_to_model, variants
+from launcher.bench import report, time_to_model, trust, variants
 from launcher.bench.cells import Cell, plan_cells
 from launcher.entry import (GROUPS, Jobs, RunFolderGuard, conf_dir, interrupted, print_help_if_asked,
                             translated_or_exit)
@@ -56,6 +56,8 @@ def run_bench(cfg: dict, run_dir: Path, base_dir: Path, command: str) -> int:
         if b.get("earlier") is not None:
             problems.append("bench.earlier is for bench.kind=time_to_model (a throughput cell is measured in one "
                             "invocation); leave it out")
+        if not isinstance(b.get("repeats", 1), int) or b.get("repeats", 1) < 1:
+            problems.append(f"bench.repeats={b.get('repeats')!r}: expected a whole number of runs per cell, 1 or more")
         if cfg["train"].get("batch") is not None and max(b["sizes"], default=1) > 1:
             problems.append(f"batch={cfg['train']['batch']}: ddp-bench compares its cells at one batch per device; set "
                             "train.batch_per_device=N (batch is Ultralytics' global batch, split differently in each "
@@ -99,31 +101,39 @@ def run_bench(cfg: dict, run_dir: Path, base_dir: Path, command: str) -> int:
         say("\ndry run: nothing started")
         return 0
 
+    repeats = int(b.get("repeats", 1))
+    load_before, cores = os.getloadavg(), len(os.sched_getaffinity(0))
+    runs: dict[str, list[dict]] = {c.name: [] for c in to_run}
+    for repeat in range(repeats):  # the cells interleaved: a busy spell of the host falls on several, not one
+        for cell in to_run:
+            say(f"--- cell {cell.name}" + (f", run {repeat + 1} of {repeats}" if repeats > 1 else "") + " ---")
+            name = cell.name + (f".repeat{repeat + 1}" if repeat else "")
+            outcome = run_cell(cell, cfg, run_dir / "cells" / name, hw, model, data, on_gpu)
+            if isinstance(outcome, int):
+                return outcome  # stopped by a signal: keep what was measured so far in the cell folders
+            runs[cell.name].append(outcome)
+            if "error" in outcome:
+                say(f"    {cell.name}: failed ({outcome['error']})")
+            else:
+                say(f"    {cell.name}: {outcome['images_per_s']:.1f} images/s, data wait "
+                    f"{100 * outcome['data_wait']:.1f} %")
+    host = trust.host_load(load_before, os.getloadavg(), cores)
     results = []
     for cell in cells:
         if cell.skip:
             results.append({"mode": cell.mode, "size": cell.size, "variant": cell.variant, "skip": cell.skip})
             continue
-        say(f"--- cell {cell.name} ---")
-        outcome = run_cell(cell, cfg, run_dir / "cells" / cell.name, hw, model, data, on_gpu)
-        if isinstance(outcome, int):
-            return outcome  # stopped by a signal: keep what was measured so far in the cell folders
-        outcome["variant"] = cell.variant
-        outcome["overrides"] = list(cell.overrides_)
-        results.append(outcome)
-        if "error" in outcome:
-            say(f"    {cell.name}: failed ({outcome['error']})")
-        else:
-            say(f"    {cell.name}: {outcome['images_per_s']:.1f} images/s, data wait {100 * outcome['data_wait']:.1f} %")
+        results.append({**trust.combine(runs[cell.name]), "variant": cell.variant, "overrides": list(cell.overrides_)})
 
     report.add_speedups(results)
+    trust.flags(results, host)
     for c in results:
         c["verdict"] = report.verdict(c)
     out = {
         "command": command,
         "settings": {
             **{k: b.get(k) for k in ("sizes", "modes", "warmup_steps", "steps", "ceiling_batches", "baseline", "variants",
-                                    "profile")},
+                                    "profile", "repeats")},
             "steps_in_flight": cfg["train"].get("steps_in_flight", 1),
         },
         "model": model.cfg or model.weights,
@@ -134,9 +144,12 @@ def run_bench(cfg: dict, run_dir: Path, base_dir: Path, command: str) -> int:
         "cells": results,
         "notes": [f"{c.name} skipped: {c.skip}" for c in cells if c.skip],
         "environment": report.environment(),
+        "host": host,
     }
     report.write(out, run_dir)
     say("\n" + report.markdown(out))
+    for line in trust.warnings(results):
+        say(f"WARNING: {line}")
     say(f"report: {run_dir / 'bench.md'}, {run_dir / 'bench.json'}, {run_dir / 'bench.png'}")
     return 0 if all("error" not in c for c in results) else 1
 

@@ -91,16 +91,30 @@ def verdict(c: dict) -> str:
             f"host-bound: {100 * pipe:.0f} % of the data-free ceiling with {100 * wait:.0f} % data wait; the loader "
             f"competes with the training process for the CPU (fewer loader.workers, or more cores per GPU)"
         )
-    if util is not None and util < GPU_BUSY:
+    unread = _unread_utilisation(util, pipe)
+    if unread:
+        busy = ""
+    elif util is not None and util < GPU_BUSY:
         return (
             f"step-bound: {busy}data ready ({100 * wait:.0f} % wait); the step itself is bound by per-step host work "
             f"and kernel launches: a larger train.batch_per_device or a compiled step would fill the GPU"
         )
     if c["size"] > 1 and eff is not None and eff < SCALING_OK:
-        return f"scaling-bound: {100 * eff:.0f} % efficiency at {c['size']} devices: communication or a straggler rank"
+        return (f"scaling-bound: {100 * eff:.0f} % efficiency at {c['size']} devices: communication or a straggler rank"
+                + (f"; {unread}" if unread else ""))
     if util is None:
         return f"compute-bound on the CPU: {100 * wait:.0f} % data wait; the ranks are busy computing"
-    return f"fed: {busy}{100 * wait:.0f} % data wait, {100 * (pipe or 0):.0f} % of the data-free ceiling"
+    return (f"fed: {busy}{100 * wait:.0f} % data wait, {100 * (pipe or 0):.0f} % of the data-free ceiling"
+            + (f"; {unread}" if unread else ""))
+
+
+def _unread_utilisation(util: float | None, pipe: float | None) -> str:
+    """Why NVML's utilisation cannot carry a verdict ("" when it can): a reading of 0 on a cell that trained (some
+    drivers and cards report nothing: a GPU that ran the steps was busy some of the time)."""
+    if util is None or util > 0:
+        return ""
+    at = f" at {100 * pipe:.0f} % of the data-free ceiling" if pipe is not None else ""
+    return f"GPU utilisation unavailable (NVML read 0 %{at}), so no verdict rests on it"
 
 
 def environment() -> dict:
@@ -164,13 +178,13 @@ def markdown(report: dict) -> str:
         "",
         f"Command: `{report['command']}`",
         "",
-        "| cell | images/s | speedup | efficiency | vs Ultralytics | GPU busy | data wait | input GPU ms/img | ceiling images/s | of ceiling | peak GPU mem | host CPU | verdict |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+        "| cell | images/s | speedup | efficiency | vs Ultralytics | GPU busy | data wait | input GPU ms/img | ceiling images/s | of ceiling | peak GPU mem | host CPU | spread | verdict |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
     for c in report["cells"]:
         label = f"{c['mode']} x{c['size']}" + (f" {c['variant']}" if c.get("variant") else "")
         if c.get("skip") or c.get("error"):
-            lines.append(f"| {label} | - | - | - | - | - | - | - | - | - | - | - | {c['verdict']} |")
+            lines.append(f"| {label} | - | - | - | - | - | - | - | - | - | - | - | - | {c['verdict']} |")
             continue
         lines.append(
             "| "
@@ -188,6 +202,7 @@ def markdown(report: dict) -> str:
                     _fmt(c["pipeline_efficiency"], ".0f", 100, " %"),
                     _fmt(c["memory_peak_gib"], ".1f", suffix=" GiB"),
                     _fmt(c["host_cpu"], ".0f", 100, " %"),
+                    _fmt(c.get("spread"), ".0f", 100, f" % of {len(c.get('repeats') or [])}"),
                     c["verdict"],
                 ]
             )
@@ -206,6 +221,16 @@ def markdown(report: dict) -> str:
         f"(CUDA {env.get('cuda')}, NCCL {env.get('nccl')}); ultralytics {env.get('ultralytics')}; "
         f"{env['cpu_count']} CPU cores; Python {env['python']}.",
     ]
+    host = report.get("host")
+    if host:
+        lines += ["", f"Host load (1-minute average): {host['load_before']:g} before the first cell, "
+                      f"{host['load_after']:g} after the last, on {host['cores']} cores. Spread: (max - min) / max "
+                      "of each cell's repeats (bench.repeats), the fastest run reported."]
+    flagged = [c for c in report["cells"] if c.get("flags")]
+    if flagged:
+        from launcher.bench.trust import warnings
+
+        lines += ["", "Not to be trusted as they stand:"] + [f"- {line}" for line in warnings(flagged)]
     threaded = [c for c in report["cells"] if c.get("input_threads")]
     if threaded:
         lines += ["", "The GPU input's threads, ms per batch over the measured steps (waiting for their input, working, "

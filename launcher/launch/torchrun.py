@@ -28,6 +28,11 @@ from launcher.launch.startup.warm_torchrun import warm
 from launcher.plan.environment import TORCHRUN_STARTED
 from launcher.plan.plan import LaunchPlan
 
+# How long torchrun, told to stop, waits for the ranks before it SIGKILLs them (its default, 30 s, can end rank 0
+# while it writes its checkpoint on a loaded machine). A rank with no progress ends itself sooner (rank/signals.py,
+# StopSignal's grace), so this bounds a checkpoint write, and a frozen (SIGSTOPped) rank that cannot end itself.
+SHUTDOWN_TIMEOUT, SHUTDOWN_TIMEOUT_S = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT", 90
+
 # HUP: the terminal closed or the ssh session dropped; USR1: SLURM's advance warning of the time limit
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1)
 
@@ -113,6 +118,8 @@ def run_torchrun(
     # reset to the default, "terminate", in torchrun and the ranks), and the parent-death request runs in the child
     # between fork and exec, where no other thread of the launcher should exist.
     env = {**env, TORCHRUN_STARTED: repr(time.time())}  # rank 0's timeline (rank/metrics/timeline.py): handed over
+    if SHUTDOWN_TIMEOUT not in os.environ:  # the user's own setting stands
+        env = {**env, SHUTDOWN_TIMEOUT: str(SHUTDOWN_TIMEOUT_S)}
     proc = warm.take(cmd, {**os.environ, **env}) or subprocess.Popen(
         cmd, env={**os.environ, **env}, start_new_session=True, stderr=subprocess.PIPE,
         preexec_fn=parent_death_signal())

@@ -155,17 +155,6 @@ def val_engine(val: dict, train: dict) -> str:
     return value
 
 
-VAL_BATCH_MOST = 128  # val.batch=auto's ceiling: yolov8s at 640 px fills a large GPU by then; more only costs memory
-
-
-def val_batch(val: dict, micro_batch: int) -> int:
-    """val.batch resolved: `auto` is twice the training micro-batch (Ultralytics' validation batch), at most
-    VAL_BATCH_MOST: with train.batch_per_device=auto the training batch fills the memory the fraction allows, and a
-    validation batch twice that (a CUDA graph per image shape, each with its memory) would not fit beside it."""
-    value = (val or {}).get("batch", "auto")
-    return min(2 * micro_batch, VAL_BATCH_MOST) if value == "auto" else int(value)
-
-
 def val_problems(val: dict, train: dict) -> list[Problem]:
     """val.engine, val.batch, val.cuda_graphs and val.fold_batchnorm; what the fast engine cannot write."""
     problems: list[Problem] = []

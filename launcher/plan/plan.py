@@ -17,6 +17,8 @@ from launcher.machine.hardware import Hardware
 from launcher.plan import checks, keys, ultralytics_values
 from launcher.plan.batch import AUTO_BATCH_MULTIPLE, batch_fields, per_device_batch
 from launcher.plan.checks import as_int
+from launcher.plan.decisions import rank_decisions, val_batch_at
+from launcher.plan.rendezvous import Rendezvous, rendezvous
 from launcher.plan.environment import (CUDA_CONNECTIONS, bytecode_environment, cuda_environment,
                                       distributed_environment, interpreter_environment, offline_environment,
                                       thread_environment)
@@ -24,19 +26,9 @@ from launcher.problems import Problem
 
 MODES = ("auto", "ddp", "dp", "single")
 BACKENDS = ("auto", "nccl", "gloo")
-MULTI_NODE_DEFAULT_PORT = 29500  # torchrun's default; every node must agree on it, so it cannot be picked at random
 MAX_AUTO_WORKERS = 16
 # With the input on the GPU a worker only reads files (and decodes the few that nvJPEG cannot): four keep a rank fed.
 MAX_AUTO_WORKERS_GPU_INPUT = 4
-
-
-@dataclass(frozen=True)
-class Rendezvous:
-    # standalone: torchrun's c10d on localhost:0, the kernel picks the port (also for one process: torchrun still
-    # supervises it) | static: master_addr:master_port on every node | slurm: decided in the job (slurm_job.py)
-    kind: str
-    addr: str = ""
-    port: int = 0
 
 
 @dataclass(frozen=True)
@@ -80,6 +72,24 @@ class LaunchPlan:
     # per split: the images Ultralytics uses and drops, and why (inputs/labels.py); train_images counts the usable
     images: dict = field(default_factory=dict)
     lr0_cap: float | None = None  # optim.lr0_cap: the most lr0 may be once scaled; None: no cap
+    # decided for the ranks (decisions.py), so that none derives them again from the config
+    amp: bool | str = False  # train.amp on CUDA (true: fp16 | bf16), false on the CPU
+    fused_optimizer: bool = False  # optim.fused resolved (auto: on CUDA)
+    cudnn_benchmark: bool = False  # train.cudnn_benchmark on CUDA
+    cuda_graphs_required: bool = False  # train.cuda_graphs=true: a failed capture ends the run, no eager fallback
+    graph_scope: str = "network"  # step: the whole step captured where the rank can | network: the network's only
+    val_engine: str = "fast"  # val.engine resolved: fast | ultralytics
+    val_batch_fixed: int | None = None  # val.batch as a number; None: auto (decisions.val_batch_at)
+    val_cuda_graphs: bool = False  # the fast engine's forward replayed as CUDA graphs
+
+    @property
+    def val_batch(self) -> int | None:
+        """Images per validation forward at the training micro-batch (val_batch_at); None while it is pending."""
+        return None if self.batch_pending else self.val_batch_at(self.micro_batch)
+
+    def val_batch_at(self, micro_batch: int) -> int:
+        """Images per validation forward for a training micro-batch (the auto batch's probe: each one it tries)."""
+        return val_batch_at(self.val_batch_fixed, micro_batch)
 
     @property
     def micro_batch(self) -> int | None:
@@ -95,8 +105,9 @@ class LaunchPlan:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict) -> LaunchPlan:
-        d = dict(d)
+    def from_dict(cls, d: dict, cfg: dict | None = None) -> LaunchPlan:
+        """The plan plan.json holds; the fields an older plan.json lacks decided from its run's `cfg`."""
+        d = {**rank_decisions(cfg, device=d["device"], mode=d["mode"]), **d} if cfg is not None else dict(d)
         d["rendezvous"] = Rendezvous(**d["rendezvous"])
         d["notes"] = tuple(d.get("notes", ()))
         return cls(**d)
@@ -150,7 +161,7 @@ def make_plan(
     problems += checks.val_problems(cfg.get("val") or {}, train)
     workers, threads = _loader_threads(loader, top, hw, problems, notes, augment_on)
     on_slurm = (cfg.get("launcher") or {}).get("name") == "slurm"
-    rendezvous = _rendezvous(dist, top, on_slurm, port_is_free, problems, notes)
+    meeting = rendezvous(dist, top, on_slurm, port_is_free, problems, notes)
 
     problems += checks.dist_problems(dist, device=top.device, mode=top.mode)
     timeout_s = as_int(dist.get("timeout_s"), "dist.timeout_s", problems, 1) or 600
@@ -190,15 +201,15 @@ def make_plan(
         workers_per_rank=workers,
         threads_per_rank=threads,
         cpus_per_node=max(1, hw.cpu_count),
-        rendezvous=rendezvous,
+        rendezvous=meeting,
         max_restarts=max_restarts,
         timeout_s=timeout_s,
         env=env,
         notes=tuple(notes),
-        cuda_graphs=checks.uses_cuda_graphs(train, device=top.device, mode=top.mode),
         augment_on=augment_on,
         auto_batch=auto_batch,
         images=dict(data.checks) if data is not None else {},
+        **rank_decisions(cfg, device=top.device, mode=top.mode),
     )
     return plan, problems
 
@@ -356,40 +367,3 @@ def _loader_threads(loader: dict, top: _Topology, hw: Hardware, problems: list[P
     if workers * top.nproc > cpus:
         notes.append(f"{workers} workers x {top.nproc} ranks exceed the {cpus} usable cores")
     return workers, threads
-
-
-def _rendezvous(dist: dict, top: _Topology, on_slurm: bool, port_is_free, problems: list[Problem], notes: list[str]):
-    requested = dist.get("master_port", "auto")
-    addr = str(dist.get("master_addr") or "127.0.0.1")
-    port = None
-    if requested != "auto":
-        port = as_int(requested, "dist.master_port", problems, 1)
-        if port is not None and port > 65535:
-            problems.append(Problem(f"dist.master_port={port}: a TCP port is 1..65535"))
-            port = None
-    if on_slurm:
-        # decided in the job (slurm_job.py): c10d on the allocation's first host, a port derived from the job id
-        # (or dist.master_port); one node: localhost:0. Nothing on this login node to check.
-        return Rendezvous("slurm", "", port or 0)
-    if top.nnodes > 1:
-        if addr in ("127.0.0.1", "localhost", "::1"):
-            problems.append(
-                Problem(
-                    f"nnodes={top.nnodes} needs dist.master_addr set to node 0's address, reachable from every node "
-                    "(it is 127.0.0.1)"
-                )
-            )
-        if port is None:
-            port = MULTI_NODE_DEFAULT_PORT
-            notes.append(f"multi-node: dist.master_port=auto means {port} on every node")
-    elif port is None:
-        return Rendezvous("standalone", "localhost", 0)
-    if port_is_free is not None and top.node_rank == 0 and not port_is_free(port):
-        problems.append(
-            Problem(
-                f"dist.master_port={port} is already in use on this machine (another job?). "
-                "Pick another port, or leave dist.master_port=auto on a single node",
-                environment=True,
-            )
-        )
-    return Rendezvous("static", addr, port)

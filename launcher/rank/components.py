@@ -34,6 +34,7 @@ import torch
 
 from launcher.machine.environment_report import report as environment_report
 from launcher.plan.plan import LaunchPlan
+from launcher.plan.settings import Settings
 from launcher.rank.build_steps import batch_probe, model_build, step_build, training_input, validation_build
 from launcher.rank.data.pipeline import to_device
 from launcher.rank.data.sampler import mosaic_closes_at, sample_seed
@@ -70,6 +71,7 @@ class Rank:
 
     def __init__(self, cfg: dict, plan: LaunchPlan, folder: RunFolder, *, validation: bool = True):
         self.cfg, self.plan, self.folder = cfg, plan, folder
+        self.settings = settings = Settings.of(cfg)  # what the rank reads of the config
         self.rank, self.local_rank, self.world = rank_info()
         self.log, self.detail = rank_lines(self.rank)  # a line for the console; a diagnostic
         self.device = torch.device("cuda", self.local_rank) if plan.device == "cuda" else torch.device("cpu")
@@ -77,19 +79,20 @@ class Rank:
         self.setup_memory: dict[str, float] = {}
         with self._part("cuda_init"):
             start_cuda(self.device)
-        self.amp_dtype = amp_dtype(cfg["train"], self.device)
+        self.amp_dtype = amp_dtype(plan)
         # 0. the training graphs' Triton kernels and nvJPEG's start, each on a thread from the start
         self.kernels = training_kernels(self.device, self.input_dtype, plan)
         self.input_kernels: kernels.WarmUp | None = None  # the GPU input's, once its pipeline is built (4.)
         self.prewarm = Prewarm(self.device, decode_batch=decode_batch(plan), log=self.log).start()
         self.faults = FaultInjector.from_env(self.rank)
         with self._part("hyperparameters_and_seeds"):
-            self.hyp = seeded_hyperparameters(cfg, plan, folder, self.local_rank, self.rank, self.world, self.device)
+            self.hyp = seeded_hyperparameters(settings, plan, folder, self.local_rank, self.rank, self.world)
         with self._part("dataset_check"):
             self.data = build.dataset_info(self.hyp)
         # 1. the node's image cache, before the process group; the batch this GPU takes (train.batch_per_device=auto)
         with self._part("image_cache_and_batch"):
-            self.caches = training_input.image_caches(cfg, plan, self.data, int(self.hyp.imgsz), self.log)
+            self.caches = (training_input.image_caches(settings, plan, self.data, int(self.hyp.imgsz), self.log)
+                           if settings.train.cache == "shared" else {})
             measured = batch_probe.measure_batch(self, validation) if plan.batch_pending else None
         # 2. the process group and the heartbeat; the job's batch
         with self._part("process_group_and_environment_report"):
@@ -102,8 +105,8 @@ class Rank:
         with self._part("network"):
             self.state = TrainState(world_size=self.world, global_batch=plan.global_batch, device=self.device)
             self.net, self.frozen, self.resume, self.resumed_from = model_build.resumable_network(
-                self.hyp, self.data, cfg["model"].get("weights"), folder, self.device, log=self.log,
-                sync_bn=plan.mode == "ddp" and bool(cfg["dist"]["sync_bn"]))
+                self.hyp, self.data, settings.model.weights, folder, self.device, log=self.log,
+                sync_bn=plan.mode == "ddp" and bool(settings.dist.sync_bn))
             self.stride, self.scaler = max(int(self.net.stride.max()), 32), model_build.scaler(self.amp_dtype)
         # 4. the training and validation loaders, the validator
         with self._part("train_data"):
@@ -112,10 +115,11 @@ class Rank:
             self.val_loader, self.validator = validation_build.validation_set(self) if validation else (None, None)
         # 5. the optimizer on the bare network, class weights, then the EMA copy (it carries them), the training loss
         with self._part("optimizer_ema_loss"):
-            self.optimizer = model_build.optimizer(self.net, cfg["optim"], plan.lr0, self.device)
-            self.schedule = lr_schedule(self.optimizer, cfg, plan)
+            self.optimizer = model_build.optimizer(self.net, settings.optim, plan.lr0, plan.fused_optimizer,
+                                                 self.device)
+            self.schedule = lr_schedule(self.optimizer, settings, plan)
             build.class_weights(self.net, self.hyp, self.train_dataset.labels, self.data["nc"])
-            self.ema = model_build.ema_and_loss(self.net, cfg["train"], log=self.log)
+            self.ema = model_build.ema_and_loss(self.net, bool(settings.train.sync_free_loss), log=self.log)
         self._join_warm_ups()
         # 6. what the step calls: the whole step captured (one GPU), or the network graphed inside DDP
         with self._part("graphs_and_step"):
@@ -127,17 +131,17 @@ class Rank:
     def _training_input(self) -> None:
         """Step 4's training half: this process's cores, the training set (and the GPU input), the sampler and the
         loop's batches; the GPU input's kernels compiled after the graphs' on the same thread."""
-        cfg, plan = self.cfg, self.plan
-        self.cores = training_input.bind_cores(cfg, plan, self.device, self.local_rank, self.detail)
-        self.close_at = mosaic_closes_at(int(cfg["train"]["epochs"]), int(cfg["train"]["close_mosaic"]))
+        settings, plan = self.settings, self.plan
+        self.cores = training_input.bind_cores(settings, plan, self.device, self.local_rank, self.detail)
+        self.close_at = mosaic_closes_at(int(settings.train.epochs), int(settings.train.close_mosaic))
         self.train_dataset, self.gpu_input = training_input.training_set(
-            cfg, plan, self.hyp, self.data, self.device, caches=self.caches, stride=self.stride,
+            settings, plan, self.hyp, self.data, self.device, caches=self.caches, stride=self.stride,
             close_at=self.close_at, input_dtype=self.input_dtype, log=self.log, detail=self.detail)
         if self.kernels is not None and self.gpu_input is not None:  # the first batch's kernels, after the graphs'
             self.input_kernels = self.kernels.then(self.gpu_input.warm_up)
         self.generator = torch.Generator(device=self.device) if self.gpu_input else None  # the augmentation's draws
         self.sampler, self.inputs = training_input.train_inputs(
-            cfg, plan, self.train_dataset, self.hyp, self.device, rank=self.rank, world_size=self.comm.world_size,
+            settings, plan, self.train_dataset, self.hyp, self.device, rank=self.rank, world_size=self.comm.world_size,
             gpu_input=self.gpu_input, close_at=self.close_at, cores=self.cores, prepare=self._prepare)
 
     def _join_warm_ups(self) -> None:
@@ -200,7 +204,7 @@ class Rank:
         input pipeline calls first; the randomness a function of the seed, the step and the rank alone), or moved
         and scaled."""
         if self.gpu_input is not None:
-            self.generator.manual_seed(sample_seed(int(self.cfg["seed"]), ni, self.rank))
+            self.generator.manual_seed(sample_seed(int(self.settings.seed), ni, self.rank))
             raw = self.gpu_input(raw, self.generator)  # carries MAX_TARGETS, read with its box count
         return to_device(raw, self.device, imgsz=self.hyp.imgsz, stride=self.stride, multi_scale=self.hyp.multi_scale)
 
@@ -249,10 +253,9 @@ def start_cuda(device: torch.device) -> None:
         torch.empty(1, device=device)
 
 
-def amp_dtype(train: dict, device: torch.device) -> torch.dtype | None:
-    """train.amp's autocast type on CUDA (bf16 or fp16), None elsewhere and when off."""
-    amp = train["amp"] if device.type == "cuda" else False
-    return (torch.bfloat16 if amp == "bf16" else torch.float16) if amp else None
+def amp_dtype(plan: LaunchPlan) -> torch.dtype | None:
+    """The autocast type the plan decided (bf16 or fp16), None without mixed precision."""
+    return (torch.bfloat16 if plan.amp == "bf16" else torch.float16) if plan.amp else None
 
 
 def training_kernels(device: torch.device, dtype: torch.dtype, plan: LaunchPlan) -> kernels.WarmUp | None:
@@ -266,15 +269,15 @@ def decode_batch(plan: LaunchPlan) -> int:
     return (plan.batch_per_rank or 64) if plan.augment_on == "gpu" else 0
 
 
-def seeded_hyperparameters(cfg: dict, plan: LaunchPlan, folder: RunFolder, local_rank: int, rank: int, world: int,
-                           device: torch.device):
+def seeded_hyperparameters(settings: Settings, plan: LaunchPlan, folder: RunFolder, local_rank: int, rank: int,
+                           world: int):
     """Ultralytics' hyperparameters for this rank, its seeds set, and torch's threads and cuDNN's autotuning as the
-    plan and train.cudnn_benchmark say (timed once per shape, before any graph is captured: the graphs replay what it
+    plan decided (timed once per shape, before any graph is captured: the graphs replay what it
     chose)."""
-    hyp = build.hyperparameters(cfg, plan, folder.path, local_rank)
+    hyp = build.hyperparameters(settings, plan, folder.path, local_rank)
     torch.set_num_threads(plan.threads_per_rank)  # importing Ultralytics changed it
     build.seed(hyp, rank, world)
-    torch.backends.cudnn.benchmark = device.type == "cuda" and bool(cfg["train"].get("cudnn_benchmark", False))
+    torch.backends.cudnn.benchmark = plan.cudnn_benchmark
     return hyp
 
 
@@ -299,8 +302,8 @@ def write_records(hyp, folder: RunFolder) -> None:
     folder.env_file.write_text(environment_report())
 
 
-def lr_schedule(optimizer, cfg: dict, plan: LaunchPlan) -> Schedule:
-    optim = cfg["optim"]
-    return Schedule(optimizer, epochs=int(cfg["train"]["epochs"]), lrf=optim["lrf"], cos_lr=optim["cos_lr"],
-                    warmup_steps=plan.warmup_iterations or 0, warmup_bias_lr=optim["warmup_bias_lr"],
-                    warmup_momentum=optim["warmup_momentum"], momentum=optim["momentum"])
+def lr_schedule(optimizer, settings: Settings, plan: LaunchPlan) -> Schedule:
+    optim = settings.optim
+    return Schedule(optimizer, epochs=int(settings.train.epochs), lrf=optim.lrf, cos_lr=optim.cos_lr,
+                    warmup_steps=plan.warmup_iterations or 0, warmup_bias_lr=optim.warmup_bias_lr,
+                    warmup_momentum=optim.warmup_momentum, momentum=optim.momentum)

@@ -18,6 +18,7 @@ from pathlib import Path
 
 STARTED = time.time()  # this process's start, for rank 0's timeline (rank/metrics/timeline.py)
 
+from launcher.plan.settings import Settings
 from launcher.problems import plain_text
 from launcher.rank.group.signals import stop_when_orphaned
 from launcher.run_folder import DETAIL, RunFolder
@@ -83,7 +84,8 @@ def main(argv: list[str] | None = None, started: float | None = None, how: str =
         torchvision_ops.defer_package_import()  # Ultralytics' validator imports it; a rank on CUDA never uses it
         from launcher.rank.run import runs  # imports Ultralytics: only now, with the environment in place
 
-        if cfg.get("bench", {}).get("cell"):
+        bench = Settings.of(cfg).bench
+        if bench is not None and bench.cell:
             runs.bench_cell(cfg, plan, folder)
         else:
             runs.train(cfg, plan, folder, stamps={"rank_start": started or STARTED, "imports_done": time.time()})

@@ -42,6 +42,7 @@ AFTER_FORK = frozenset({
     "MASTER_ADDR", "MASTER_PORT", "GLOO_SOCKET_IFNAME", "MPLCONFIGDIR", "MPLBACKEND", "HF_HUB_OFFLINE",
     # read when a rank first touches CUDA, which the warm torchrun never does (refusal)
     "CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_MAX_CONNECTIONS",
+    "TORCH_ELASTIC_SHUTDOWN_TIMEOUT",  # read by torchrun's agent (launch/torchrun.py), never by a rank
 })
 AFTER_FORK_PREFIXES = ("DDP_LAUNCH_", "PET_", "TORCHELASTIC_", "YOLO_", "NCCL_", "TORCH_NCCL_")
 # Dispositions torchrun's agent changes before it starts the ranks (its signals_to_handle, and the launcher's USR1).

@@ -12,7 +12,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from launcher.plan import checks
 from launcher.plan.describe import batch_lines
 from launcher.plan.plan import LaunchPlan, with_batch
 from launcher.rank.step import auto_batch
@@ -24,7 +23,6 @@ from launcher.rank.ultralytics import build
 from launcher.rank.ultralytics.fast_validation import VAL_CONF, nms_settings
 from launcher.rank.validate.forward import InferenceForward
 from launcher.rank.validate.nms import batched_nms
-from launcher.rank.build_steps.validation_build import val_engine, val_graphs
 
 
 def measure_batch(rank, validation: bool) -> dict:
@@ -32,16 +30,17 @@ def measure_batch(rank, validation: bool) -> dict:
     the step as the run takes it, built here from the same parts as the run's own (a network of its own, its
     loss, optimizer, EMA, scaler and CUDA graphs), all freed before the run's are built; then settled with a
     validation batch beside the steps (`validation`: the run validates). The RNG is left as the seed set it."""
-    plan, cfg = rank.plan, rank.cfg
+    plan, settings = rank.plan, rank.settings
     rank.prewarm.join()  # the probe captures graphs
     memory = auto_batch.CudaMemory(rank.device)
     dtype, channels_last = rank.step_input
     with torch.random.fork_rng(devices=[rank.device]):
-        net, frozen = model_build.network(rank.hyp, rank.data, cfg["model"].get("weights"), rank.device)
-        ema = model_build.ema_and_loss(net, cfg["train"])  # as the run's, the EMA before the loss
-        step = TrainStep(net, net, optimizer=model_build.optimizer(net, cfg["optim"], plan.base_lr, rank.device),
+        net, frozen = model_build.network(rank.hyp, rank.data, settings.model.weights, rank.device)
+        ema = model_build.ema_and_loss(net, bool(settings.train.sync_free_loss))  # as the run's: the EMA, the loss
+        step = TrainStep(net, net, optimizer=model_build.optimizer(net, settings.optim, plan.base_lr,
+                                                                   plan.fused_optimizer, rank.device),
                          scaler=model_build.scaler(rank.amp_dtype), ema=ema, loss_scale=1.0,
-                         grad_clip=float(cfg["optim"].get("grad_clip", 10.0)), amp_dtype=rank.amp_dtype)
+                         grad_clip=float(settings.optim.grad_clip), amp_dtype=rank.amp_dtype)
         build.train_mode(net, frozen)
         graphs = [plan.cuda_graphs]
         whole = captures_step(rank, net)
@@ -91,10 +90,9 @@ def probe_validation(rank, net: nn.Module, frozen, batch: int) -> None:
     """One validation batch as the run's first validation takes it, beside the probe's training graphs: the
     forward at val.batch on square imgsz images (no rectangular batch is larger), CUDA-graphed as the fast
     engine's, and NMS of what an untrained network finds (thousands of candidates per image)."""
-    val, imgsz = rank.cfg.get("val") or {}, int(rank.hyp.imgsz)
-    rows = checks.val_batch(val, batch)
+    imgsz, rows = int(rank.hyp.imgsz), rank.plan.val_batch_at(batch)
     forward = InferenceForward(net, rank.device, batch=rows, amp_dtype=rank.amp_dtype, log=lambda _: None,
-                               graphs=val_engine(rank.cfg) == "fast" and val_graphs(rank.cfg, rank.device))
+                               graphs=rank.plan.val_engine == "fast" and rank.plan.val_cuda_graphs)
     settings = nms_settings(rank.hyp, end2end=bool(getattr(net, "end2end", False)), conf=VAL_CONF)
     net.eval()
     try:

@@ -41,21 +41,20 @@ def on_device(net: nn.Module, device: torch.device, hyp) -> nn.Module:
     return net
 
 
-def optimizer(net: nn.Module, optim: dict, lr: float, device: torch.device) -> torch.optim.Optimizer:
-    """optim.name over `net`'s parameter groups at `lr`, fused where optim.fused allows it."""
-    return fused_optimizer(build.optimizer(net, str(optim["name"]), lr, optim["momentum"], optim["weight_decay"]),
-                           optim.get("fused", "auto"), device)
+def optimizer(net: nn.Module, optim, lr: float, fused, device: torch.device) -> torch.optim.Optimizer:
+    """optim.name over `net`'s parameter groups at `lr` (`optim`: the optim settings), fused as the plan decided."""
+    return fused_optimizer(build.optimizer(net, str(optim.name), lr, optim.momentum, optim.weight_decay), fused, device)
 
 
 def scaler(amp_dtype: torch.dtype | None) -> torch.amp.GradScaler:
     return torch.amp.GradScaler("cuda", enabled=amp_dtype == torch.float16)
 
 
-def ema_and_loss(net: nn.Module, train: dict, log=None):
-    """The EMA copy first, then net.criterion set to the training loss (sync-free unless train.sync_free_loss turns
-    it off); said through `log` when that loss is not a YOLO detection loss."""
+def ema_and_loss(net: nn.Module, sync_free: bool, log=None):
+    """The EMA copy first, then net.criterion set to the training loss (sync-free as train.sync_free_loss says);
+    said through `log` when that loss is not a YOLO detection loss."""
     ema = build.ema(net)
-    net.criterion, detection = training_criterion(net, sync_free=bool(train.get("sync_free_loss", True)))
+    net.criterion, detection = training_criterion(net, sync_free=sync_free)
     if not detection and log is not None:
         log(f"WARNING: {type(net.criterion).__name__}: loss normalised per rank (not a YOLO detection loss), and not "
             "sync-free")

@@ -19,16 +19,16 @@ from launcher.rank.step.wrap import wrap
 def build_step(rank) -> tuple:
     """(the loop's step, the module it calls): the whole step captured where it can be, else the network graphed
     (train.cuda_graphs on CUDA) and wrapped for the mode, under a TrainStep."""
-    plan, cfg = rank.plan, rank.cfg
+    plan, settings = rank.plan, rank.settings
     step = captured_step(rank) if captures_step(rank, rank.net) else None
     if step is not None:
         return step, rank.net
     graphed = graphed_network(rank) if plan.cuda_graphs and rank.device.type == "cuda" else None
     model = wrap(rank.net, mode=plan.mode, device=rank.device, devices_per_rank=plan.devices_per_rank,
-                 dist_cfg=cfg["dist"], compile_setting=cfg["train"].get("compile", False), graphed=graphed)
+                 dist=settings.dist, compile_setting=settings.train.compile, graphed=graphed)
     step = TrainStep(model, rank.net, optimizer=rank.optimizer, scaler=rank.scaler, ema=rank.ema,
                      loss_scale=lrmod.loss_scale(plan.base_batch, plan.batch_per_rank),
-                     grad_clip=float(cfg["optim"].get("grad_clip", 10.0)), amp_dtype=rank.amp_dtype,
+                     grad_clip=float(settings.optim.grad_clip), amp_dtype=rank.amp_dtype,
                      accumulate=plan.accumulate)
     return step, model
 
@@ -43,7 +43,7 @@ def capture_network(rank, net: nn.Module, batch: int) -> GraphedDetector:
 
 def captures_step(rank, net: nn.Module) -> bool:
     """train.graph_scope: the whole step captured where it can be (auto; captured_step.py), else the network."""
-    if not rank.plan.cuda_graphs or rank.cfg["train"].get("graph_scope", "auto") == "network":
+    if rank.plan.graph_scope != "step":
         return False
     why_not = uses_captured_step(net, device=rank.device, world_size=rank.world, accumulate=rank.plan.accumulate)
     if why_not is not None and net is rank.net:
@@ -56,10 +56,10 @@ def captured_step(rank) -> CapturedStep | None:
     None when the capture fails and train.cuda_graphs=auto (the network alone is then graphed)."""
     rank.net.train()
     dtype, channels_last = rank.step_input
-    optim, plan = rank.cfg["optim"], rank.plan
+    optim, plan = rank.settings.optim, rank.plan
     step = CapturedStep(rank.net, optimizer=rank.optimizer, scaler=rank.scaler, ema=rank.ema,
                         loss_scale=lrmod.loss_scale(plan.base_batch, plan.batch_per_rank),
-                        grad_clip=float(optim.get("grad_clip", 10.0)), amp_dtype=rank.amp_dtype,
+                        grad_clip=float(optim.grad_clip), amp_dtype=rank.amp_dtype,
                         batch=plan.micro_batch, imgsz=int(rank.hyp.imgsz),
                         triton_kernels=rank.triton_kernels(), log=rank.log)
     targets = most_targets_of(rank)
@@ -71,7 +71,7 @@ def captured_step(rank) -> CapturedStep | None:
         for p in rank.net.parameters():
             p.grad = None
         failure = f"CUDA graph capture of the whole step failed ({type(e).__name__}: {e})"
-        if rank.cfg["train"].get("cuda_graphs", "auto") is True:
+        if rank.plan.cuda_graphs_required:
             raise RuntimeError(f"{failure}; capture the network only: train.graph_scope=network") from e
         rank.log(f"WARNING: {failure}; capturing the network only")
         return None
@@ -96,7 +96,7 @@ def graphed_network(rank) -> nn.Module | None:
         graphed = capture_network(rank, rank.net, rank.plan.micro_batch)
     except Exception as e:  # a network with host syncs or data-dependent shapes in its forward
         failure = f"CUDA graph capture of the network failed ({type(e).__name__}: {e})"
-        if rank.cfg["train"].get("cuda_graphs", "auto") is True:
+        if rank.plan.cuda_graphs_required:
             raise RuntimeError(f"{failure}; train without graphs: train.cuda_graphs=false") from e
         rank.log(f"WARNING: {failure}; training eagerly (train.cuda_graphs=auto)")
         return None

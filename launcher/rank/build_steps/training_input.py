@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from launcher.plan.plan import LaunchPlan
+from launcher.plan.settings import Settings
 from launcher.rank.data import affinity, image_cache, image_cache_folders
 from launcher.rank.data.encoded import EncodedImages, EncodedTrainDataset
 from launcher.rank.data.gpu_augment import GpuAugment
@@ -24,14 +25,13 @@ from launcher.rank.data.sampler import EpochBatchSampler, EpochSeededDataset, wo
 from launcher.rank.ultralytics import datasets
 
 
-def image_caches(cfg: dict, plan: LaunchPlan, data: dict, imgsz: int, log) -> dict[str, image_cache.ImageCache]:
+def image_caches(settings: Settings, plan: LaunchPlan, data: dict, imgsz: int,
+                 log) -> dict[str, image_cache.ImageCache]:
     """Both splits' caches (held for the whole run: a cache in use is never evicted): the first process on the
     node builds them with every core while the others wait at a file lock. With the input on the GPU the
     training split's cache holds the files' bytes (compressed: a fraction of the decoded size). `imgsz`: the plan
-    checked it, a multiple of the largest stride. Empty without train.cache=shared."""
-    if cfg["train"]["cache"] != "shared":
-        return {}
-    dirs = image_cache_folders.default_dirs(Path(cfg["paths"]["cache"]).expanduser() / "images")
+    checked it, a multiple of the largest stride."""
+    dirs = image_cache_folders.default_dirs(Path(settings.paths.cache).expanduser() / "images")
     gpu = plan.augment_on == "gpu"
     caches = {split: datasets.ensure_split_cache(data[split], imgsz, dirs=dirs, channels=data.get("channels", 3),
                                                  log=log)
@@ -41,10 +41,11 @@ def image_caches(cfg: dict, plan: LaunchPlan, data: dict, imgsz: int, log) -> di
     return caches
 
 
-def bind_cores(cfg: dict, plan: LaunchPlan, device: torch.device, local_rank: int, detail) -> affinity.CoreSplit | None:
+def bind_cores(settings: Settings, plan: LaunchPlan, device: torch.device, local_rank: int,
+               detail) -> affinity.CoreSplit | None:
     """loader.bind_cores on a GPU node: this process on its own cores, its loader workers on the others (said through
     `detail`, the rank log's diagnostics)."""
-    if not cfg["loader"].get("bind_cores", True) or device.type != "cuda":
+    if not settings.loader.bind_cores or device.type != "cuda":
         return None
     split = affinity.split_cores(affinity.available_cores(), local_rank, plan.nproc_per_node, plan.workers_per_rank)
     if split is not None:
@@ -59,12 +60,11 @@ def on_worker_cores(cores: affinity.CoreSplit | None, inner):
     return affinity.BindWorker(cores.workers, inner) if cores else inner
 
 
-def training_set(cfg: dict, plan: LaunchPlan, hyp, data: dict, device: torch.device, *, caches: dict, stride: int,
-                 close_at: int | None, input_dtype: torch.dtype, log, detail=None):
+def training_set(settings: Settings, plan: LaunchPlan, hyp, data: dict, device: torch.device, *, caches: dict,
+                 stride: int, close_at: int | None, input_dtype: torch.dtype, log, detail=None):
     """(dataset, gpu_input): Ultralytics' augmenting training set and None (loader.augment_on=cpu), or the files'
     bytes and labels and the GpuInput that decodes and augments them on `device` (gpu; on the CPU the same tensor
     maths, computed by the training process). `log` warns; `detail` (default `log`) takes the diagnostics."""
-    loader_cfg = cfg["loader"]
     if plan.augment_on == "gpu":
         if device.type != "cuda":
             (detail or log)("loader.augment_on=gpu on the CPU: the same tensor maths, computed by the training process")
@@ -78,49 +78,50 @@ def training_set(cfg: dict, plan: LaunchPlan, hyp, data: dict, device: torch.dev
         augment = GpuAugment(inner.imgsz, hyp, out_dtype=input_dtype)
         gpu_input = GpuInput(augment, Decoder(device, images.files, log), device=device,
                              capacity=buffer_capacity(len(images), plan.batch_per_rank), close_at=close_at,
-                             partners_from_batch=not loader_cfg.get("mosaic_buffer", True))
+                             partners_from_batch=not settings.loader.mosaic_buffer)
         return dataset, gpu_input
     dataset = datasets.train_dataset(hyp, data, plan.batch_per_rank, stride)
     if "train" in caches:
         datasets.attach_cache(dataset, caches["train"])
-    if not loader_cfg.get("mosaic_buffer", True):
+    if not settings.loader.mosaic_buffer:
         datasets.set_mosaic_buffer(dataset, False)
     return dataset, None
 
 
-def train_loader(cfg: dict, plan: LaunchPlan, dataset, sampler: EpochBatchSampler, hyp, device: torch.device, *,
-                 gpu_input: GpuInput | None, close_at: int | None, cores: affinity.CoreSplit | None):
+def train_loader(settings: Settings, plan: LaunchPlan, dataset, sampler: EpochBatchSampler, hyp,
+                 device: torch.device, *, gpu_input: GpuInput | None, close_at: int | None,
+                 cores: affinity.CoreSplit | None):
     """The workers serve every epoch; from epoch close_at on they load without mosaic (Ultralytics' close_mosaic),
     the GPU input by the batch's epoch (GpuInput.mosaic), Ultralytics' transforms from a closed copy."""
-    workers, loader_cfg = plan.workers_per_rank, cfg["loader"]
+    workers = plan.workers_per_rank
     served = dataset
     if gpu_input is None:
         closed = datasets.with_mosaic_closed(dataset, hyp) if close_at is not None else None
-        served = EpochSeededDataset(dataset, int(cfg["seed"]), closed=closed, close_at=close_at)
+        served = EpochSeededDataset(dataset, int(settings.seed), closed=closed, close_at=close_at)
     return torch.utils.data.DataLoader(
         served,
         batch_sampler=sampler,
         num_workers=workers,
-        pin_memory=bool(loader_cfg["pin_memory"]) and device.type == "cuda",
+        pin_memory=bool(settings.loader.pin_memory) and device.type == "cuda",
         collate_fn=dataset.collate_fn,
         worker_init_fn=on_worker_cores(cores, worker_init),
-        prefetch_factor=int(loader_cfg["prefetch_factor"]) if workers else None,
+        prefetch_factor=int(settings.loader.prefetch_factor) if workers else None,
     )
 
 
-def train_inputs(cfg: dict, plan: LaunchPlan, dataset, hyp, device: torch.device, *, rank: int, world_size: int,
-                 gpu_input: GpuInput | None, close_at: int | None, cores: affinity.CoreSplit | None,
+def train_inputs(settings: Settings, plan: LaunchPlan, dataset, hyp, device: torch.device, *, rank: int,
+                 world_size: int, gpu_input: GpuInput | None, close_at: int | None, cores: affinity.CoreSplit | None,
                  prepare) -> tuple[EpochBatchSampler, TrainInputs]:
     """(sampler, the loop's batches): this rank's shard of every epoch (every step the graph's shape when CUDA
     graphs fill the last batch), served by train_loader and made ready for the step by `prepare`."""
     ddp = plan.mode == "ddp"
     sampler = EpochBatchSampler(len(dataset), plan.batch_per_rank, num_replicas=world_size if ddp else 1,
-                                rank=rank if ddp else 0, seed=int(cfg["seed"]),
+                                rank=rank if ddp else 0, seed=int(settings.seed),
                                 fill_last=bool(plan.cuda_graphs) and device.type == "cuda")
-    loader = train_loader(cfg, plan, dataset, sampler, hyp, device, gpu_input=gpu_input, close_at=close_at,
+    loader = train_loader(settings, plan, dataset, sampler, hyp, device, gpu_input=gpu_input, close_at=close_at,
                           cores=cores)
-    ahead = bool(cfg["loader"].get("fetch_ahead", True))
+    ahead = bool(settings.loader.fetch_ahead)
     inputs = TrainInputs(loader, sampler, device, prepare, decode=gpu_input.decoded if gpu_input is not None else None,
-                         fetch_ahead=ahead, persistent=bool(cfg["loader"]["persistent_workers"]),
+                         fetch_ahead=ahead, persistent=bool(settings.loader.persistent_workers),
                          background=gpu_input is not None and ahead)
     return sampler, inputs

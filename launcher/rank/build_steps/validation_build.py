@@ -5,9 +5,6 @@ from __future__ import annotations
 
 from functools import partial
 
-import torch
-
-from launcher.plan import checks
 from launcher.rank.build_steps import training_input
 from launcher.rank.ultralytics import build, datasets
 from launcher.rank.ultralytics.fast_validation import FastValidator
@@ -18,34 +15,22 @@ def validation_set(rank) -> tuple:
     """(the validation loader, the validator) of the components.Rank being built, after its training set (max_det is
     aligned with both datasets before the validator copies the hyperparameters)."""
     plan = rank.plan
-    loader = datasets.val_loader(rank.hyp, rank.data, checks.val_batch(rank.cfg.get("val"), plan.micro_batch),
-                                 rank.stride, 2 * plan.workers_per_rank, rank.device,
-                                 bind=partial(training_input.on_worker_cores, rank.cores),
-                                 pin_memory=val_engine(rank.cfg) == "ultralytics")
+    loader = datasets.val_loader(rank.hyp, rank.data, plan.val_batch, rank.stride, 2 * plan.workers_per_rank,
+                                 rank.device, bind=partial(training_input.on_worker_cores, rank.cores),
+                                 pin_memory=plan.val_engine == "ultralytics")
     if "val" in rank.caches:  # the node's decoded validation images: no decoding in the loader's workers
         datasets.attach_cache(loader.dataset, rank.caches["val"])
     build.align_max_det(rank.net, rank.hyp, rank.train_dataset, loader.dataset)  # before the copies
     return loader, validator(rank, loader)
 
 
-def val_engine(cfg: dict) -> str:
-    """val.engine resolved: "fast" or "ultralytics"."""
-    return checks.val_engine(cfg.get("val") or {}, cfg["train"])
-
-
 def validator(rank, loader):
     """val.engine: the fast validator (the split preloaded on the device, rank/validate/) or Ultralytics' own
     DetectionValidator over the loader; both shard the split as the loader does."""
-    val = rank.cfg.get("val") or {}
     beat = lambda: rank.heartbeat.working()  # noqa: E731 (a long validation is progress, not a hang)
-    if val_engine(rank.cfg) == "ultralytics":
+    if rank.plan.val_engine == "ultralytics":
         return Validator(loader, rank.hyp, rank.folder.path, on_batch=beat)
     return FastValidator(loader, rank.hyp, rank.folder.path,
-                         batch=checks.val_batch(val, rank.plan.micro_batch), amp_dtype=rank.amp_dtype,
-                         cuda_graphs=val_graphs(rank.cfg, rank.device), folded=val.get("fold_batchnorm", False) is True,
+                         batch=rank.plan.val_batch, amp_dtype=rank.amp_dtype, cuda_graphs=rank.plan.val_cuda_graphs,
+                         folded=rank.settings.val.fold_batchnorm is True,
                          device=rank.device, on_batch=beat, log=rank.log, detail=rank.detail)
-
-
-def val_graphs(cfg: dict, device: torch.device) -> bool:
-    """val.cuda_graphs: the fast engine's forward replayed as CUDA graphs."""
-    return (cfg.get("val") or {}).get("cuda_graphs", "auto") in ("auto", True) and device.type == "cuda"

@@ -44,6 +44,10 @@ class Heartbeat:
     def waiting(self, step: int | None = None) -> None:
         self.state, self.step, self.changed = "waiting", self.step if step is None else step, self.clock()
 
+    def progress(self) -> tuple[str, float]:
+        """(state, when it last changed): what a stopping rank watches (signals.StopSignal)."""
+        return self.state, self.changed
+
     def close(self) -> None:
         self._done.set()
 
@@ -114,5 +118,8 @@ class NoHeartbeat:
     def working(self, step: int | None = None) -> None: ...
 
     def waiting(self, step: int | None = None) -> None: ...
+
+    def progress(self) -> None:
+        return None  # nothing measured: a stopping process counts from the signal
 
     def close(self) -> None: ...

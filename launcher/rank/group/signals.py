@@ -21,29 +21,46 @@ HANDLED = (signal.SIGTERM, signal.SIGINT)
 
 
 class StopSignal:
-    """Notes SIGTERM or SIGINT in `signum`. A rank that does not reach a step boundary within `grace_s` of the
-    signal exits 128 + signal without a new checkpoint."""
+    """Notes SIGTERM or SIGINT in `signum`. A rank that makes no progress for `grace_s` after the signal exits
+    128 + signal without a new checkpoint: one hung, or blocked in a collective with a peer that is. Progress is
+    `progress()`, (state, time of its last change) as the heartbeat publishes it: a rank still stepping or validating
+    (a loaded machine, a long validation) is waited for, and so is one "waiting" at a step-boundary agreement (its
+    peers decide: their own grace ends them, and the collective with them). Once the ranks have agreed to stop
+    (`decided()`), the checkpoint is written whatever it takes; torchrun's shutdown timeout is the backstop."""
 
-    def __init__(self, grace_s: float = 20.0, exit=os._exit):
+    def __init__(self, grace_s: float = 20.0, exit=os._exit, progress=None, period_s: float = 1.0, clock=time.time):
         self.signum = 0
-        self.grace_s = grace_s  # below torchrun's 30 s before it SIGKILLs the ranks
-        self._exit = exit
+        self.grace_s, self.period_s = grace_s, period_s
+        self._exit, self._progress, self._clock = exit, progress, clock
+        self._decided = threading.Event()
+        self._since = 0.0
         self._previous = {s: signal.signal(s, self._note) for s in HANDLED}
 
     def _note(self, signum, _frame) -> None:
-        if not self.signum:
-            print(f"[signal] {signal.Signals(signum).name}: finishing the step, then saving a checkpoint", flush=True)
-            # A rank that cannot reach a step boundary (hung, or deep in a long validation) still ends in time.
-            timer = threading.Timer(self.grace_s, self._give_up, args=(signum,))
-            timer.daemon = True
-            timer.start()
-        self.signum = signum
+        # No output here: the handler runs between two bytecodes of the main thread, which may be inside a print to
+        # the same stream (a validation's progress), and a second write would raise there ("reentrant call").
+        first, self.signum = not self.signum, signum  # at once: a second signal can interrupt this handler
+        if first:
+            self._since = self._clock()
+            threading.Thread(target=self._watch, args=(signum,), daemon=True, name="stop-grace").start()
 
-    def _give_up(self, signum: int) -> None:
-        print(f"[signal] no step boundary within {self.grace_s:g} s: exiting without a new checkpoint", flush=True)
-        self._exit(128 + signum)
+    def decided(self) -> None:
+        """The ranks agreed to stop at this step boundary: no more giving up, the checkpoint is written."""
+        self._decided.set()
+
+    def _watch(self, signum: int) -> None:
+        print(f"[signal] {signal.Signals(signum).name}: finishing the step, then saving a checkpoint", flush=True)
+        while not self._decided.wait(self.period_s):
+            state, changed = (self._progress() if self._progress else None) or ("working", self._since)
+            idle = self._clock() - max(self._since, changed)
+            if state != "waiting" and idle > self.grace_s:
+                print(f"[signal] no progress for {idle:.0f} s since {signal.Signals(signum).name}: exiting without a "
+                      "new checkpoint", flush=True)
+                self._exit(128 + signum)
+                return
 
     def restore(self) -> None:
+        self._decided.set()
         for s, h in self._previous.items():
             signal.signal(s, h)
 

@@ -137,7 +137,7 @@ class StopOnSignal(Hook):
         self.stop_signal = None
 
     def before_train(self, loop: TrainLoop) -> None:
-        self.stop_signal = StopSignal()
+        self.stop_signal = StopSignal(progress=self.heartbeat.progress)
 
     def after_step(self, loop: TrainLoop) -> None:
         self.heartbeat.waiting()
@@ -145,6 +145,7 @@ class StopOnSignal(Hook):
         self.heartbeat.working()
         if not signum:
             return
+        self.stop_signal.decided()  # every rank stops here; rank 0's checkpoint is written however long it takes
         epoch, step = loop.state.position
         told = "this rank" if self.stop_signal.signum else "another rank"  # a log that just ends says nothing
         self.log(f"[signal] stopping after epoch {epoch + 1} step {step}: {signal.Signals(signum).name} reached {told}")

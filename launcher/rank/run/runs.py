@@ -44,7 +44,7 @@ def _meter(r: Rank, skip_steps: int) -> tuple[StepMeter, GpuMonitor | None]:
     gpus = list(range(r.plan.devices_per_rank)) if r.plan.mode == "dp" else [r.device.index or 0]
     monitor = GpuMonitor(gpus) if r.device.type == "cuda" else None
     return StepMeter(r.device, skip_steps=skip_steps, monitor=monitor,
-                     in_flight=r.cfg["train"].get("steps_in_flight", 1)), monitor
+                     in_flight=r.settings.train.steps_in_flight), monitor
 
 
 def train(cfg: dict, plan: LaunchPlan, folder: RunFolder, stamps: dict | None = None) -> dict | None:
@@ -57,26 +57,26 @@ def train(cfg: dict, plan: LaunchPlan, folder: RunFolder, stamps: dict | None = 
         timeline.stamp("components_built")
         timeline.setup = r.setup_stamps
         timeline.setup_memory = r.setup_memory
-        train_cfg, state = cfg["train"], r.state
+        settings, state = r.settings, r.state
         meter, monitor = _meter(r, METER_SKIP_STEPS)
-        early_stop = h.EarlyStop(int(train_cfg["patience"]), r.log)
+        early_stop = h.EarlyStop(int(settings.train.patience), r.log)
         layout = checkpoint.Layout(r.ema, r.hyp)
         checkpointer = r.checkpointer(partial(_layout, r, layout, early_stop), layout.complete, checkpoint.stripped,
                                       extra={"early_stop": early_stop})
         r.restore(checkpointer)
-        samples = h.RecordSamples() if cfg.get("debug", {}).get("record_samples") else None
-        epochs, on_rank0 = int(train_cfg["epochs"]), r.rank == 0
-        integrations = cfg.get("log", {}).get("integrations") or []
+        samples = h.RecordSamples() if settings.debug.record_samples else None
+        epochs, on_rank0 = int(settings.train.epochs), r.rank == 0
+        integrations = settings.log.integrations or []
         input_time = h.InputTime(r.gpu_input, r.inputs, METER_SKIP_STEPS) if r.gpu_input else None
-        plotter = Plotter(folder.path, r.log) if on_rank0 and train_cfg.get("plots", True) else None
+        plotter = Plotter(folder.path, r.log) if on_rank0 and settings.train.plots else None
         figures = EpochFigures(meter, monitor, r.device, r.comm, r.heartbeat) if integrations else None
         validate = partial(_validate, r, plotter)
         evaluate = h.Evaluate(validate, validate, partial(_best_weights, r.folder.weights, checkpointer),
-                              interval=int(train_cfg["val_interval"]), comm=r.comm, device=r.device, log=r.log,
+                              interval=int(settings.train.val_interval), comm=r.comm, device=r.device, log=r.log,
                               final_table=r.validator.print_table)
         if on_rank0:  # each validation, and the final one, timed for the timeline
             evaluate = Timed(evaluate, timeline, name="val", final="final_val", keep=lambda loop: loop.state.validated)
-        save = _rank0_checkpoint(checkpointer, int(train_cfg["save_period"]), r.folder.weights, timeline) \
+        save = _rank0_checkpoint(checkpointer, int(settings.train.save_period), r.folder.weights, timeline) \
             if on_rank0 else None
         hooks: list[Hook | None] = [
             # rank 0: first at every point, so that an epoch's start is stamped before closing mosaic, its training
@@ -120,7 +120,7 @@ def train(cfg: dict, plan: LaunchPlan, folder: RunFolder, stamps: dict | None = 
             # rank 0 (train.plots): results.png after the last epoch, drawn in the plotter's thread
             _rank0_plots(plotter, folder.path, r.train_dataset.labels, r.data["names"]) if plotter else None,
             # every log.interval_steps steps, and the epoch's line with Evaluate's mAP
-            progress.Progress(meter, r.optimizer, r.device, r.rank, int(cfg.get("log", {}).get("interval_steps", 20)),
+            progress.Progress(meter, r.optimizer, r.device, r.rank, int(settings.log.interval_steps),
                               r.log, monitor, warmup_steps=plan.warmup_iterations or 0),
             # once per run, from the meter's window so far
             progress.InputBoundWarning(meter, plan.workers_per_rank, r.log, monitor, gpu_input=r.gpu_input is not None,
@@ -165,10 +165,10 @@ def bench_cell(cfg: dict, plan: LaunchPlan, folder: RunFolder) -> dict | None:
     r = Rank(cfg, plan, folder, validation=False)
     plan = r.plan
     try:
-        bench = cfg["bench"]
-        warmup, steps = int(bench["warmup_steps"]), int(bench["steps"])
+        bench = r.settings.bench
+        warmup, steps = int(bench.warmup_steps), int(bench.steps)
         # bench.profile on a GPU: the loop's steps right after the warm-up are profiled, and not measured
-        profiled = PROFILED_STEPS if bench.get("profile") and r.device.type == "cuda" else 0
+        profiled = PROFILED_STEPS if bench.profile and r.device.type == "cuda" else 0
         skip = warmup + profiled
         meter, monitor = _meter(r, skip)
         cpu = _HostCpu(skip, psutil.cpu_times)
@@ -188,7 +188,7 @@ def bench_cell(cfg: dict, plan: LaunchPlan, folder: RunFolder) -> dict | None:
         loop = TrainLoop(r.step, r.inputs, r.state, [x for x in hooks if x is not None], epochs=1,
                          steps_per_epoch=skip + steps)
         loop.run()
-        ceiling = _ceiling(r, int(bench["ceiling_batches"]), max(steps // 2, 10), profile=bool(bench.get("profile")))
+        ceiling = _ceiling(r, int(bench.ceiling_batches), max(steps // 2, 10), profile=bool(bench.profile))
         rank_figures = {**run_summary.rank_report(rank=r.rank, device=r.device, meter=meter, monitor=monitor,
                                                   net=r.net, loss_items=r.step.loss_items, state=r.state,
                                                   input_gpu_ms=input_time.ms_per_image if input_time else None,
@@ -214,7 +214,7 @@ def _validate(r: Rank, plotter: Plotter | None, loop: TrainLoop, weights=_EMA):
     validator's in rank 0's plotter thread (`plotter`: None on the other ranks)."""
     final = weights is not _EMA or loop.final_epoch
     kwargs = dict(device=r.device, data=r.data, amp=r.amp_dtype is not None, loss_items=r.step.loss_items or r.state.tloss,
-                  epoch=r.state.epoch, epochs=loop.epochs, plots=final and bool(r.cfg["train"].get("plots", True)),
+                  epoch=r.state.epoch, epochs=loop.epochs, plots=final and bool(r.settings.train.plots),
                   per_class=weights is not _EMA)
     if kwargs["plots"] and plotter is not None and isinstance(r.validator, FastValidator):
         kwargs["draw"] = plotter.later

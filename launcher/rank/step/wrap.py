@@ -49,17 +49,18 @@ def compiled(model: nn.Module, value) -> nn.Module:
     return torch.compile(model, mode=mode, dynamic=False)
 
 
-def wrap(net: nn.Module, *, mode: str, device: torch.device, devices_per_rank: int, dist_cfg: dict, compile_setting,
+def wrap(net: nn.Module, *, mode: str, device: torch.device, devices_per_rank: int, dist, compile_setting,
          graphed: nn.Module | None = None) -> nn.Module:
-    """The module the step calls. `graphed` is `net` with its step captured as CUDA graphs, when the plan asks."""
+    """The module the step calls. `dist`: the DistSettings (DDP's switches); `graphed` is `net` with its step captured
+    as CUDA graphs, when the plan asks."""
     model = graphed if graphed is not None else net
     if mode == "ddp":
         model = nn.parallel.DistributedDataParallel(
             model,
             device_ids=[device.index] if device.type == "cuda" else None,
-            find_unused_parameters=bool(dist_cfg["find_unused_parameters"]),
+            find_unused_parameters=bool(dist.find_unused_parameters),
             gradient_as_bucket_view=True,  # gradients live in the all-reduce buckets: no copy in, no copy out
-            **{BUFFER_SYNC_KWARG: bool(dist_cfg["broadcast_buffers"])},
+            **{BUFFER_SYNC_KWARG: bool(dist.broadcast_buffers)},
         )
         return compiled(model, compile_setting)
     if mode == "dp":

@@ -21,6 +21,7 @@ import torch
 import ultralytics.engine.trainer as ul_trainer
 from ultralytics import YOLO
 
+from launcher.plan.settings import Settings
 from launcher.rank.metrics import results
 from launcher.rank.metrics.gpu_monitor import GpuMonitor
 from launcher.rank.metrics.meter import StepMeter
@@ -33,19 +34,19 @@ class _Done(Exception):
 
 
 def run(cell_dir: Path) -> dict:
-    cfg, _ = RunFolder(cell_dir).load()
-    bench, train, model = cfg["bench"], cfg["train"], cfg["model"]
-    warmup, steps = int(bench["warmup_steps"]), int(bench["steps"])
+    settings = Settings.of(RunFolder(cell_dir).load()[0])
+    bench, train, model = settings.bench, settings.train, settings.model
+    warmup, steps = int(bench.warmup_steps), int(bench.steps)
 
     ul_trainer.check_amp = lambda model: True  # the check downloads weights; see the module docstring
     # Ultralytics reads results.csv with polars at each epoch end (checkpoint metadata, outside the measured window);
     # the GPU machines lack polars, and ddp-launch's own reader gives the same dict.
     ul_trainer.BaseTrainer.read_results_csv = lambda trainer: results.read_columns(trainer.csv)
-    on_gpu = torch.cuda.is_available() and cfg["gpus"] != 0
+    on_gpu = torch.cuda.is_available() and settings.gpus != 0
     device = torch.device("cuda", 0) if on_gpu else torch.device("cpu")
     monitor = GpuMonitor([0]) if on_gpu else None
     # stamped as ddp-launch's cells are (train.steps_in_flight), so the meter costs both sides the same
-    meter = StepMeter(device, skip_steps=warmup, monitor=monitor, in_flight=train.get("steps_in_flight", 1))
+    meter = StepMeter(device, skip_steps=warmup, monitor=monitor, in_flight=train.steps_in_flight)
     state = {"n": 0, "cpu": None, "cpu_end": None, "asked": 0.0}
 
     def ask(trainer):  # the loop asks its loader for the next batch
@@ -68,24 +69,24 @@ def run(cell_dir: Path) -> dict:
     def epoch_end(trainer):
         meter.pause()  # checkpoint writing and scheduler work at the epoch boundary are not training steps
 
-    yolo = YOLO(model.get("cfg") or model["weights"])
+    yolo = YOLO(model.cfg or model.weights)
     yolo.add_callback("on_train_epoch_start", ask)
     yolo.add_callback("on_train_batch_start", batch_start)
     yolo.add_callback("on_train_batch_end", batch_end)
     yolo.add_callback("on_train_epoch_end", epoch_end)
     try:
         yolo.train(
-            data=str(cfg["data"]["path"]),
+            data=str(settings.data.path),
             epochs=1000,  # never reached: the bench stops after its steps
-            imgsz=train["imgsz"],
-            batch=train["batch_per_device"],
+            imgsz=train.imgsz,
+            batch=train.batch_per_device,
             device=0 if on_gpu else "cpu",
-            workers=int(bench["baseline_workers"]),
+            workers=int(bench.baseline_workers),
             cache=False,
-            amp=bool(train["amp"]),
+            amp=bool(train.amp),
             optimizer="SGD",
-            lr0=cfg["optim"]["base_lr"],
-            seed=cfg["seed"],
+            lr0=settings.optim.base_lr,
+            seed=settings.seed,
             val=False,
             plots=False,
             project=str(cell_dir),

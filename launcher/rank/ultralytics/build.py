@@ -19,42 +19,43 @@ from ultralytics.utils.checks import check_imgsz
 from ultralytics.utils.torch_utils import ModelEMA
 
 from launcher.plan.plan import LaunchPlan
+from launcher.plan.settings import Settings
 
 OPTIMIZERS = {"sgd": torch.optim.SGD, "adamw": torch.optim.AdamW}
 ALWAYS_FROZEN = (".dfl",)  # Ultralytics always freezes the DFL projection
 
 
-def hyperparameters(cfg: dict, plan: LaunchPlan, run_dir: Path, local_rank: int):
+def hyperparameters(settings: Settings, plan: LaunchPlan, run_dir: Path, local_rank: int):
     """Ultralytics' training arguments for this run (what `yolo train` would be given), validated by get_cfg."""
-    train, optim, model = cfg["train"], cfg["optim"], cfg["model"]
+    train, optim, model = settings.train, settings.optim, settings.model
     args = {
-        "model": model.get("cfg") or model.get("weights"),
-        "pretrained": model.get("weights") or False,
-        "data": str(cfg["data"]["path"]),
-        "epochs": train["epochs"],
-        "imgsz": train["imgsz"],
+        "model": model.cfg or model.weights,
+        "pretrained": model.weights or False,
+        "data": str(settings.data.path),
+        "epochs": train.epochs,
+        "imgsz": train.imgsz,
         **({} if plan.batch_pending else batch_args(plan)),  # auto: Ultralytics' defaults until set_batch
         "device": "cpu" if plan.device == "cpu" else str(local_rank),
         "workers": plan.workers_per_rank,
-        "optimizer": {"sgd": "SGD", "adamw": "AdamW"}[str(optim["name"]).lower()],
-        "lrf": optim["lrf"],
-        "momentum": optim["momentum"],
-        "weight_decay": optim["weight_decay"],
-        "warmup_momentum": optim["warmup_momentum"],
-        "warmup_bias_lr": optim["warmup_bias_lr"],
-        "cos_lr": optim["cos_lr"],
-        "amp": train["amp"] if plan.device == "cuda" else False,
-        "cache": False if train["cache"] == "shared" else train["cache"],  # shared: ddp-launch's node cache
-        "close_mosaic": train["close_mosaic"],
-        "patience": train["patience"],
-        "save_period": train["save_period"],
-        "seed": cfg["seed"],
+        "optimizer": {"sgd": "SGD", "adamw": "AdamW"}[str(optim.name).lower()],
+        "lrf": optim.lrf,
+        "momentum": optim.momentum,
+        "weight_decay": optim.weight_decay,
+        "warmup_momentum": optim.warmup_momentum,
+        "warmup_bias_lr": optim.warmup_bias_lr,
+        "cos_lr": optim.cos_lr,
+        "amp": plan.amp,
+        "cache": False if train.cache == "shared" else train.cache,  # shared: ddp-launch's node cache
+        "close_mosaic": train.close_mosaic,
+        "patience": train.patience,
+        "save_period": train.save_period,
+        "seed": settings.seed,
         "save_dir": str(run_dir),
         "exist_ok": True,
         "val": True,
         "plots": False,
         "verbose": True,
-        **(train.get("extra") or {}),
+        **(train.extra or {}),
     }
     return get_cfg(overrides=args)
 

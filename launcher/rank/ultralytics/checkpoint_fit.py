@@ -14,6 +14,7 @@ import json
 import sys
 from pathlib import Path
 
+from launcher.plan.settings import Settings
 from launcher.rank.loop.checkpoint_io import RESUME_KEY, CheckpointError, load, mismatch
 from launcher.run_folder import RunFolder
 
@@ -44,8 +45,9 @@ def network_weights(folder: RunFolder) -> dict:
     from launcher.rank.ultralytics import build
 
     cfg, plan = folder.load()
-    hyp = build.hyperparameters(cfg, plan, folder.path, 0)
-    net, _ = build.network(hyp, build.dataset_info(hyp), cfg["model"].get("weights"))
+    settings = Settings.of(cfg)
+    hyp = build.hyperparameters(settings, plan, folder.path, 0)
+    net, _ = build.network(hyp, build.dataset_info(hyp), settings.model.weights)
     return net.state_dict()
 
 

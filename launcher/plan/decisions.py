@@ -1,0 +1,45 @@
+"""The settings a rank would otherwise work out again from the config, decided once here and carried by LaunchPlan:
+the step's precision, the fused optimizer, cuDNN's autotuning, CUDA graphs and what they hold, the validation engine, batch and graphs."""
+
+from __future__ import annotations
+
+from launcher.plan import checks
+
+
+def rank_decisions(cfg: dict, *, device: str, mode: str) -> dict:
+    """LaunchPlan's fields decided from `cfg` for ranks on `device` in `mode` (make_plan's, and an older plan.json's
+    missing ones: LaunchPlan.from_dict)."""
+    train, val, fused = cfg["train"], cfg.get("val") or {}, cfg["optim"].get("fused", "auto")
+    graphs = checks.uses_cuda_graphs(train, device=device, mode=mode)
+    return {
+        "amp": train.get("amp", True) if device == "cuda" else False,
+        "fused_optimizer": device == "cuda" if fused == "auto" else bool(fused),
+        "cudnn_benchmark": device == "cuda" and bool(train.get("cudnn_benchmark", False)),
+        "cuda_graphs": graphs,
+        "cuda_graphs_required": train.get("cuda_graphs", "auto") is True,
+        "graph_scope": "step" if graphs and train.get("graph_scope", "auto") == "auto" else "network",
+        "val_engine": checks.val_engine(val, train),
+        "val_batch_fixed": _whole(val.get("batch", "auto")),
+        "val_cuda_graphs": device == "cuda" and val.get("cuda_graphs", "auto") in ("auto", True),
+    }
+
+
+VAL_BATCH_MOST = 128  # val.batch=auto's ceiling: yolov8s at 640 px fills a large GPU by then; more only costs memory
+
+
+def val_batch_at(fixed: int | None, micro_batch: int) -> int:
+    """val.batch for a training micro-batch: `fixed` (val.batch as a number), or for auto twice the micro-batch
+    (Ultralytics' validation batch), at most VAL_BATCH_MOST: with train.batch_per_device=auto the training batch fills
+    the memory the fraction allows, and a validation batch twice that (a CUDA graph per image shape, each with its
+    memory) would not fit beside it."""
+    return fixed if fixed is not None else min(2 * micro_batch, VAL_BATCH_MOST)
+
+
+def _whole(value) -> int | None:
+    """val.batch given as a number; None for auto (and for a value val_problems refuses)."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return None
