@@ -74,7 +74,7 @@ def train(overrides: list[str] | None = None, *, run_dir: str | Path | None = No
     a dict, or with dry_run=True the plan. `resume=` continues a run instead (see resume())."""
     from launcher.cli import start_ahead
     from launcher.launch import start
-    from launcher.launch.warm_torchrun import warm
+    from launcher.launch.startup.warm_torchrun import warm
 
     overrides = _overrides(overrides, keywords)
     start_ahead(overrides)  # torchrun's imports overlap the composing and planning, as in ddp-launch

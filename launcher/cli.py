@@ -2,9 +2,9 @@
 (plan/ultralytics_keys.py), compose the config with Hydra, then hand it to the launch side (launch/start.py).
 
 First thing, before Hydra's imports (tenths of a second, more where imports are slow), the warm torchrun and the
-compilation of the ranks' bytecode start (launch/warm_torchrun.py, launch/bytecode.py): only the standard library
-and a few small modules of the launcher lie beneath them. Hydra composes once, here; the ranks read the resolved
-config from the run folder and never run Hydra.
+compilation of the ranks' bytecode start (launch/startup/warm_torchrun.py, launch/startup/bytecode.py): only the
+standard library and a few small modules of the launcher lie beneath them. Hydra composes once, here; the ranks read the
+resolved config from the run folder and never run Hydra.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from pathlib import Path
 
 STARTED = time.time()  # the command's start, before the imports: where rank 0's timeline begins
 
-from launcher.launch import bytecode, warm_torchrun
-from launcher.launch.parent_death import parent_death_signal
+from launcher.launch.startup import bytecode, warm_torchrun
+from launcher.launch.startup.parent_death import parent_death_signal
 from launcher.machine.hardware import usable_cpu_count
 from launcher.plan.environment import LAUNCH_STARTED
 

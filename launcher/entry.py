@@ -70,7 +70,7 @@ def interrupted() -> None:
     """Ctrl-C before any rank started (composing, planning, checking the data; a run's torchrun forwards it instead):
     one line and exit code 130 at once. A check's threads may be blocked in a read (a slow file system): nothing
     waits for them, and the warm torchrun is told to go."""
-    from launcher.launch.warm_torchrun import warm
+    from launcher.launch.startup.warm_torchrun import warm
 
     warm.discard()
     print(f"\n{Path(sys.argv[0]).name}: stopped by Ctrl-C (SIGINT) before any rank started", file=sys.stderr,
@@ -130,13 +130,13 @@ def translated_or_exit(argv: list[str]):
     translation = translate(argv)
     unreadable = unreadable_overrides(translation.argv)
     if unreadable:
-        from launcher.launch.warm_torchrun import warm
+        from launcher.launch.startup.warm_torchrun import warm
 
         warm.discard()
         print("\n".join(f"ERROR: {line}" for line in unreadable), file=sys.stderr, flush=True)
         sys.exit(EXIT_PLAN_ERROR)
     if translation.problems:
-        from launcher.launch.warm_torchrun import warm
+        from launcher.launch.startup.warm_torchrun import warm
 
         warm.discard()
         print(f"ERROR: {PlanError(translation.problems)}", file=sys.stderr, flush=True)

@@ -8,7 +8,7 @@ import re
 import pytest
 
 from launcher import api
-from launcher.launch import warm_torchrun
+from launcher.launch.startup import warm_torchrun
 from launcher.problems import PlanError
 from tests.conftest import REPO
 

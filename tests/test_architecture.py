@@ -30,6 +30,20 @@ LAYERS = [
 ]
 LAYER = {room: i for i, rooms in enumerate(LAYERS) for room in rooms}
 NO_TORCH = {"problems", "inputs", "plan"}  # pure: planning runs before anything heavy is imported
+# The floors inside rank/, bottom first, checked as the layers are: a room imports its own floor's modules only from
+# itself, and the rooms of lower floors.
+RANK_FLOORS = [
+    {"kernels"},  # Triton kernels and their PyTorch twins: nothing else of the rank
+    {"group", "loop"},  # this rank among the others; the loop, its hook protocol, its state and checkpoint files
+    {"data", "validate", "metrics"},  # the input pipeline, validation at inference speed, what a rank measures
+    {"ultralytics"},  # the one package that talks to Ultralytics (its hooks and validators stand on the loop)
+    {"step"},  # the training step, over Ultralytics' network and loss
+    {"build_steps", "startup"},  # the composition's build steps; the rank's side of the start-up overlap
+    {"components"},  # what a rank builds, in order
+    {"run"},  # a training run or a bench cell: the hook lists over the components
+    {"worker"},  # the entry
+]
+RANK_FLOOR = {room: i for i, rooms in enumerate(RANK_FLOORS) for room in rooms}
 
 
 def module_name(path: Path) -> str:
@@ -73,6 +87,34 @@ def test_each_room_imports_only_what_lies_beneath_it():
                 continue
             if LAYER[theirs] >= LAYER[mine]:
                 wrong.append(f"{module} imports {dep} ({theirs} is not beneath {mine})")
+    assert not wrong, "\n".join(wrong)
+
+
+def rank_room(module: str) -> str | None:
+    """launcher.rank.<room>...: the folder or top module of rank/ that `module` lies in (None outside rank/)."""
+    parts = module.split(".")
+    return parts[2] if len(parts) > 2 and parts[1] == "rank" else None
+
+
+def test_rank_has_nothing_loose_but_its_entry_and_its_composition():
+    loose = {p.stem for p in (PACKAGE / "rank").glob("*.py")} - {"__init__", "worker", "components"}
+    assert not loose, f"rank/ modules outside a folder: {sorted(loose)}"
+    folders = {p.parent.name for p in (PACKAGE / "rank").glob("*/__init__.py")}
+    assert folders | {"worker", "components"} == set(RANK_FLOOR), "each folder of rank/ stands on a floor"
+
+
+def test_each_rank_floor_imports_only_what_lies_beneath_it():
+    wrong = []
+    for module, deps in MODULES.items():
+        mine = rank_room(module)
+        if mine is None:
+            continue
+        for dep in deps:
+            theirs = rank_room(dep)
+            if theirs is None or theirs == mine:
+                continue
+            if RANK_FLOOR[theirs] >= RANK_FLOOR[mine]:
+                wrong.append(f"{module} imports {dep} (rank/{theirs} is not beneath rank/{mine})")
     assert not wrong, "\n".join(wrong)
 
 
@@ -156,3 +198,13 @@ def test_the_rank_side_refuses_a_release_outside_the_window_unless_the_switch_as
 def test_no_module_points_outside_the_repository():
     outside = [str(p.relative_to(REPO)) for p in PACKAGE.rglob("*.py") if "../shared" in p.read_text()]
     assert not outside, f"these refer to notes outside the repository: {outside}"
+
+
+def test_the_architecture_section_names_every_folder():
+    """docs/how-it-works.md's tree is the map a newcomer reads first: every package of launcher/ stands in it."""
+    text = (REPO / "docs" / "how-it-works.md").read_text()
+    tree = text[text.index("## Architecture"):text.index("## How ranks are started")]
+    folders = sorted(p.parent.relative_to(PACKAGE).as_posix() for p in PACKAGE.rglob("__init__.py")
+                     if p.parent != PACKAGE)
+    missing = [f for f in folders if f"{f.rsplit('/', 1)[-1]}/" not in tree]
+    assert not missing, f"docs/how-it-works.md's Architecture section does not name {missing}"

@@ -188,7 +188,7 @@ def test_the_probes_validation_batch_runs_the_real_network_and_its_nms_and_leave
 
     from launcher.machine.hardware import Hardware
     from launcher.plan.plan import make_plan
-    from launcher.rank.batch_probe import probe_validation
+    from launcher.rank.build_steps.batch_probe import probe_validation
     from launcher.rank.ultralytics import build
     from tests.conftest import compose_config
 

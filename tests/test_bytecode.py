@@ -1,4 +1,4 @@
-"""The ranks' bytecode compiled ahead, beside torchrun's start (launch/bytecode.py): what an import then reads, once
+"""The ranks' bytecode compiled ahead, beside torchrun's start (launch/startup/bytecode.py): what an import then reads, once
 per machine, and for the packages a rank really imports."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from launcher.launch import bytecode
+from launcher.launch.startup import bytecode
 from launcher.launch.environments.local import LocalEnvironment
-from launcher.launch.warm_torchrun import startup_environment
+from launcher.launch.startup.warm_torchrun import startup_environment
 from launcher.machine.hardware import Hardware
 from launcher.plan.plan import make_plan
 from tests.conftest import compose_config
@@ -87,7 +87,7 @@ def test_the_imports_are_compiled_in_the_order_an_interpreter_reaches_them_and_t
 
 
 def test_compiling_ahead_refuses_a_folder_the_interpreter_would_not_read(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "launcher.launch.bytecode", str(tmp_path / "x")],
+    out = subprocess.run([sys.executable, "-m", "launcher.launch.startup.bytecode", str(tmp_path / "x")],
                          env={**os.environ, "PYTHONPYCACHEPREFIX": str(tmp_path / "y")}, capture_output=True, text=True)
     assert out.returncode != 0 and "PYTHONPYCACHEPREFIX=" in out.stderr
     assert not (tmp_path / "x" / bytecode.STAMP).exists() and not (tmp_path / "y" / bytecode.STAMP).exists()
@@ -101,7 +101,7 @@ def test_a_launch_compiles_the_ranks_bytecode_in_the_cache_once_per_machine(tmp_
     first = LocalEnvironment()
     first._compile_bytecode(plan)
     assert first._compiling is not None and first._compiling.wait(timeout=300) == 0
-    for module in ("torch", "ultralytics", "launcher.rank.runs", "json"):
+    for module in ("torch", "ultralytics", "launcher.rank.run.runs", "json"):
         assert _cached(Path(importlib.util.find_spec(module).origin), folder, monkeypatch).is_file(), module
     again = LocalEnvironment()
     again._compile_bytecode(plan)
@@ -139,7 +139,7 @@ def test_the_compilation_started_beside_the_warm_torchrun_is_the_one_the_launch_
 def test_the_packages_compiled_ahead_hold_what_torchrun_and_a_rank_import():
     listing = subprocess.run(
         [sys.executable, "-c",
-         "import json, sys, torch.distributed.run, launcher.rank.worker, launcher.rank.runs, torch._dynamo\n"
+         "import json, sys, torch.distributed.run, launcher.rank.worker, launcher.rank.run.runs, torch._dynamo\n"
          "import omegaconf, matplotlib.pyplot  # the rank's config read (RunFolder.load), the plots\n"
          "print(json.dumps(sorted({m.__file__ for m in list(sys.modules.values())\n"
          "                         if (getattr(m, '__file__', None) or '').endswith('.py')})))"],

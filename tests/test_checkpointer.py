@@ -9,8 +9,8 @@ import threading
 import pytest
 import torch
 
-from launcher.rank.checkpoint_io import RESUME_KEY, CheckpointError, load_resumable
-from launcher.rank.state import Checkpointer
+from launcher.rank.loop.checkpoint_io import RESUME_KEY, CheckpointError, load_resumable
+from launcher.rank.loop.state import Checkpointer
 
 
 class Counter:

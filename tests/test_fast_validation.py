@@ -17,7 +17,7 @@ from ultralytics.nn.tasks import DetectionModel
 from ultralytics.utils import nms as ultralytics_nms
 
 from launcher.inputs.shapes import CLASSES, ShapesSpec, ensure_dataset
-from launcher.rank.dist import Comm
+from launcher.rank.group.dist import Comm
 from launcher.rank.ultralytics import datasets
 from launcher.rank.ultralytics.fast_validation import FastValidator, gathered_stats, nms_settings
 from launcher.rank.ultralytics.validation import Validator
@@ -95,7 +95,8 @@ def test_a_chain_of_overlapping_boxes_is_suppressed_as_greedy_nms_does():
 def compare_scans_in_interpreter() -> None:
     """Run in a process started with TRITON_INTERPRET=1: batched NMS and the matching with their Triton scans
     (scans.py, on CPU tensors) against Ultralytics, and each scan against the PyTorch form it replaces."""
-    from launcher.rank.validate import matching, nms, scans
+    from launcher.rank.kernels import scans
+    from launcher.rank.validate import matching, nms
 
     assert scans.usable(torch.zeros(1)), "Triton's interpreter is not active"
     for nc, multi_label, max_det in ((3, True, 300), (1, True, 40)):

@@ -1,6 +1,6 @@
 """Fault injection: what a user finds after a rank dies, a disk fills, DDP cannot start, or the job is stopped.
 
-Two gloo ranks on the CPU, a small model, faults injected through DDP_LAUNCH_FAULT (launcher/rank/faults.py) or by
+Two gloo ranks on the CPU, a small model, faults injected through DDP_LAUNCH_FAULT (launcher/rank/group/faults.py) or by
 signalling the launcher. Each test checks what a user would look at afterwards: exit code, files, epochs,
 leftover processes. A hung rank is tested with a fake store and clock (tests/test_heartbeat.py).
 """

@@ -13,7 +13,7 @@ from ultralytics.nn.modules import Conv
 from ultralytics.nn.tasks import DetectionModel
 
 from launcher.rank.ultralytics.folded import FoldedCopy
-from launcher.rank.kernels import bias_act_, upsample_nearest2x
+from launcher.rank.kernels.kernels import bias_act_, upsample_nearest2x
 
 
 def a_trained_looking_model(seed: int = 0, act: nn.Module | None = None) -> DetectionModel:

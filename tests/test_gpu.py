@@ -216,9 +216,9 @@ def test_the_decode_without_torchvisions_import_is_torchvisions_decode(tmp_path)
 
 
 def test_nvjpeg_warmed_on_a_thread_beside_the_set_up_leaves_the_graph_capture_after_it_valid():
-    """rank/prewarm.py: the warm-up's decode on its own thread ends without error, and a CUDA graph captured after
+    """rank/startup/prewarm.py: the warm-up's decode on its own thread ends without error, and a CUDA graph captured after
     the join replays what the eager computation gives."""
-    from launcher.rank.prewarm import Prewarm
+    from launcher.rank.startup.prewarm import Prewarm
 
     logged = []
     prewarm = Prewarm(torch.device("cuda", 0), decode_batch=8, log=logged.append).start()
@@ -409,7 +409,7 @@ def test_the_fast_validator_on_cuda_gives_ultralytics_map(tmp_path, cache_dir):
     from ultralytics.cfg import get_cfg
 
     from launcher.inputs.shapes import CLASSES, ShapesSpec, ensure_dataset
-    from launcher.rank.dist import Comm
+    from launcher.rank.group.dist import Comm
     from launcher.rank.ultralytics import datasets
     from launcher.rank.ultralytics.fast_validation import FastValidator
     from launcher.rank.ultralytics.validation import Validator
@@ -449,12 +449,12 @@ def test_the_fast_validator_on_cuda_gives_ultralytics_map(tmp_path, cache_dir):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_the_triton_kernels_on_cuda_compute_what_their_pytorch_forms_compute(dtype):
-    """rank/kernels.py's Triton forms against PyTorch: the bias and SiLU in fp32, rounded once (channels_last
+    """rank/kernels/kernels.py's Triton forms against PyTorch: the bias and SiLU in fp32, rounded once (channels_last
     and contiguous tensors, channel counts that fill no block); the upsampling and its backward bit for bit, the
     backward from gradients in either layout, through autograd as the training graphs run it."""
     import torch.nn.functional as F
 
-    from launcher.rank import kernels
+    from launcher.rank.kernels import kernels
 
     for shape in [(2, 3, 5, 7), (4, 80, 13, 17), (2, 144, 9, 11), (1, 512, 20, 20)]:
         for layout in (torch.channels_last, torch.contiguous_format):
@@ -488,7 +488,7 @@ def test_the_channel_concatenation_on_triton_is_torch_cat_and_its_backward_hands
     tensors go to torch.cat, with the same values."""
     from torch.profiler import ProfilerActivity, profile
 
-    from launcher.rank import kernels
+    from launcher.rank.kernels import kernels
 
     def cl(*shape):
         return torch.randn(shape, device="cuda").to(dtype).contiguous(memory_format=torch.channels_last)
@@ -529,7 +529,7 @@ def test_the_channel_concatenation_on_triton_is_torch_cat_and_its_backward_hands
 WARMED_UP_LAUNCHES = """
 import pathlib, sys
 import torch
-from launcher.rank import kernels
+from launcher.rank.kernels import kernels
 cache, warm = pathlib.Path(sys.argv[1]), sys.argv[2] == "warm"
 names = {"validation": kernels.VALIDATION, "training": kernels.TRAINING, "scans": kernels.SCANS}[sys.argv[3]]
 if warm:
@@ -537,7 +537,8 @@ if warm:
 before = len(list(cache.rglob("*.cubin")))
 y = torch.randn(4, 80, 13, 17, device="cuda", dtype=torch.half).contiguous(memory_format=torch.channels_last)
 if names == kernels.SCANS:
-    from launcher.rank.validate import matching, nms, scans
+    from launcher.rank.kernels import scans
+    from launcher.rank.validate import matching, nms
     boxes = torch.rand(3, 500, 4, device="cuda").cumsum(-1)
     scans.greedy_nms(boxes, torch.ones(3, 500, dtype=torch.bool, device="cuda"), 0.7)
     for targets in (5, 17):  # up to 16 and up to 32 targets an image
@@ -629,11 +630,12 @@ def test_the_gpu_inputs_kernels_warmed_up_are_the_ones_its_batches_launch(tmp_pa
 
 
 def test_the_scans_on_cuda_keep_and_match_what_the_cpu_forms_do():
-    """Greedy NMS and the matching as Triton programs on CUDA (rank/validate/scans.py), at a weak model's scale
+    """Greedy NMS and the matching as Triton programs on CUDA (rank/kernels/scans.py), at a weak model's scale
     (5,000 candidates an image, three tiles of the NMS program, crowded, identical boxes among them; 300 detections
     against 40 targets), against torchvision's NMS and the PyTorch matching on the CPU: the same answers, bit for
     bit."""
-    from launcher.rank.validate import matching, nms, scans
+    from launcher.rank.kernels import scans
+    from launcher.rank.validate import matching, nms
 
     g = torch.Generator().manual_seed(0)
     xy = torch.rand(6, 5000, 2, generator=g) * 400  # three tiles an image
@@ -963,9 +965,9 @@ def test_a_checkpoint_of_device_state_reaches_the_host_equal(tmp_path):
 
     from ultralytics.utils.torch_utils import ModelEMA
 
-    from launcher.rank.checkpoint_io import RESUME_KEY
+    from launcher.rank.loop.checkpoint_io import RESUME_KEY
     from launcher.rank.components import EmaState
-    from launcher.rank.state import Checkpointer
+    from launcher.rank.loop.state import Checkpointer
     from launcher.rank.ultralytics.checkpoint import Layout
 
     net = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8)).cuda()
@@ -1001,7 +1003,7 @@ def test_a_checkpoint_of_device_state_reaches_the_host_equal(tmp_path):
 FORK_AFTER_THE_WARM_TORCHRUNS_IMPORTS = r"""
 import json, os
 import torch.distributed.run
-from launcher.launch import rank_fork
+from launcher.launch.startup import rank_fork
 from launcher.machine.libraries import cuda_driver_started, mapped
 rank_fork.preload()
 with rank_fork.cuda_asked_by_nvml():  # as the warm torchrun builds torchrun's config, which asks for CUDA
@@ -1020,7 +1022,7 @@ print(json.dumps({"started_before": before, "child": status, "started_after": cu
 
 def test_the_warm_torchruns_imports_leave_the_cuda_driver_unstarted_and_a_fork_of_it_uses_the_gpu():
     """torch's import maps libcuda.so (cuBLASLt loads it) without starting it, and torchrun's config asks for CUDA
-    through NVML: the ranks forked from the warm torchrun (launch/rank_fork.py) train on the GPU, and the probe tells
+    through NVML: the ranks forked from the warm torchrun (launch/startup/rank_fork.py) train on the GPU, and the probe tells
     a started driver from a mapped one."""
     import subprocess
     import sys

@@ -492,9 +492,9 @@ def test_the_batch_tables_go_up_in_one_copy_each_where_it_was():
 
 
 def test_a_failed_nvjpeg_warm_up_is_logged_once_and_stops_nothing(monkeypatch):
-    """rank/prewarm.py: the warm-up's error reaches the log at the join, once, and the set-up goes on; on the CPU, or
+    """rank/startup/prewarm.py: the warm-up's error reaches the log at the join, once, and the set-up goes on; on the CPU, or
     with no JPEG decoded on the device, no thread starts."""
-    from launcher.rank import prewarm
+    from launcher.rank.startup import prewarm
 
     def refused(device, batch):
         raise RuntimeError("nvJPEG is not available")

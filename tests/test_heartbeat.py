@@ -1,5 +1,5 @@
-"""The watchdog names a hung rank (rank/heartbeat.py), and a signalled rank that cannot reach a step boundary still
-ends (rank/signals.py): with a fake store, a fake clock and a fake exit, in milliseconds."""
+"""The watchdog names a hung rank (rank/group/heartbeat.py), and a signalled rank that cannot reach a step boundary still
+ends (rank/group/signals.py): with a fake store, a fake clock and a fake exit, in milliseconds."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from launcher.rank.heartbeat import EXIT_HUNG, KEY, Heartbeat
-from launcher.rank.signals import StopSignal, stop_when_orphaned
+from launcher.rank.group.heartbeat import EXIT_HUNG, KEY, Heartbeat
+from launcher.rank.group.signals import StopSignal, stop_when_orphaned
 from launcher.run_folder import RunFolder
 
 

@@ -115,7 +115,7 @@ def test_in_a_file_under_slurm_or_for_every_rank_the_lines_stay_lines(tmp_path, 
 
 
 def test_the_time_left_counts_steps_at_their_mean_time_and_the_epoch_boundaries():
-    from launcher.rank.progress import Eta, clock_text
+    from launcher.rank.run.progress import Eta, clock_text
 
     t = [0.0]
     eta = Eta(clock=lambda: t[0])

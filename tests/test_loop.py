@@ -1,4 +1,4 @@
-"""The training loop and its hooks (rank/loop.py, rank/hooks.py) with fake steps and inputs: the order hooks run
+"""The training loop and its hooks (rank/loop/loop.py, rank/run/hooks.py) with fake steps and inputs: the order hooks run
 in, where a resumed loop continues, cleanup after an error, and an early stop that every rank takes (2 gloo ranks)."""
 
 from __future__ import annotations
@@ -10,11 +10,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from launcher.rank import hooks
-from launcher.rank.dist import Comm
-from launcher.rank.heartbeat import NoHeartbeat
-from launcher.rank.loop import Hook, TrainLoop
-from launcher.rank.state import TrainState
+from launcher.rank.run import hooks
+from launcher.rank.group.dist import Comm
+from launcher.rank.group.heartbeat import NoHeartbeat
+from launcher.rank.loop.loop import Hook, TrainLoop
+from launcher.rank.loop.state import TrainState
 
 
 class FakeStep:

@@ -163,7 +163,7 @@ def test_an_input_bound_rank_says_once_which_settings_feed_its_pipeline(gpu_inpu
     """train.cache=ram puts a run with loader.augment_on=auto on the CPU pipeline: no advice for the GPU input."""
     from types import SimpleNamespace
 
-    from launcher.rank.progress import InputBoundWarning
+    from launcher.rank.run.progress import InputBoundWarning
 
     lines, wait = [], 0.05
     meter = SimpleNamespace(summary=lambda: SimpleNamespace(steps_measured=20, data_wait=wait))
@@ -181,7 +181,7 @@ def test_an_input_bound_rank_names_the_gpu_inputs_thread_that_bounds_it():
     from types import SimpleNamespace
 
     from launcher.rank.data.pipeline import ThreadTime
-    from launcher.rank.progress import InputBoundWarning
+    from launcher.rank.run.progress import InputBoundWarning
 
     meter = SimpleNamespace(summary=lambda: SimpleNamespace(steps_measured=20, data_wait=0.2, step_ms=45.0))
     lines = []

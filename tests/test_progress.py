@@ -1,4 +1,4 @@
-"""Rank 0's progress line (rank/progress.py) on a fake clock: due every log.interval_steps steps and whenever about
+"""Rank 0's progress line (rank/run/progress.py) on a fake clock: due every log.interval_steps steps and whenever about
 1.5 s passed since the last line, so that the console's bar moves on a short epoch; the losses (a host sync on a GPU)
 and the meter read only when a line is due; the learning-rate warmup and the meter's own warm-up named apart."""
 
@@ -8,9 +8,9 @@ from types import SimpleNamespace
 
 import torch
 
-from launcher.rank.loop import TrainLoop
-from launcher.rank.progress import LINE_PERIOD_S, Progress
-from launcher.rank.state import TrainState
+from launcher.rank.loop.loop import TrainLoop
+from launcher.rank.run.progress import LINE_PERIOD_S, Progress
+from launcher.rank.loop.state import TrainState
 
 
 class Clock:

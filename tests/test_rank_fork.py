@@ -1,4 +1,4 @@
-"""Ranks forked from the warm torchrun (launch/rank_fork.py): only where a fresh interpreter would see the same thing,
+"""Ranks forked from the warm torchrun (launch/startup/rank_fork.py): only where a fresh interpreter would see the same thing,
 and then with what a fresh interpreter started by torchrun has."""
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from unittest import mock
 
 import pytest
 
-from launcher.launch.rank_fork import environment_differences, refusal
+from launcher.launch.startup.rank_fork import environment_differences, refusal
 from launcher.launch.torchrun import local_command
-from launcher.launch.warm_torchrun import startup_environment
+from launcher.launch.startup.warm_torchrun import startup_environment
 from launcher.plan.plan import make_plan
 from tests.conftest import compose_config
 from tests.test_plan import GPU_BOX
@@ -72,8 +72,8 @@ def test_no_fork_after_the_cuda_driver_started_or_for_another_command_or_when_sw
 
 BECOME_RANK = r"""
 import json, os, signal, socket, sys
-from launcher.launch import rank_fork
-from launcher.rank import forked_start
+from launcher.launch.startup import rank_fork
+from launcher.rank.startup import forked_start
 saved = rank_fork.saved_signals()
 signal.signal(signal.SIGTERM, lambda *a: None)  # as torchrun's agent does before it starts the ranks
 listening = socket.socket(); listening.bind(("127.0.0.1", 0)); listening.listen()  # its rendezvous store's
@@ -142,7 +142,8 @@ def test_a_forked_rank_ends_with_its_status_though_a_thread_of_it_runs_on(status
 
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, start_processes
 
-    from launcher.rank import forked_start, worker
+    from launcher.rank import worker
+    from launcher.rank.startup import forked_start
 
     def run(argv, started, how=""):
         assert argv == [str(tmp_path)] and how
@@ -209,7 +210,7 @@ def test_torchruns_config_asks_for_cuda_through_nvml_and_a_driver_started_anyway
     torch then refuses CUDA to every fork ("Cannot re-initialize CUDA in forked subprocess", seen on the H200)."""
     from types import SimpleNamespace
 
-    from launcher.launch import rank_fork, warm_torchrun
+    from launcher.launch.startup import rank_fork, warm_torchrun
 
     seen = []
 

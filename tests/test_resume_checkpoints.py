@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from launcher.launch.resume_checkpoints import verdict
-from launcher.rank.checkpoint_io import RESUME_KEY, mismatch
+from launcher.rank.loop.checkpoint_io import RESUME_KEY, mismatch
 from launcher.run_folder import RunFolder
 from tests.conftest import TINY, ddp_launch
 

@@ -164,7 +164,7 @@ def test_a_submitted_two_rank_run_trains_to_the_end(finished_run, cluster):
     rank_log = (run_dir / "logs" / "rank0.log").read_text()
     assert completed_epochs(rank_log) == [1, 2]
     assert f"compiling the ranks' bytecode into {run_dir.parent / 'bytecode'} beside their start" in log
-    # torchrun started first thing in the job, its ranks forked from it (launch/rank_fork.py), as in a local launch
+    # torchrun started first thing in the job, its ranks forked from it (launch/startup/rank_fork.py), as in a local launch
     assert "forked from torchrun" in rank_log.splitlines()[0] and "fresh interpreters" not in log, rank_log[:500]
 
 

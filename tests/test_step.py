@@ -136,7 +136,7 @@ def test_a_restored_optimizer_follows_the_new_plans_lr0():
 
 def test_a_checkpoint_of_the_earlier_layout_is_read_by_component():
     """Checkpoints written before the components had their own parts hold one flat resume dict."""
-    from launcher.rank.state import TrainState, upgrade
+    from launcher.rank.loop.state import TrainState, upgrade
 
     flat = {"position": (2, 5), "model": {"w": 1}, "ema": {"w": 2}, "ema_updates": 7, "optimizer": {}, "scaler": {},
             "fitness": 0.4, "fitness_epoch": 2, "validated_epochs": [1, 2], "metrics": {"m": 1.0},
@@ -265,7 +265,7 @@ def swapped_modules_against_pytorch(interpreted: bool = False) -> None:
     compares the graphs' gradients bit for bit)."""
     import pickle
 
-    from launcher.rank import kernels
+    from launcher.rank.kernels import kernels
     from launcher.rank.step.triton_modules import triton_modules
 
     model, batch = make_model_and_batch()
@@ -335,7 +335,7 @@ def test_the_swapped_modules_triton_copies_through_the_interpreter_give_pytorchs
 def test_only_tensors_stored_pixel_by_pixel_are_copied_as_rows():
     """kernels.pixel_rows: the row stride the concatenations' copy walks; a layout it does not describe goes to
     torch.cat (a wrong stride here would copy the wrong pixels)."""
-    from launcher.rank.kernels import pixel_rows
+    from launcher.rank.kernels.kernels import pixel_rows
 
     cl = torch.zeros(2, 48, 5, 7).contiguous(memory_format=torch.channels_last)
     assert pixel_rows(cl) == 48

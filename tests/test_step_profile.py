@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from launcher.rank.loop import TrainLoop
+from launcher.rank.loop.loop import TrainLoop
 from launcher.rank.metrics.step_profile import ProfileSteps, describe, timeline
-from launcher.rank.state import TrainState
+from launcher.rank.loop.state import TrainState
 
 
 def kernel(ts, dur, stream):

@@ -1,4 +1,4 @@
-"""ddp-launch starts torchrun before it plans (launch/warm_torchrun.py): the warm torchrun must run exactly the command
+"""ddp-launch starts torchrun before it plans (launch/startup/warm_torchrun.py): the warm torchrun must run exactly the command
 and environment a fresh one would have been given, and go away when no torchrun is needed."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from launcher.launch.warm_torchrun import WarmTorchrun, enabled, startup_environment, wanted
+from launcher.launch.startup.warm_torchrun import WarmTorchrun, enabled, startup_environment, wanted
 from tests.conftest import TINY
 
 
@@ -95,7 +95,7 @@ def test_the_warm_torchruns_python_variables_are_the_plans_on_a_machine_whose_to
 def test_a_launch_runs_its_ranks_under_the_torchrun_it_started_before_planning(extra, tmp_path, cache_dir):
     """By default the torchrun that starts the ranks is the one ddp-launch started first thing (its imports overlapped
     the planning), and the run trains to its end through it, its ranks forked from it with torch imported
-    (launch/rank_fork.py); a toggle that torch reads as it loads (TORCH_DISTRIBUTED_DEBUG here) has it start fresh
+    (launch/startup/rank_fork.py); a toggle that torch reads as it loads (TORCH_DISTRIBUTED_DEBUG here) has it start fresh
     interpreters instead, and say why."""
     run = tmp_path / "run"
     exe = Path(sys.executable).parent / "ddp-launch"
@@ -109,7 +109,7 @@ def test_a_launch_runs_its_ranks_under_the_torchrun_it_started_before_planning(e
     children = [" ".join(c.cmdline()) for c in psutil.Process(proc.pid).children()] if proc.poll() is None else []
     out, _ = proc.communicate(timeout=600)
     assert proc.returncode == 0, out[-3000:]
-    assert any("-m launcher.launch.warm_torchrun" in c for c in children), children
+    assert any("-m launcher.launch.startup.warm_torchrun" in c for c in children), children
     header = log.read_text().splitlines()[0]
     if extra:
         assert "forked" not in header and "fresh interpreters: " in out and "TORCH_DISTRIBUTED_DEBUG" in out, out[-3000:]

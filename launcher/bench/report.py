@@ -46,7 +46,7 @@ def aggregate(mode: str, size: int, ranks: list[dict]) -> dict:
 
 
 def _threads(per_rank: list[dict | None]) -> dict | None:
-    """The input threads' figures per batch (rank/hooks.py InputTime), each the mean over the ranks that have it."""
+    """The input threads' figures per batch (rank/run/hooks.py InputTime), each the mean over the ranks that have it."""
     names = dict.fromkeys(name for t in per_rank if t for name in t)
     return {name: {key: _mean([t[name].get(key) for t in per_rank if t and name in t])
                    for key in ("waiting_ms", "working_ms", "blocked_ms", "busy")} for name in names} or None
@@ -155,7 +155,7 @@ def _fmt(v, spec: str, scale: float = 1.0, suffix: str = "") -> str:
 
 
 def _profiled(settings: dict) -> str:
-    """The footnote's words for the steps bench.profile leaves out of the window (rank/runs.py, bench_cell)."""
+    """The footnote's words for the steps bench.profile leaves out of the window (rank/run/runs.py, bench_cell)."""
     return " (on GPUs also the profiled steps after them: bench.profile)" if settings.get("profile") else ""
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from launcher.run_folder import is_detail
 
-# rank 0's progress line (rank/hooks.py, Progress): what the live bar is drawn from
+# rank 0's progress line (rank/run/hooks.py, Progress): what the live bar is drawn from
 PROGRESS_LINE = re.compile(r"^(?:\[rank 0\] )?epoch (\d+)/(\d+) step (\d+)/(\d+) \| (.*)$")
 
 

@@ -22,9 +22,9 @@ import time
 from pathlib import Path
 
 from launcher.launch.logs import LogStreamer, QuietStop, say
-from launcher.launch.parent_death import parent_death_signal
-from launcher.launch.rank_fork import WORKER_MODULE
-from launcher.launch.warm_torchrun import warm
+from launcher.launch.startup.parent_death import parent_death_signal
+from launcher.launch.startup.rank_fork import WORKER_MODULE
+from launcher.launch.startup.warm_torchrun import warm
 from launcher.plan.environment import TORCHRUN_STARTED
 from launcher.plan.plan import LaunchPlan
 

@@ -1,7 +1,7 @@
 """What a process has loaded, read from /proc/self/maps: the CUDA driver (a process forked after it started cannot
 use the GPU; one forked while it is only mapped can), and numpy's OpenBLAS (its thread count is read once, as it
 loads, and set only through its own call). Used on both sides of a rank forked from the warm torchrun
-(launch/rank_fork.py, rank/forked_start.py)."""
+(launch/startup/rank_fork.py, rank/startup/forked_start.py)."""
 
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ TORCH_DEBUG_LEVELS = ("OFF", "INFO", "DETAIL")
 # set by the launcher process as it runs, never stored in the plan (a resumed run starts again).
 LAUNCH_STARTED = "DDP_LAUNCH_STARTED"
 TORCHRUN_STARTED = "DDP_LAUNCH_TORCHRUN_STARTED"
-FORK_RANKS = "DDP_LAUNCH_FORK_RANKS"  # 0: torchrun starts fresh interpreters, never forks (launch/rank_fork.py)
+FORK_RANKS = "DDP_LAUNCH_FORK_RANKS"  # 0: torchrun starts fresh interpreters, never forks (launch/startup/rank_fork.py)
 # CUDA_DEVICE_MAX_CONNECTIONS' ceiling, and train.cuda_connections' default: as many hardware queues as CUDA gives
 CUDA_CONNECTIONS = 32
 

@@ -1,5 +1,4 @@
-"""What runs inside a rank: worker.py (the entry point), components.py (what it builds; training_input.py, what it
-trains on), runs.py (training and benchmark loops), loop.py and its hooks (hooks.py; progress.py, the progress line;
-train_batches.py, train_batch<N>.jpg), lines.py (its own lines, diagnostics tagged), state.py (TrainState,
-checkpoints), kernels.py (Triton kernels with PyTorch twins), and the rooms data/, step/, metrics/, validate/ and
-ultralytics/ (the only package that imports Ultralytics)."""
+"""What runs inside a rank, bottom floor first (tests/test_architecture.py checks the floors): kernels/ (Triton
+kernels with PyTorch twins); group/ (this rank among the others) and loop/ (the loop, its state, checkpoints);
+data/, validate/ and metrics/; ultralytics/ (the only package that imports Ultralytics); step/; build_steps/ and
+startup/; components.py (what a rank builds, in order); run/ (the runs and their hooks); worker.py (the entry)."""

@@ -1,5 +1,5 @@
 """The per-rank entry point: `python -m launcher.rank.worker RUN_DIR`, started by torchrun once per rank; or `forked`,
-the same run in a process forked from the warm torchrun, which has imported torch already (rank/forked_start.py).
+the same run in a process forked from the warm torchrun, which has imported torch already (rank/startup/forked_start.py).
 
 It does not run Hydra: it reads the config the launcher resolved (RUN_DIR/config.yaml) and the plan
 (RUN_DIR/plan.json), sends its own stdout and stderr to RUN_DIR/logs/rank<R>.log, and trains. The rank, world size
@@ -20,7 +20,7 @@ STARTED = time.time()  # this process's start, for rank 0's timeline (rank/metri
 
 from launcher.plan.settings import Settings
 from launcher.problems import plain_text
-from launcher.rank.signals import stop_when_orphaned
+from launcher.rank.group.signals import stop_when_orphaned
 from launcher.run_folder import DETAIL, RunFolder
 
 
@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None, started: float | None = None, how: str =
         from launcher.rank.data import torchvision_ops
 
         torchvision_ops.defer_package_import()  # Ultralytics' validator imports it; a rank on CUDA never uses it
-        from launcher.rank import runs  # imports Ultralytics: only now, with the environment in place
+        from launcher.rank.run import runs  # imports Ultralytics: only now, with the environment in place
 
         bench = Settings.of(cfg).bench
         if bench is not None and bench.cell:
@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None, started: float | None = None, how: str =
     except SystemExit:
         raise  # a signal-driven stop after its checkpoint: not a failure of this rank
     except BaseException as e:
-        from launcher.rank.dist import DistributedInitError
+        from launcher.rank.group.dist import DistributedInitError
 
         folder.record_exception(rank, e, phase="init" if isinstance(e, DistributedInitError) else "train")
         raise
@@ -120,7 +120,7 @@ def forked(run_dir: str, signals: dict) -> None:
     started = time.time()
     from multiprocessing.util import Finalize
 
-    from launcher.rank.forked_start import become_rank
+    from launcher.rank.startup.forked_start import become_rank
 
     become_rank(signals, run_dir, int(os.environ.get("RANK", "0")))
     status = run([run_dir], started, how=" forked from torchrun")

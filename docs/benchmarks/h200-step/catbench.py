@@ -1,4 +1,4 @@
-"""The channel concatenations' Triton copies alone (rank/kernels.py's cat_channels) against torch.cat, on the
+"""The channel concatenations' Triton copies alone (rank/kernels/kernels.py's cat_channels) against torch.cat, on the
 training step's largest shapes (yolov8s, batch 64, 640 px), eager, one launch per part, for several block shapes
 (pixels x channels per program). Prints microseconds per concatenation and the bytes moved per second.
 
@@ -6,7 +6,7 @@ Usage (the H200 machine, ddp-launch installed): python3 catbench.py
 """
 import torch
 
-from launcher.rank import kernels
+from launcher.rank.kernels import kernels
 
 CASES = {  # name: (batch, height, width, the parts' channels); "p*" cases: C2f's, the first two parts halves of one
     "p2 3x32 @160": (64, 160, 160, [32, 32, 32]),

@@ -12,7 +12,7 @@ import sys
 import time
 
 t0 = time.perf_counter()
-import launcher.rank.runs  # noqa: E402,F401 - the rank's imports
+import launcher.rank.run.runs  # noqa: E402,F401 - the rank's imports
 import torch  # noqa: E402
 
 t1 = time.perf_counter()

@@ -29,7 +29,7 @@ def main() -> None:
     cuda_init = timed(lambda: torch.empty(1, device="cuda"))
     warm = ""
     if "--warm" in sys.argv:
-        from launcher.rank.prewarm import Prewarm
+        from launcher.rank.startup.prewarm import Prewarm
 
         begun = time.perf_counter()
         prewarm = Prewarm(torch.device("cuda", 0), decode_batch=64).start()

@@ -24,9 +24,9 @@ import torch
 from ultralytics.nn.tasks import DetectionModel
 from ultralytics.utils.torch_utils import ModelEMA, convert_optimizer_state_dict_to_fp16
 
-from launcher.rank.checkpoint_io import RESUME_KEY
+from launcher.rank.loop.checkpoint_io import RESUME_KEY
 from launcher.rank.components import EmaState
-from launcher.rank.state import Checkpointer
+from launcher.rank.loop.state import Checkpointer
 from launcher.rank.ultralytics.checkpoint import Layout
 
 

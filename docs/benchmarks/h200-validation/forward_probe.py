@@ -1,5 +1,5 @@
 """Issue 14: what the validation forward of yolov8s loses on an H200, and what a folded fp16 forward gains; the
-forward alone, replayed as CUDA graphs (rank/ultralytics/folded.py and rank/kernels.py are the shipped forms
+forward alone, replayed as CUDA graphs (rank/ultralytics/folded.py and rank/kernels/kernels.py are the shipped forms
 of what this probe inlines).
 1. Nearest 2x upsampling of channels_last fp16 tensors: F.interpolate against an expand + reshape copy and a Triton
    kernel (forward; forward and backward for the PyTorch forms).

@@ -1,11 +1,11 @@
-"""On CUDA: batched NMS with its greedy pass as Triton scans (rank/validate/scans.py, what ships) against the same
+"""On CUDA: batched NMS with its greedy pass as Triton scans (rank/kernels/scans.py, what ships) against the same
 NMS with torchvision's, image by image (the CPU's form, Ultralytics' own call), on crowded fp16 predictions of weak
 and stronger heads: the kept boxes must be the same. (The ninth session ran this file's earlier form, which compared
 the fixed-point NMS's constants: results-2026-12-04/nms-constants-check.txt.)
 Run from the repository root: PYTHONPATH=. python3 docs/benchmarks/h200-validation/nms_constants_check.py"""
 import torch
 
-from launcher.rank.validate import scans
+from launcher.rank.kernels import scans
 from launcher.rank.validate.nms import batched_nms
 from tests.test_fast_validation import head_output, rows
 

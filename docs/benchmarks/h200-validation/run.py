@@ -10,7 +10,7 @@ DetectionValidator (val.engine=ultralytics) on the same weights and the same val
    capture), then --passes timed passes, for each --batch (and at the first batch, as --rows picks: without CUDA
    graphs, with each batch's post-processing after its forward on one stream instead of pipelined on a second,
    on a copy of the EMA with BatchNorm folded in fp16 instead of the EMA under autocast (`folded`), and with
-   --no-scans the post-processing without its Triton scans (rank/validate/scans.py): torchvision's NMS image by
+   --no-scans the post-processing without its Triton scans (rank/kernels/scans.py): torchvision's NMS image by
    image and the matching's rounds in PyTorch. The fixed-point NMS of the sessions before the twelfth, which the
    ninth session's --old-nms-rounds varied, is gone.
 Every pass is a whole validation as a training run calls it: forward, NMS, matching, the validation loss, rank 0's
@@ -139,7 +139,7 @@ def main() -> None:
     from ultralytics.cfg import get_cfg
 
     from launcher.inputs import shapes
-    from launcher.rank.dist import Comm
+    from launcher.rank.group.dist import Comm
     from launcher.rank.ultralytics import datasets
     from launcher.rank.ultralytics.fast_validation import FastValidator
     from launcher.rank.ultralytics.validation import Validator
@@ -177,7 +177,7 @@ def main() -> None:
                                "map50_95": metrics["metrics/mAP50-95(B)"], "metrics": metrics})
         print(f"ultralytics: {base:.0f} images/s, mAP50-95 {metrics['metrics/mAP50-95(B)']:.4f}", flush=True)
 
-    from launcher.rank.validate import scans
+    from launcher.rank.kernels import scans
 
     rows = set(filter(None, args.rows.split(",")))
     unknown = rows - {"graphs-off", "serial", "folded"}

@@ -2,7 +2,7 @@
 
 The launcher writes RUN_DIR/torchrun.sh (the exact command), runs it with rank 0's log on the console (every rank's
 with dist.debug=true), and reports the outcome. Where the ranks keep their bytecode in the cache and this machine has
-not compiled it yet, its compilation starts beside torchrun (launch/bytecode.py). With mode=auto and
+not compiled it yet, its compilation starts beside torchrun (launch/startup/bytecode.py). With mode=auto and
 dist.fallback=dp, a DDP run whose process group never came up is started again as one DataParallel process.
 """
 
@@ -12,10 +12,11 @@ import sys
 from pathlib import Path
 
 from launcher.inputs.data import resolve_data
-from launcher.launch import bytecode, torchrun
+from launcher.launch import torchrun
+from launcher.launch.startup import bytecode
 from launcher.launch.logs import QuietStop, note, say, verbose_console
 from launcher.launch.outcome import report
-from launcher.launch.parent_death import parent_death_signal
+from launcher.launch.startup.parent_death import parent_death_signal
 from launcher.machine import hardware
 from launcher.plan.checks import check_plan
 from launcher.plan.plan import LaunchPlan, make_plan

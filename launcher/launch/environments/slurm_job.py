@@ -11,9 +11,10 @@ decides what the job does when torchrun ends (`decide`, pure):
 * otherwise torchrun's exit code.
 
 Where the ranks keep their bytecode in the cache (paths.bytecode) and this node has not compiled it yet, its
-compilation starts beside torchrun, as in a local launch (launch/bytecode.py). torchrun itself starts first thing,
-with the job's environment (job.sbatch exports the plan's), and its ranks are forked from it, as in a local launch
-(launch/warm_torchrun.py, rank_fork.py; DDP_LAUNCH_WARM_START=0 and DDP_LAUNCH_FORK_RANKS=0 turn them off).
+compilation starts beside torchrun, as in a local launch (launch/startup/bytecode.py). torchrun itself starts first
+thing, with the job's environment (job.sbatch exports the plan's), and its ranks are forked from it, as in a local
+launch (launch/startup/warm_torchrun.py, rank_fork.py; DDP_LAUNCH_WARM_START=0 and DDP_LAUNCH_FORK_RANKS=0 turn
+them off).
 
 Signal path: SLURM delivers `--signal` (and `scancel --signal`) to every process of the job step, torchrun and the
 ranks included, and torchrun dies of SIGUSR1 (it has no handler). So this launcher starts torchrun with SIGUSR1
@@ -33,11 +34,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-from launcher.launch import bytecode, torchrun, warm_torchrun
+from launcher.launch import torchrun
+from launcher.launch.startup import bytecode, warm_torchrun
 from launcher.launch.logs import say as _say
 from launcher.launch.logs import verbose_console
 from launcher.launch.outcome import report
-from launcher.launch.parent_death import parent_death_signal
+from launcher.launch.startup.parent_death import parent_death_signal
 from launcher.launch.run_lock import RunLock
 from launcher.machine.hardware import usable_cpu_count
 from launcher.plan.plan import LaunchPlan

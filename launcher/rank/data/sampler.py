@@ -121,8 +121,8 @@ class EpochSeededDataset(Dataset):
 
 def worker_init(_worker_id: int) -> None:
     """No thread oversubscription (a worker is one core's worth of decoding and augmentation); no dying on the
-    rank's SIGTERM before the rank has saved its checkpoint (rank/signals.py)."""
-    from launcher.rank.signals import ignore_termination_in_worker
+    rank's SIGTERM before the rank has saved its checkpoint (rank/group/signals.py)."""
+    from launcher.rank.group.signals import ignore_termination_in_worker
 
     ignore_termination_in_worker()
     torch.set_num_threads(1)

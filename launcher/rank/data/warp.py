@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from launcher.rank.triton_use import runs_on
+from launcher.rank.kernels.triton_use import runs_on
 
 BORDER = 114.0  # Ultralytics' pad value: the mosaic canvas and the warp's border
 BLOCK = 512  # output pixels per Triton program
@@ -132,7 +132,8 @@ def warm_up(device: torch.device, side: int, out_dtype: torch.dtype, *, channels
     slots of `side` pixels, and the render into (B, 3, side, side) `out_dtype` images (channels_last or not; with
     `hsv`), plus, with `mixes`, the uint8 render without HSV that mixed samples get. Triton specialises the integer
     arguments (a multiple of 16, or 1) and not the batch size, so the strides of one image stand for any batch.
-    For a thread beside the set-up (rank/kernels.py's WarmUp); a kernel it misses compiles at its first launch."""
+    For a thread beside the set-up (rank/kernels/kernels.py's WarmUp); a kernel it misses compiles at its first
+    launch."""
     if not triton_usable(device) or device.type != "cuda":
         return
     torch.cuda.set_device(device)  # Triton compiles for the thread's current device

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from launcher.rank.loop import Hook, TrainLoop
+from launcher.rank.loop.loop import Hook, TrainLoop
 
 PREFIX = "ddp_launch/"
 

@@ -56,7 +56,7 @@ def rank_report(*, rank: int, device, meter, monitor, net, loss_items: dict | No
         # loader.augment_on=gpu: elapsed on the preparing stream per image, decode to augmented batch (an upper bound
         # of its GPU cost: it includes waits behind the step); None for the CPU input
         "input_gpu_ms_per_image": input_gpu_ms,
-        # its threads per batch (rank/hooks.py InputTime): waiting for their input, working, blocked ahead of the step
+        # its threads per batch (rank/run/hooks.py InputTime): waiting for their input, working, blocked ahead of the step
         "input_threads": input_threads or None,
         "steps_measured": m.steps_measured,
         "step_ms": m.step_ms,

@@ -1,7 +1,7 @@
 """Where a training step's time goes with its input pipeline running: torch.profiler over a few of the loop's real
 steps (`bench.profile=true`), read as a timeline.
 
-The data-free ceiling's profile (rank/runs.py) says what the step's kernels cost. This one says why the loop runs
+The data-free ceiling's profile (rank/run/runs.py) says what the step's kernels cost. This one says why the loop runs
 below that ceiling: whether the GPU idles (no kernel on any stream: the host did not queue the step in time),
 whether the input's kernels share the SMs with the step's (two streams busy at once), and which host threads were
 busy. `timeline(trace)` is a pure function of a Chrome trace (torch.profiler's export), so it is tested on a
@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from launcher.rank.loop import Hook, TrainLoop
+from launcher.rank.loop.loop import Hook, TrainLoop
 
 GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")  # what occupies a stream in torch.profiler's trace
 HOST_CATEGORIES = ("cpu_op", "cuda_runtime", "cuda_driver")  # a host thread's operators and their CUDA calls
@@ -125,7 +125,7 @@ class ProfileSteps(Hook):
     """torch.profiler over steps [first, first + steps) of the loop, the input's threads included; writes
     `profile-steps.txt` (the timeline in words and the operators' table) and `profile-steps.json` into `folder`,
     then calls `then` (the meter's pause: writing the trace is no step's time). The profiler slows the host, so
-    these steps are not measured (rank/runs.py measures the steps after them)."""
+    these steps are not measured (rank/run/runs.py measures the steps after them)."""
 
     def __init__(self, first: int, steps: int, folder: Path, device: torch.device, log=print, then=lambda: None):
         self.first, self.steps, self.folder, self.log, self.then = first, steps, Path(folder), log, then

@@ -17,7 +17,7 @@ import os
 import time
 
 from launcher.plan.environment import LAUNCH_STARTED, TORCHRUN_STARTED
-from launcher.rank.loop import Hook, TrainLoop
+from launcher.rank.loop.loop import Hook, TrainLoop
 
 
 def _env_time(env, key: str) -> float | None:

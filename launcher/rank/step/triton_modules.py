@@ -1,5 +1,5 @@
 """The training graphs' Triton kernels: the modules that PyTorch runs slowly on channels_last tensors, swapped for
-rank/kernels.py's forms while a graph is warmed up and captured.
+rank/kernels/kernels.py's forms while a graph is warmed up and captured.
 
 - The neck's nearest 2x upsampling (`nearest2x`): PyTorch upsamples a channels_last tensor several times slower than
   the copy it is, and its backward first copies the whole gradient to NCHW.
@@ -22,7 +22,7 @@ from functools import partial
 
 from torch import nn
 
-from launcher.rank.kernels import is_nearest2x, nearest2x
+from launcher.rank.kernels.kernels import is_nearest2x, nearest2x
 from launcher.rank.ultralytics.blocks import concatenating_forwards
 
 PARTS = ("upsample", "concat")

@@ -1,6 +1,6 @@
 """Ultralytics' channel-concatenating blocks (C2f and the blocks that keep its forward, SPPF, Concat) re-stated on
-rank/kernels.py's `channel_cat` and `channel_split`: the same operations in the same order, each concatenation and
-C2f's split done by Triton copies that leave packed channels_last tensors behind (docs/benchmarks/h200-step/).
+rank/kernels/kernels.py's `channel_cat` and `channel_split`: the same operations in the same order, each concatenation
+and C2f's split done by Triton copies that leave packed channels_last tensors behind (docs/benchmarks/h200-step/).
 
 The training graphs run them (rank/step/triton_modules.py swaps the forwards in while a graph is captured), so the
 modules themselves, the EMA and the checkpoints stay Ultralytics'. A subclass that overrides one of these forwards is
@@ -16,7 +16,7 @@ from torch import nn
 from ultralytics.nn.modules.block import C2f, SPPF
 from ultralytics.nn.modules.conv import Concat
 
-from launcher.rank.kernels import channel_cat, channel_split
+from launcher.rank.kernels.kernels import channel_cat, channel_split
 
 
 def c2f(m: C2f, x: torch.Tensor) -> torch.Tensor:

@@ -2,7 +2,7 @@
 
 BaseTrainer.save_model's keys: the EMA in fp16 (NaN and inf zeroed, contiguous), the optimizer in fp16, the training
 arguments, the last metrics and results.csv as columns. ddp-launch adds its exact resume state beside them
-(rank/state.py); strip() removes it, and the optimizer, once the run has finished, as Ultralytics' final_eval does.
+(rank/loop/state.py); strip() removes it, and the optimizer, once the run has finished, as Ultralytics' final_eval does.
 stripped() makes the same final weights from a checkpoint still in memory (the last epoch's), so that the end of a
 run writes them once instead of writing the whole checkpoint, reading it back and writing it again.
 """
@@ -18,7 +18,7 @@ from ultralytics import __version__ as ULTRALYTICS_VERSION
 from ultralytics.utils import DEFAULT_CFG_DICT, DEFAULT_CFG_KEYS
 from ultralytics.utils.torch_utils import convert_optimizer_state_dict_to_fp16, strip_optimizer
 
-from launcher.rank.checkpoint_io import RESUME_KEY
+from launcher.rank.loop.checkpoint_io import RESUME_KEY
 from launcher.rank.ultralytics import releases
 
 

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from launcher.plan.settings import Settings
-from launcher.rank.checkpoint_io import RESUME_KEY, CheckpointError, load, mismatch
+from launcher.rank.loop.checkpoint_io import RESUME_KEY, CheckpointError, load, mismatch
 from launcher.run_folder import RunFolder
 
 FILES = ("last.pt", "last.prev.pt", "best.pt")
@@ -25,7 +25,7 @@ def weights_of(name: str, ckpt: dict) -> dict:
     """The state dict the ranks would load: last.pt's full-precision resume state, best.pt's EMA."""
     if name == "best.pt":
         return (ckpt.get("ema") or ckpt["model"]).float().state_dict()
-    from launcher.rank.state import upgrade
+    from launcher.rank.loop.state import upgrade
 
     return upgrade(ckpt)["model"]
 

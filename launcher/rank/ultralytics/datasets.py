@@ -23,7 +23,7 @@ from ultralytics.utils.torch_utils import torch_distributed_zero_first
 
 from launcher.inputs import labels
 from launcher.rank.data import image_cache
-from launcher.rank.signals import ignore_termination_in_worker
+from launcher.rank.group.signals import ignore_termination_in_worker
 
 CACHE_RULE = f"ultralytics {ULTRALYTICS_VERSION} load_image"  # what the cached pixels reproduce
 # A file Pillow cannot identify makes Ultralytics try the HEIF plugin, so its scan reports the missing plugin

@@ -33,8 +33,8 @@ import torch
 from ultralytics.models.yolo.detect import DetectionValidator
 from ultralytics.utils.metrics import DetMetrics
 
-from launcher.rank import kernels
-from launcher.rank.dist import Comm
+from launcher.rank.kernels import kernels
+from launcher.rank.group.dist import Comm
 from launcher.rank.ultralytics import class_metrics, datasets, releases
 from launcher.rank.ultralytics.folded import FoldedCopy
 from launcher.rank.ultralytics.plots import PLOT_LOCK

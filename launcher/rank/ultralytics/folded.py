@@ -6,7 +6,7 @@ validation pays for the copy: docs/benchmarks/h200-validation/README.md).
 Ultralytics' standalone validator folds each Conv's BatchNorm into its convolution (BaseModel.fuse); its validation
 during training runs the EMA as it is. Folding removes a pass over every activation, but only pays with the
 convolution's bias and SiLU applied in one pass after it, and with the neck's upsampling as a plain copy
-(rank/kernels.py says why). So the copy's
+(rank/kernels/kernels.py says why). So the copy's
   - Conv and DWConv modules compute `bias_act_(conv(x) without its bias, folded bias, SiLU or nothing)` (any other
     activation: Ultralytics' forward_fuse, the bias in the convolution);
   - other convolutions with a bias (the Detect head's last layers) add it the same way;
@@ -29,7 +29,7 @@ import torch
 from torch import nn
 from ultralytics.nn.modules import Conv, DWConv
 
-from launcher.rank.kernels import bias_act_, is_nearest2x, upsample_nearest2x
+from launcher.rank.kernels.kernels import bias_act_, is_nearest2x, upsample_nearest2x
 
 FOLDED = (Conv, DWConv)  # modules whose forward is act(bn(conv(x))); exact types (subclasses may differ)
 ACTIVATIONS = {nn.SiLU: True, nn.Identity: False}  # what bias_act_ applies: SiLU, or nothing

@@ -3,7 +3,7 @@
 * labels.jpg: the training labels' classes, positions and sizes (`plot_labels`), at the start;
 * train_batch<N>.jpg: the run's first training batches (and the first ones after mosaic closes) with their boxes, as
   Ultralytics' trainer plots them (plot_training_samples' plot_images), from host copies (`train_batch`, fed by
-  rank/train_batches.py);
+  rank/run/train_batches.py);
 * results.png: the losses, metrics and learning rates of results.csv by epoch (`plot_results`), once, after the
   run's last epoch (as Ultralytics draws it), held with the final validation's plots (`later`);
 * the final validation's curves (PR, F1, P, R) and confusion matrices, and its first batches with labels and

@@ -23,7 +23,7 @@ from importlib import import_module
 from pathlib import Path
 from types import SimpleNamespace
 
-from launcher.rank.loop import Hook, TrainLoop
+from launcher.rank.loop.loop import Hook, TrainLoop
 from launcher.rank.ultralytics.validation import label_loss_items
 
 MODULES = {"tensorboard": "tensorboard", "wandb": "wb", "mlflow": "mlflow", "clearml": "clearml", "comet": "comet",

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import torch
 from ultralytics.utils import callbacks
 
-from launcher.rank.dist import Comm
+from launcher.rank.group.dist import Comm
 from launcher.rank.ultralytics.plots import PLOT_LOCK
 from launcher.rank.ultralytics.results_table import TableValidator, no_progress_bar, print_table
 

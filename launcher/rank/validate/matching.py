@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from launcher.rank.validate import scans
+from launcher.rank.kernels import scans
 
 IOU_THRESHOLDS = torch.linspace(0.5, 0.95, 10)  # DetectionValidator.iouv
 

@@ -27,7 +27,7 @@ from typing import NamedTuple
 
 import torch
 
-from launcher.rank.validate import scans
+from launcher.rank.kernels import scans
 
 CHUNK = 2048  # candidates per image suppressed at once on the host (no Triton)
 MATRIX_ELEMENTS = 2**26  # IoUs of earlier survivors with a chunk's candidates computed at once (temporaries of 256 MiB)

@@ -36,7 +36,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from launcher.rank.triton_use import runs_on
+from launcher.rank.kernels.triton_use import runs_on
 
 try:  # compiled at the first launch; without Triton only the PyTorch forms run
     import triton
@@ -51,7 +51,7 @@ ROWS, CHANNELS = 64, 64  # pixels x channels per program of the upsampling's ker
 VALIDATION = ("bias_act", "upsample")  # the kernels of the folded validation forward (warm_up's `names`)
 COPY_ROWS, COPY_CHANNELS = 128, 32  # pixels x channels per program of the channel concatenation's copy
 TRAINING = ("upsample", "upsample_backward", "copy_rows")  # the training step's
-SCANS = ("scans",)  # the validation's NMS and matching (rank/validate/scans.py)
+SCANS = ("scans",)  # the validation's NMS and matching (rank/kernels/scans.py)
 
 
 def _on_triton(t: torch.Tensor) -> bool:
@@ -245,7 +245,7 @@ def warm_up(device: torch.device, dtype: torch.dtype, names: tuple[str, ...] = V
     if "copy_rows" in names:  # channels, row strides and addresses multiples of 16, as _rows_on_triton admits
         _copy_rows_kernel.warmup(dtype, dtype, 1, 16, 16, 16, ROWS=COPY_ROWS, CHANNELS=COPY_CHANNELS, grid=(1,))
     if "scans" in names:
-        from launcher.rank.validate import scans  # the validation's own module; its kernels are fp32 whatever `dtype`
+        from launcher.rank.kernels import scans  # the validation's own module; its kernels are fp32 whatever `dtype`
 
         scans.warm_up(device)
 

@@ -17,10 +17,10 @@ as it always did):
   whether CUDA is there, which the warm torchrun has NVML answer (`cuda_asked_by_nvml`).
 - The command is the plain rank entry of torchrun_command: `--module launcher.rank.worker RUN_DIR`.
 
-What a fresh interpreter would have, a forked rank is given first thing (rank/forked_start.py); its /proc/PID/cmdline
-stays the warm torchrun's. The warm torchrun reaches the rank's entry (worker.forked) by the module name torchrun
-would run, as torchrun does: the launch and rank rooms do not import each other. DDP_LAUNCH_FORK_RANKS=0 turns it
-off.
+What a fresh interpreter would have, a forked rank is given first thing (rank/startup/forked_start.py); its
+/proc/PID/cmdline stays the warm torchrun's. The warm torchrun reaches the rank's entry (worker.forked) by the module
+name torchrun would run, as torchrun does: the launch and rank rooms do not import each other. DDP_LAUNCH_FORK_RANKS=0
+turns it off.
 """
 
 from __future__ import annotations

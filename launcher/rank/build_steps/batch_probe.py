@@ -2,8 +2,9 @@
 run takes it (step/auto_batch.py), then the job's batch, the smallest any rank measured, and the plan for it.
 
 `measure_batch` runs before the process group (ranks measure different sizes, and the loss's normaliser would
-all-reduce); `take_batch` after it. Each takes the components.Rank being built and reads its settings, network
-builders and log; the probe's network, optimizer, EMA, loss and graphs are its own, freed before the run's are built.
+all-reduce); `take_batch` after it. Each takes the components.Rank being built and reads its settings and log; the
+probe's network, optimizer, EMA, loss and graphs are its own, built by the run's own functions (model_build.py,
+step_build.py) and freed before the run's are built.
 """
 
 from __future__ import annotations
@@ -16,10 +17,10 @@ from launcher.plan.plan import LaunchPlan, with_batch
 from launcher.rank.step import auto_batch
 from launcher.rank.step.captured_step import CapturedStep
 from launcher.rank.step.train_step import TrainStep
-from launcher.rank.step_build import capture_network, captures_step, most_targets_of
+from launcher.rank.build_steps import model_build
+from launcher.rank.build_steps.step_build import capture_network, captures_step, most_targets_of
 from launcher.rank.ultralytics import build
 from launcher.rank.ultralytics.fast_validation import VAL_CONF, nms_settings
-from launcher.rank.ultralytics.loss import training_criterion
 from launcher.rank.validate.forward import InferenceForward
 from launcher.rank.validate.nms import batched_nms
 
@@ -30,16 +31,16 @@ def measure_batch(rank, validation: bool) -> dict:
     loss, optimizer, EMA, scaler and CUDA graphs), all freed before the run's are built; then settled with a
     validation batch beside the steps (`validation`: the run validates). The RNG is left as the seed set it."""
     plan, settings = rank.plan, rank.settings
+    rank.prewarm.join()  # the probe captures graphs
     memory = auto_batch.CudaMemory(rank.device)
     dtype, channels_last = rank.step_input
     with torch.random.fork_rng(devices=[rank.device]):
-        net, frozen = build.network(rank.hyp, rank.data, settings.model.weights)
-        net = rank.on_device(net)
-        step = TrainStep(net, net, optimizer=rank.new_optimizer(net, plan.base_lr),
-                         scaler=torch.amp.GradScaler("cuda", enabled=rank.amp_dtype == torch.float16),
-                         ema=build.ema(net), loss_scale=1.0, grad_clip=float(settings.optim.grad_clip),
-                         amp_dtype=rank.amp_dtype)
-        net.criterion, _ = training_criterion(net, sync_free=bool(settings.train.sync_free_loss))
+        net, frozen = model_build.network(rank.hyp, rank.data, settings.model.weights, rank.device)
+        ema = model_build.ema_and_loss(net, bool(settings.train.sync_free_loss))  # as the run's: the EMA, the loss
+        step = TrainStep(net, net, optimizer=model_build.optimizer(net, settings.optim, plan.base_lr,
+                                                                   plan.fused_optimizer, rank.device),
+                         scaler=model_build.scaler(rank.amp_dtype), ema=ema, loss_scale=1.0,
+                         grad_clip=float(settings.optim.grad_clip), amp_dtype=rank.amp_dtype)
         build.train_mode(net, frozen)
         graphs = [plan.cuda_graphs]
         whole = captures_step(rank, net)

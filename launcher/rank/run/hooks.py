@@ -1,4 +1,4 @@
-"""The work around a training step, one hook per job (rank/loop.py runs them; rank/runs.py orders them).
+"""The work around a training step, one hook per job (rank/loop/loop.py runs them; rank/run/runs.py orders them).
 
 Hooks share the loop's TrainState (position, loss, metrics, stop) and get everything else at construction. A hook
 that talks to the other ranks does so at the same point on every rank, and marks itself "waiting" in the heartbeat
@@ -16,10 +16,10 @@ import torch
 
 from launcher.plan.describe import THREAD_WORDS
 from launcher.rank.data.pipeline import per_batch_ms
-from launcher.rank.dist import Comm
-from launcher.rank.loop import Hook, TrainLoop
+from launcher.rank.group.dist import Comm
+from launcher.rank.loop.loop import Hook, TrainLoop
 from launcher.rank.metrics import results
-from launcher.rank.signals import StopSignal
+from launcher.rank.group.signals import StopSignal
 
 
 def clear_memory(device: torch.device, threshold: float | None = None) -> None:
@@ -107,7 +107,7 @@ class Heartbeat(Hook):
 
 
 class FaultInjection(Hook):
-    """DDP_LAUNCH_FAULT (rank/faults.py): the fault-tolerance tests' failures, at a chosen step."""
+    """DDP_LAUNCH_FAULT (rank/group/faults.py): the fault-tolerance tests' failures, at a chosen step."""
 
     def __init__(self, faults):
         self.faults = faults

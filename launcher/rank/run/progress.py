@@ -10,7 +10,7 @@ import torch
 
 from launcher.plan.describe import input_bound_advice, input_thread_bound
 from launcher.rank.data.pipeline import per_batch_ms
-from launcher.rank.loop import Hook, TrainLoop
+from launcher.rank.loop.loop import Hook, TrainLoop
 
 INPUT_BOUND = 0.10  # data wait above this share of step time: the GPU is starved
 LINE_PERIOD_S = 1.5  # rank 0's progress line at least this often while steps end, so that the live bar moves

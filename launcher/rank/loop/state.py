@@ -18,7 +18,7 @@ from typing import Protocol
 
 import torch
 
-from launcher.rank.checkpoint_io import RESUME_KEY, CheckpointError
+from launcher.rank.loop.checkpoint_io import RESUME_KEY, CheckpointError
 from launcher.run_folder import atomic_write_bytes
 
 

@@ -1,7 +1,7 @@
 """Stopping on a signal without losing work: finish the step, agree across ranks, checkpoint, exit 128+signal.
 
 torchrun passes SIGTERM to each rank's whole process group (the rank and its DataLoader workers). The rank only
-notes the signal; at every step boundary the ranks agree on it (rank/hooks.py, StopOnSignal: a one-element
+notes the signal; at every step boundary the ranks agree on it (rank/run/hooks.py, StopOnSignal: a one-element
 all-reduce), so all take the same decision at the same step and none is left waiting in a collective the others
 never join. DataLoader workers ignore the signal: the rank shuts them down itself once its checkpoint is safe.
 

@@ -9,7 +9,7 @@ stalled node), however the others look: they wait for it inside a collective; el
 else a rank still "working" with no change for `timeout_s` while the others wait. Rank 0 writes only the hung ranks'
 names into the run folder (the earliest is the run's root cause) and ends the job; torchrun stops the rest.
 
-The process group's own timeout is set longer than this one (rank/dist.py), so this diagnosis comes first.
+The process group's own timeout is set longer than this one (rank/group/dist.py), so this diagnosis comes first.
 """
 
 from __future__ import annotations

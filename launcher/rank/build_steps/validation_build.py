@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from functools import partial
 
-from launcher.rank import training_input
+from launcher.rank.build_steps import training_input
 from launcher.rank.ultralytics import build, datasets
 from launcher.rank.ultralytics.fast_validation import FastValidator
 from launcher.rank.ultralytics.validation import Validator

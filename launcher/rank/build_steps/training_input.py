@@ -4,7 +4,8 @@
 - `bind_cores`: this process on its own cores, its loader workers on the others (loader.bind_cores);
 - `training_set`: Ultralytics' augmenting training set (loader.augment_on=cpu), or the files' bytes and labels with
   the GpuInput that decodes and augments them on the device (gpu);
-- `train_loader`: the DataLoader that serves every epoch, mosaic closed by each batch's epoch.
+- `train_loader`: the DataLoader that serves every epoch, mosaic closed by each batch's epoch;
+- `train_inputs`: the sampler of this rank's shard, and the loop's batches over train_loader.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from launcher.rank.data import affinity, image_cache, image_cache_folders
 from launcher.rank.data.encoded import EncodedImages, EncodedTrainDataset
 from launcher.rank.data.gpu_augment import GpuAugment
 from launcher.rank.data.gpu_input import Decoder, GpuInput, buffer_capacity
+from launcher.rank.data.pipeline import TrainInputs
 from launcher.rank.data.sampler import EpochBatchSampler, EpochSeededDataset, worker_init
 from launcher.rank.ultralytics import datasets
 
@@ -105,3 +107,21 @@ def train_loader(settings: Settings, plan: LaunchPlan, dataset, sampler: EpochBa
         worker_init_fn=on_worker_cores(cores, worker_init),
         prefetch_factor=int(settings.loader.prefetch_factor) if workers else None,
     )
+
+
+def train_inputs(settings: Settings, plan: LaunchPlan, dataset, hyp, device: torch.device, *, rank: int,
+                 world_size: int, gpu_input: GpuInput | None, close_at: int | None, cores: affinity.CoreSplit | None,
+                 prepare) -> tuple[EpochBatchSampler, TrainInputs]:
+    """(sampler, the loop's batches): this rank's shard of every epoch (every step the graph's shape when CUDA
+    graphs fill the last batch), served by train_loader and made ready for the step by `prepare`."""
+    ddp = plan.mode == "ddp"
+    sampler = EpochBatchSampler(len(dataset), plan.batch_per_rank, num_replicas=world_size if ddp else 1,
+                                rank=rank if ddp else 0, seed=int(settings.seed),
+                                fill_last=bool(plan.cuda_graphs) and device.type == "cuda")
+    loader = train_loader(settings, plan, dataset, sampler, hyp, device, gpu_input=gpu_input, close_at=close_at,
+                          cores=cores)
+    ahead = bool(settings.loader.fetch_ahead)
+    inputs = TrainInputs(loader, sampler, device, prepare, decode=gpu_input.decoded if gpu_input is not None else None,
+                         fetch_ahead=ahead, persistent=bool(settings.loader.persistent_workers),
+                         background=gpu_input is not None and ahead)
+    return sampler, inputs

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from launcher.rank.triton_use import runs_on
+from launcher.rank.kernels.triton_use import runs_on
 
 try:
     import triton
@@ -71,7 +71,7 @@ def claims(iou: torch.Tensor, thresholds: torch.Tensor) -> torch.Tensor:
 
 def warm_up(device: torch.device) -> None:
     """Both programs compiled (or loaded from Triton's cache) without a launch, for the current thread's `device`:
-    rank/kernels.py's WarmUp runs it on a thread during the first epoch."""
+    rank/kernels/kernels.py's WarmUp runs it on a thread during the first epoch."""
     torch.cuda.set_device(device)
     _greedy_nms.warmup(torch.float32, torch.uint8, torch.uint8, torch.float32, 20000, 0.7, 300, BLOCK=CANDIDATES,
                        num_warps=8, grid=(1,), **NO_FUSION)

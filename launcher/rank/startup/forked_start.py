@@ -1,6 +1,6 @@
-"""A rank forked from the warm torchrun (launch/rank_fork.py decides when) is given what a fresh interpreter started
-by torchrun would have: the signal dispositions the warm torchrun started with (torchrun's agent installs its own
-before it starts the ranks), a session of its own (as torchrun gives each subprocess), none of torchrun's sockets
+"""A rank forked from the warm torchrun (launch/startup/rank_fork.py decides when) is given what a fresh interpreter
+started by torchrun would have: the signal dispositions the warm torchrun started with (torchrun's agent installs its
+own before it starts the ranks), a session of its own (as torchrun gives each subprocess), none of torchrun's sockets
 (its rendezvous store's listening one above all), the rank's command line in sys.argv and sys.path, a process name,
 and the plan's thread counts, which a fresh interpreter reads as it loads torch and numpy."""
 
@@ -29,10 +29,10 @@ def become_rank(signals: Mapping[int, object], run_dir: str, rank: int) -> None:
     # driver can answer "not initialised" there); torch's own check then stops the rank at its first CUDA call.
     if cuda_driver_started(maps):
         raise SystemExit(f"ddp-launch: this rank was forked after CUDA started in torchrun and cannot use the GPU; "
-                         f"run again with {FORK_RANKS}=0 (and report it: launch/rank_fork.py)")
+                         f"run again with {FORK_RANKS}=0 (and report it: launch/startup/rank_fork.py)")
     os.setsid()
     _close_inherited_sockets()
-    sys.argv = [importlib.util.find_spec(__package__ + ".worker").origin, run_dir]  # as `python -m` sets them
+    sys.argv = [importlib.util.find_spec("launcher.rank.worker").origin, run_dir]  # as `python -m` sets them
     if sys.path:
         sys.path[0] = os.getcwd()
     _set_process_name(f"ddp-rank{rank}")

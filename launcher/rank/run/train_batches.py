@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from launcher.rank.loop import Hook, TrainLoop
+from launcher.rank.loop.loop import Hook, TrainLoop
 
 PLOTTED = 3  # Ultralytics' trainer plots its first three batches, and as many after mosaic closes
 MAX_IMAGES = 16  # plot_images draws the first 16 images of a batch

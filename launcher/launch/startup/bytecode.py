@@ -14,7 +14,7 @@ only that way. A module an import reaches first is compiled by the importer, as 
 atomically, so either copy is whole. Once every package is compiled, a stamp records them (where each is installed,
 when), and the launches after it start nothing. docs/benchmarks/cpu-fresh-start/ has what it saves.
 
-`PYTHONPYCACHEPREFIX=FOLDER python -m launcher.launch.bytecode FOLDER [WORKERS]` runs the compilation in the
+`PYTHONPYCACHEPREFIX=FOLDER python -m launcher.launch.startup.bytecode FOLDER [WORKERS]` runs the compilation in the
 foreground.
 """
 
@@ -35,7 +35,7 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Iterator
 
-from launcher.launch.parent_death import parent_death_signal
+from launcher.launch.startup.parent_death import parent_death_signal
 
 # The top-level packages whose modules torchrun and a rank import (what the crawl does not reach follows in this
 # order). tests/test_bytecode.py checks that, with the standard library, they hold nearly all of them.
@@ -51,7 +51,7 @@ STDLIB_SKIPPED = {"site-packages", "dist-packages", "test", "tests", "idlelib", 
 # What torchrun and a rank import, in that order (the warm torchrun: torchrun, then Dynamo and the rank's module for
 # the ranks it forks, rank_fork.py; the rank: omegaconf to read its config, its run): their imports are compiled
 # first, in the order they are reached.
-ENTRIES = ("torch.distributed.run", "torch._dynamo", "launcher.rank.worker", "omegaconf", "launcher.rank.runs")
+ENTRIES = ("torch.distributed.run", "torch._dynamo", "launcher.rank.worker", "omegaconf", "launcher.rank.run.runs")
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 STAMP = "compiled-ahead.json"
 NICE = 10  # below torchrun's and the ranks' own imports, which are on the critical path
@@ -258,7 +258,8 @@ def compile_ahead(folder: Path, workers: int, roots: list[Path] | None = None,
 
 def main(argv: list[str]) -> int:
     if not 1 <= len(argv) <= 2:
-        print("usage: PYTHONPYCACHEPREFIX=FOLDER python -m launcher.launch.bytecode FOLDER [WORKERS]", file=sys.stderr)
+        print("usage: PYTHONPYCACHEPREFIX=FOLDER python -m launcher.launch.startup.bytecode FOLDER [WORKERS]",
+              file=sys.stderr)
         return 2
     try:
         os.nice(NICE)

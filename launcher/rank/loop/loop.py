@@ -2,7 +2,7 @@
 
 The loop itself only fetches a batch, takes the step, and fetches the next batch while the GPU works. Everything
 else a run does around its steps (the learning-rate schedule, metering, heartbeats, signals, validation,
-checkpoints, progress lines, early stop) is a Hook. Hooks run in the order they are given; rank/runs.py makes the
+checkpoints, progress lines, early stop) is a Hook. Hooks run in the order they are given; rank/run/runs.py makes the
 list and says why each stands where it does. `after_train` runs in a `finally`, also when a step raised or a
 signal stopped the run, so resources are always released; work that only a completed run does checks
 `loop.completed`.
@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-from launcher.rank.state import TrainState
+from launcher.rank.loop.state import TrainState
 
 
 class Hook:

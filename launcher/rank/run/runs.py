@@ -1,63 +1,34 @@
-"""The two things a rank runs, as loop configurations over the same components (components.py): a training run, and
-a ddp-bench cell. Each builds its hook list here, in one place; the order of a list is the order hooks run in.
+"""The two things a rank runs, as loop configurations over the same components (rank/components.py): a training
+run, and a ddp-bench cell. Each builds its hook list here, in one place.
 
-A training run, per step: Meter stamps the batch in hand (before_launch) and the step's end as soon as it is launched
-(after_launch), before the next batch is fetched ahead and before any other host work of the boundary; then
-TrainBatchPlots (rank 0, train.plots) copies the first batches for train_batch<N>.jpg, queued behind the step; then
-(after_step):
-  Heartbeat       the watchdog sees the step done;
-  RecordSamples   (debug.record_samples) the images just trained on;
-  FaultInjection  a test's fault fires after a step, like a real one;
-  StopOnSignal    then every rank agrees on a signal (a collective at every step), rank 0 saves and all exit;
-  ReadAhead       once, after the first step: the validation loader's workers, and a thread keeping what they
-                  read in host memory, start on the split; after each later step, once it is read, a slice of it
-                  is copied to the device;
-  Progress        a line every log.interval_steps steps, and on rank 0 whenever ~1.5 s passed since its last.
-and per epoch (after_epoch):
-  Meter           pauses: validation and checkpoints are not training time;
-  EpochFigures    (log.integrations) the epoch's images/s, data wait, GPU use and memory, gathered from every rank;
-  ModelEpochs     the loss's and the EMA's end-of-epoch updates, before the EMA is validated;
-  Evaluate        validation (every rank, sharded) at the interval and after the last epoch;
-  ResultsCsv      rank 0's row, with this epoch's metrics: written before the checkpoint, which embeds results.csv;
-  Tracking        rank 0's Ultralytics integration callbacks (log.integrations), with the epoch's losses and metrics
-                  and EpochFigures';
-  EarlyStop       rank 0 decides on the new fitness, before the checkpoint records its memory;
-  Checkpoint      rank 0's last.pt / best.pt / epochN.pt, written in a thread while the next epoch trains (the
-                  last epoch's as the final weights);
-  Plots           after the last epoch, rank 0's results.png, held for the plotter's thread (train.plots);
-  Progress        the epoch's line, with its mAP;
-  InputBoundWarning  once per run, from the meter's window so far;
-  AgreeToStop     last: the ranks take rank 0's stop decision, after all of rank 0's work of the epoch.
-On rank 0 the timeline (metrics/timeline.py) stamps the run for summary.json: TimelineEdges stands first (an
-epoch's start before closing mosaic, its training end before the validation, the last epoch's end before any
-after_train work), and Timed wraps Evaluate (each validation, the final one) and Checkpoint (the stripped weights).
-LRSchedule and ModelEpochs act before each epoch (lr, train mode) and LRSchedule before each step
-(warmup). after_train runs in list order: the final validation of best.pt (its plots held for the plotter's
-thread; its table per class, or the last validation's when that was best.pt's), the integrations' end (after the plots they may upload are drawn), the final weights (a best.pt of an
-earlier epoch stripped: here the run's time to a model ends), then the plots drawn and waited for. InputTime
-(loader.augment_on=gpu) only reads the input's GPU time and its threads' at its window's start and at the end.
+The order rule: at each point of the loop (before_train, before_epoch, before_step, before_launch, after_launch,
+after_step, after_epoch, after_train: rank/loop/loop.py) the hooks run in list order, so a hook stands after every hook
+whose work it reads and before every hook that reads its own; the comment beside each entry says which. A hook only
+rank 0 runs is built by a `_rank0_...` function from the inputs it takes, and is left out on the other ranks.
 """
 
 from __future__ import annotations
 
 import time
+from functools import partial
+from pathlib import Path
 
 import psutil
 import torch
 from torch.profiler import profile
 
 from launcher.plan.plan import LaunchPlan
-from launcher.rank import checkpoint_io
-from launcher.rank import hooks as h
-from launcher.rank import progress
+from launcher.rank.loop import checkpoint_io
+from launcher.rank.run import hooks as h
+from launcher.rank.run import progress
 from launcher.rank.components import Rank
-from launcher.rank.loop import Hook, TrainLoop
+from launcher.rank.loop.loop import Hook, TrainLoop
 from launcher.rank.metrics import results, run_summary, step_profile
 from launcher.rank.metrics.epoch_figures import EpochFigures
 from launcher.rank.metrics.gpu_monitor import GpuMonitor
 from launcher.rank.metrics.meter import StepMeter
 from launcher.rank.metrics.timeline import Timed, Timeline, TimelineEdges
-from launcher.rank.train_batches import TrainBatchPlots
+from launcher.rank.run.train_batches import TrainBatchPlots
 from launcher.rank.ultralytics import build, checkpoint
 from launcher.rank.ultralytics.fast_validation import FastValidator
 from launcher.rank.ultralytics.plots import Plotter
@@ -90,7 +61,7 @@ def train(cfg: dict, plan: LaunchPlan, folder: RunFolder, stamps: dict | None = 
         meter, monitor = _meter(r, METER_SKIP_STEPS)
         early_stop = h.EarlyStop(int(settings.train.patience), r.log)
         layout = checkpoint.Layout(r.ema, r.hyp)
-        checkpointer = r.checkpointer(lambda: _layout(r, layout, early_stop), layout.complete, checkpoint.stripped,
+        checkpointer = r.checkpointer(partial(_layout, r, layout, early_stop), layout.complete, checkpoint.stripped,
                                       extra={"early_stop": early_stop})
         r.restore(checkpointer)
         samples = h.RecordSamples() if settings.debug.record_samples else None
@@ -99,42 +70,64 @@ def train(cfg: dict, plan: LaunchPlan, folder: RunFolder, stamps: dict | None = 
         input_time = h.InputTime(r.gpu_input, r.inputs, METER_SKIP_STEPS) if r.gpu_input else None
         plotter = Plotter(folder.path, r.log) if on_rank0 and settings.train.plots else None
         figures = EpochFigures(meter, monitor, r.device, r.comm, r.heartbeat) if integrations else None
-        evaluate = h.Evaluate(lambda loop: _validate(r, loop, plotter), lambda loop, w: _validate(r, loop, plotter, w),
-                              lambda: _best_weights(r, checkpointer), interval=int(settings.train.val_interval),
-                              comm=r.comm, device=r.device, log=r.log, final_table=r.validator.print_table)
-        save = h.Checkpoint(checkpointer, int(settings.train.save_period), lambda written: _strip(r, written)) \
-            if on_rank0 else None
-        if on_rank0:
+        validate = partial(_validate, r, plotter)
+        evaluate = h.Evaluate(validate, validate, partial(_best_weights, r.folder.weights, checkpointer),
+                              interval=int(settings.train.val_interval), comm=r.comm, device=r.device, log=r.log,
+                              final_table=r.validator.print_table)
+        if on_rank0:  # each validation, and the final one, timed for the timeline
             evaluate = Timed(evaluate, timeline, name="val", final="final_val", keep=lambda loop: loop.state.validated)
-            save = Timed(save, timeline, name="save", final="weights")
+        save = _rank0_checkpoint(checkpointer, int(settings.train.save_period), r.folder.weights, timeline) \
+            if on_rank0 else None
         hooks: list[Hook | None] = [
-            TimelineEdges(timeline, r.inputs) if on_rank0 else None,
+            # rank 0: first at every point, so that an epoch's start is stamped before closing mosaic, its training
+            # end before the validation, and the last epoch's end before any after_train work
+            _rank0_timeline_edges(timeline, r.inputs) if on_rank0 else None,
+            # before each epoch and step: the lr and momentum of the warm-up and the schedule, before anything steps
             h.LRSchedule(r.schedule, plan.warmup_iterations or 0),
-            h.ModelEpochs(train_mode=lambda: build.train_mode(r.net, r.frozen),
-                          close_at=r.close_at, criterion=r.net.criterion, ema=r.ema, net=r.net, log=r.log),
+            # before each epoch: train mode and mosaic's close; after it: the loss's and the EMA's end-of-epoch
+            # updates, before Evaluate validates the EMA
+            h.ModelEpochs(train_mode=partial(build.train_mode, r.net, r.frozen), close_at=r.close_at,
+                          criterion=r.net.criterion, ema=r.ema, net=r.net, log=r.log),
+            # stamps the batch in hand and the step's launch before any other host work of the step's boundary; pauses
+            # after each epoch's steps: validation and checkpoints are not training time
             h.Meter(meter, r.inputs, monitor),
+            # (log.integrations) the epoch's images/s, data wait, GPU use and memory from every rank, read by Tracking
             figures,
-            TrainBatchPlots(plotter, r.sampler.batches_per_epoch, r.close_at) if plotter else None,
+            # rank 0 (train.plots): copies the first batches for train_batch<N>.jpg, queued behind the step
+            _rank0_train_batch_plots(plotter, r.sampler.batches_per_epoch, r.close_at) if plotter else None,
+            # after each step, first: the watchdog sees the step done
             h.Heartbeat(r.heartbeat),
+            # (debug.record_samples) the images just trained on, before a fault or a signal ends the run
             samples,
+            # a test's fault fires after a step, as a real one would
             h.FaultInjection(r.faults),
-            h.StopOnSignal(r.comm, r.heartbeat, r.inputs, save=lambda loop: checkpointer.save(wait=True),
-                           log=r.log),
+            # every rank agrees on a signal (a collective each step); rank 0 saves, all exit
+            h.StopOnSignal(r.comm, r.heartbeat, r.inputs, save=lambda loop: checkpointer.save(wait=True), log=r.log),
+            # after the first step the validation loader starts reading; after each later one a slice goes to the
+            # device, so the validation finds its split there
             h.ReadAhead(getattr(r.validator, "read_ahead", None), getattr(r.validator, "place_ahead", None)),
+            # validation (every rank, sharded) at the interval and after the last epoch, after ModelEpochs' EMA update
             evaluate,
-            h.ResultsCsv(folder.path / "results.csv", r.validator.metric_keys, r.schedule.lrs, label_loss_items)
-            if on_rank0 else None,
-            Tracking(list(integrations), run_dir=folder.path, hyp=r.hyp, data=r.data, net=r.net, lrs=r.schedule.lrs,
-                     log=r.log, plots_drawn=plotter.drain if plotter else None, figures=lambda: figures.latest)
-            if on_rank0 and integrations else None,
+            # rank 0: the epoch's row with Evaluate's metrics, before the checkpoint, which embeds results.csv
+            _rank0_results_csv(folder.path, r.validator.metric_keys, r.schedule.lrs) if on_rank0 else None,
+            # rank 0 (log.integrations): Ultralytics' integration callbacks, with the epoch's losses, metrics and
+            # figures; at the end after the plots they may upload are drawn
+            _rank0_tracking(integrations, folder.path, r, plotter, figures) if on_rank0 and integrations else None,
+            # rank 0 decides on the new fitness, before the checkpoint records its memory
             early_stop,
+            # rank 0: last.pt / best.pt / epochN.pt written in a thread while the next epoch trains; the final weights
             save,
-            h.Plots(plotter, folder.path / "results.csv", r.train_dataset.labels, r.data["names"]) if plotter else None,
+            # rank 0 (train.plots): results.png after the last epoch, drawn in the plotter's thread
+            _rank0_plots(plotter, folder.path, r.train_dataset.labels, r.data["names"]) if plotter else None,
+            # every log.interval_steps steps, and the epoch's line with Evaluate's mAP
             progress.Progress(meter, r.optimizer, r.device, r.rank, int(settings.log.interval_steps),
                               r.log, monitor, warmup_steps=plan.warmup_iterations or 0),
+            # once per run, from the meter's window so far
             progress.InputBoundWarning(meter, plan.workers_per_rank, r.log, monitor, gpu_input=r.gpu_input is not None,
-                                inputs=r.inputs),
+                                       inputs=r.inputs),
+            # (loader.augment_on=gpu) the input's GPU time and its threads', read at its window's start and the end
             input_time,
+            # last after each epoch: the ranks take rank 0's stop decision, after all of rank 0's work of the epoch
             h.AgreeToStop(r.comm, r.heartbeat),
         ]
         loop = TrainLoop(r.step, r.inputs, state, [x for x in hooks if x is not None], epochs=epochs,
@@ -180,11 +173,17 @@ def bench_cell(cfg: dict, plan: LaunchPlan, folder: RunFolder) -> dict | None:
         meter, monitor = _meter(r, skip)
         cpu = _HostCpu(skip, psutil.cpu_times)
         input_time = h.InputTime(r.gpu_input, r.inputs, skip) if r.gpu_input else None
-        hooks = [h.Meter(meter, r.inputs, monitor), h.Heartbeat(r.heartbeat), cpu, input_time,
-                 h.StopOnSignal(r.comm, r.heartbeat, r.inputs, log=r.log),
-                 _BenchProgress(skip + steps, r.log) if r.rank == 0 else None,
-                 step_profile.ProfileSteps(warmup, profiled, folder.path, r.device, r.log, then=meter.pause)
-                 if profiled and r.rank == 0 else None]
+        hooks = [
+            h.Meter(meter, r.inputs, monitor),  # first: stamps the step's launch before any other host work
+            h.Heartbeat(r.heartbeat),  # the watchdog sees each step done
+            cpu,  # host CPU use from the end of the warm-up
+            input_time,  # (loader.augment_on=gpu) the input's GPU time and its threads'
+            h.StopOnSignal(r.comm, r.heartbeat, r.inputs, log=r.log),  # every rank agrees on a signal; nothing to save
+            _BenchProgress(skip + steps, r.log) if r.rank == 0 else None,  # rank 0: a line every fifth of the steps
+            # rank 0 (bench.profile): the steps after the warm-up profiled, then the meter pauses over them
+            step_profile.ProfileSteps(warmup, profiled, folder.path, r.device, r.log, then=meter.pause)
+            if profiled and r.rank == 0 else None,
+        ]
         build.train_mode(r.net, r.frozen)
         loop = TrainLoop(r.step, r.inputs, r.state, [x for x in hooks if x is not None], epochs=1,
                          steps_per_epoch=skip + steps)
@@ -209,7 +208,7 @@ def bench_cell(cfg: dict, plan: LaunchPlan, folder: RunFolder) -> dict | None:
 _EMA = object()
 
 
-def _validate(r: Rank, loop: TrainLoop, plotter: Plotter | None, weights=_EMA):
+def _validate(r: Rank, plotter: Plotter | None, loop: TrainLoop, weights=_EMA):
     """Validate the EMA, or `weights` in its place (best.pt's: rank 0's, None on the other ranks). The final
     validation (the last epoch's, then best.pt's when it is another epoch) writes Ultralytics' plots: the fast
     validator's in rank 0's plotter thread (`plotter`: None on the other ranks)."""
@@ -224,9 +223,10 @@ def _validate(r: Rank, loop: TrainLoop, plotter: Plotter | None, weights=_EMA):
     return r.validator.validate_weights(weights, r.ema, r.comm, **kwargs)
 
 
-def _best_weights(r: Rank, checkpointer):
+def _best_weights(weights: Path, checkpointer):
+    """best.pt's EMA weights, once the last epoch's write has ended (None without a best.pt)."""
     checkpointer.wait()  # the last epoch's write may still be under way
-    best = r.folder.weights / "best.pt"
+    best = weights / "best.pt"
     return checkpoint.ema_weights(checkpoint_io.load(best)) if best.exists() else None
 
 
@@ -238,12 +238,12 @@ def _layout(r: Rank, layout: checkpoint.Layout, early_stop: h.EarlyStop) -> dict
                        results=results.read_columns(r.folder.path / "results.csv"))
 
 
-def _strip(r: Rank, written: set[str]) -> None:
+def _strip(weights: Path, written: set[str]) -> None:
     """The final weights: last.pt and best.pt without training state (stripped here unless in `written`, the names
     the last save wrote as final weights); last.prev.pt removed."""
-    last = r.folder.weights / "last.pt"
+    last = weights / "last.pt"
     previous_of(last).unlink(missing_ok=True)
-    for f in (last, r.folder.weights / "best.pt"):
+    for f in (last, weights / "best.pt"):
         if f.name not in written and f.exists():
             checkpoint.strip(f)
 
@@ -257,6 +257,38 @@ def _reports(r: Rank, meter, monitor, samples, input_time) -> list[dict]:
                                    input_threads=input_time.threads if input_time else None)
     r.folder.write_json(f"ranks/rank{r.rank}.json", mine)
     return r.comm.gather(mine)
+
+
+# --- a training run's rank-0 hooks, each from the inputs it takes ---------------------------------------------------
+def _rank0_timeline_edges(timeline: Timeline, inputs) -> Hook:
+    return TimelineEdges(timeline, inputs)
+
+
+def _rank0_train_batch_plots(plotter: Plotter, batches_per_epoch: int, close_at: int) -> Hook:
+    return TrainBatchPlots(plotter, batches_per_epoch, close_at)
+
+
+def _rank0_results_csv(run_dir: Path, metric_keys, lrs) -> Hook:
+    return h.ResultsCsv(run_dir / "results.csv", metric_keys, lrs, label_loss_items)
+
+
+def _rank0_tracking(integrations: list, run_dir: Path, r: Rank, plotter: Plotter | None,
+                    figures: EpochFigures | None) -> Hook:
+    """Ultralytics' integration callbacks over the run's hyperparameters, data, network and lrs; the plots they upload
+    once drawn, and EpochFigures' latest."""
+    return Tracking(list(integrations), run_dir=run_dir, hyp=r.hyp, data=r.data, net=r.net, lrs=r.schedule.lrs,
+                    log=r.log, plots_drawn=plotter.drain if plotter else None,
+                    figures=(lambda: figures.latest) if figures else None)
+
+
+def _rank0_checkpoint(checkpointer, save_period: int, weights: Path, timeline: Timeline) -> Hook:
+    """The checkpoint hook, its writes and the final weights timed for the timeline."""
+    return Timed(h.Checkpoint(checkpointer, save_period, partial(_strip, weights)), timeline, name="save",
+                 final="weights")
+
+
+def _rank0_plots(plotter: Plotter, run_dir: Path, labels, names) -> Hook:
+    return h.Plots(plotter, run_dir / "results.csv", labels, names)
 
 
 # --- a bench cell's pieces -------------------------------------------------------------------------------------------

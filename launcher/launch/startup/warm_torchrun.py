@@ -128,7 +128,7 @@ def _agent() -> None:
     imported_with = dict(os.environ)  # what torch, numpy and tqdm read as they load (rank_fork.refusal)
     import torch.distributed.run as torchrun  # the slow part, while the launcher plans
 
-    from launcher.launch import rank_fork
+    from launcher.launch.startup import rank_fork
 
     if rank_fork.enabled():
         rank_fork.preload()  # what each rank would import next: they are forked with it (rank_fork.py)
@@ -157,7 +157,7 @@ def _fork_ranks(torchrun, forked, signals: dict) -> None:
     launcher.rank.worker RUN_DIR`: torchrun's config_from_args (which turns its arguments into the agent's config
     and the rank command) is wrapped here, in this process only, so that the rest of its run() stays its own.
     `forked`: the rank's entry, worker.forked."""
-    from launcher.launch import rank_fork
+    from launcher.launch.startup import rank_fork
 
     make_config = torchrun.config_from_args
 
