@@ -102,7 +102,9 @@ class QuietStop:
         if self.rendezvous_refusal and any(e in line for line in exceptions for e in self.RENDEZVOUS_ERRORS) and any(
                 "next_rendezvous" in line for line in block):
             if not self.refused:
-                self._write(f"\n{self.rendezvous_refusal} ({exceptions[-1].strip().rsplit('Error: ', 1)[-1]})\n")
+                last = exceptions[-1].strip()  # c10d's RendezvousTimeoutError comes without a message
+                detail = f" ({last.rsplit('Error: ', 1)[-1]})" if "Error: " in last else ""
+                self._write(f"\n{self.rendezvous_refusal}{detail}\n")
             self.refused = True
         elif not any("SignalException" in line for line in exceptions):
             self._write("".join(block))

@@ -34,6 +34,8 @@ from launcher.plan.plan import LaunchPlan
 SHUTDOWN_TIMEOUT, SHUTDOWN_TIMEOUT_S = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT", 90
 
 # HUP: the terminal closed or the ssh session dropped; USR1: SLURM's advance warning of the time limit
+EXIT_NOT_JOINED = 2  # a node that never joined the rendezvous: as a refused plan, the run cannot start as asked
+
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1)
 
 
@@ -57,15 +59,24 @@ def rendezvous_wait(plan: LaunchPlan) -> tuple[str, str] | None:
     rdzv = plan.rendezvous
     if rdzv.kind != "static" or plan.nnodes < 2:
         return None
-    at, limit = f"{rdzv.addr}:{rdzv.port}", f"dist.timeout_s={plan.timeout_s}"
-    if plan.node_rank == 0:
-        others = ", ".join(map(str, range(1, plan.nnodes)))
-        return (f"waiting for node {others} of {plan.nnodes} at {at} (at most {limit} s)",
-                f"ddp-launch: refused: node {others} of {plan.nnodes} did not join at {at} within {limit} s; start "
-                f"the same command with node_rank=N on each node (or raise dist.timeout_s)")
-    return (f"node {plan.node_rank} of {plan.nnodes}: waiting for node 0 at {at} (at most {limit} s)",
-            f"ddp-launch: refused: node 0 of {plan.nnodes} did not answer at {at} within {limit} s; start it with "
-            f"node_rank=0, and check dist.master_addr and dist.master_port (or raise dist.timeout_s)")
+    return waiting_lines(plan.node_rank, plan.nnodes, f"{rdzv.addr}:{rdzv.port}", plan.timeout_s,
+                         join_advice="start the same command with node_rank=N on each node",
+                         answer_advice="start it with node_rank=0, and check dist.master_addr and dist.master_port")
+
+
+def waiting_lines(node_rank: int, nnodes: int, at: str, timeout_s: int, *, join_advice: str,
+                  answer_advice: str) -> tuple[str, str]:
+    """(the line a node says while it waits at the rendezvous `at`, the one-line refusal when the others have not
+    come within dist.timeout_s): node 0 names the nodes it waits for, any other node waits for node 0."""
+    limit = f"dist.timeout_s={timeout_s}"
+    if node_rank == 0:
+        others = ", ".join(map(str, range(1, nnodes)))
+        return (f"waiting for node {others} of {nnodes} at {at} (at most {limit} s)",
+                f"ddp-launch: refused: node {others} of {nnodes} did not join at {at} within {limit} s; "
+                f"{join_advice} (or raise dist.timeout_s)")
+    return (f"node {node_rank} of {nnodes}: waiting for node 0 at {at} (at most {limit} s)",
+            f"ddp-launch: refused: node 0 of {nnodes} did not answer at {at} within {limit} s; {answer_advice} "
+            f"(or raise dist.timeout_s)")
 
 
 def torchrun_command(plan: LaunchPlan, run_dir: Path, rendezvous: list[str], *, nnodes: int | None = None,

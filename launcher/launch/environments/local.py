@@ -24,9 +24,6 @@ from launcher.problems import Problem
 from launcher.run_folder import RunFolder
 
 
-EXIT_NOT_JOINED = 2  # as a refused plan: the run cannot start as asked
-
-
 class LocalEnvironment:
     name = "local"
 
@@ -82,8 +79,8 @@ class LocalEnvironment:
         code, signum = torchrun.run_torchrun(cmd, plan.env, [folder.rank_log(r) for r in shown], prefix=len(shown) > 1,
                                              verbose=verbose, stderr_filter=stderr)
         if stderr.refused and signum is None:
-            folder.write_outcome("refused", EXIT_NOT_JOINED, refusal)
-            return EXIT_NOT_JOINED
+            folder.write_outcome("refused", torchrun.EXIT_NOT_JOINED, refusal)
+            return torchrun.EXIT_NOT_JOINED
         return report(folder, code, signum, plan.node_rank)
 
     def _compile_bytecode(self, plan: LaunchPlan) -> str | None:

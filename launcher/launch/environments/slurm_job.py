@@ -37,7 +37,7 @@ from pathlib import Path
 from launcher.launch import torchrun
 from launcher.launch.startup import bytecode, warm_torchrun
 from launcher.launch.logs import say as _say
-from launcher.launch.logs import verbose_console
+from launcher.launch.logs import QuietStop, verbose_console
 from launcher.launch.outcome import report
 from launcher.launch.startup.parent_death import parent_death_signal
 from launcher.launch.run_lock import RunLock
@@ -61,6 +61,21 @@ def rendezvous_port(job_id: int) -> int:
     return RDZV_PORT_BASE + job_id % RDZV_PORT_SPAN
 
 
+def rendezvous_endpoint(first_host: str, job_id: str, port: int | None) -> str:
+    """Where a multi-node job's rendezvous is: the allocation's first host, at `port` or the job's own."""
+    return f"{first_host}:{port or rendezvous_port(int(job_id))}"
+
+
+def job_rendezvous_wait(plan: LaunchPlan, node_id: int, endpoint: str, job_id: str) -> tuple[str, str] | None:
+    """For a node of a multi-node job: the line that says what it waits for at the rendezvous, and the one-line
+    refusal when the other nodes have not come within dist.timeout_s (the c10d join timeout). None for one node."""
+    if plan.nnodes < 2:
+        return None
+    return torchrun.waiting_lines(node_id, plan.nnodes, endpoint, plan.timeout_s,
+                                  join_advice=f"see `sacct -j {job_id}` for the node that did not start",
+                                  answer_advice=f"node 0 serves it; see `sacct -j {job_id}`")
+
+
 def node_torchrun_command(
     plan: LaunchPlan,
     run_dir: Path,
@@ -72,7 +87,8 @@ def node_torchrun_command(
     """The torchrun command for one node of the job.
 
     One node: c10d on localhost:0 (the kernel picks the port; jobs sharing a node never clash). Several nodes: c10d
-    on the allocation's first host, at `port` (dist.master_port when set) or the job's own port. Node 0
+    on the allocation's first host, at `port` (dist.master_port when set) or the job's own port, joined within
+    dist.timeout_s (c10d's `join_timeout`, 600 s otherwise). Node 0
     (SLURM_NODEID, the first host of the node list) serves the rendezvous store and says so (`is_host`) rather than
     leaving torchrun to recognise its own host name, which fails where a node's name and its host name differ. The
     rendezvous, not the node id, then numbers the ranks.
@@ -89,8 +105,8 @@ def node_torchrun_command(
     else:
         is_host = int(slurm_env["SLURM_NODEID"]) == 0
         endpoint = [
-            "--rdzv-endpoint", f"{first_host}:{port or rendezvous_port(int(job_id))}",
-            "--rdzv-conf", f"is_host={int(is_host)}",
+            "--rdzv-endpoint", rendezvous_endpoint(first_host, job_id, port),
+            "--rdzv-conf", f"is_host={int(is_host)},join_timeout={plan.timeout_s}",
         ]  # fmt: skip
     rendezvous = ["--rdzv-backend", "c10d", *endpoint, "--rdzv-id", job_id]
     return torchrun.torchrun_command(plan, run_dir, rendezvous, nnodes=nnodes, python=python)
@@ -164,10 +180,15 @@ def _run(run_dir_arg: str) -> int:
     try:
         # node 0 holds the folder; the submitting ddp-launch hands its lock to the job as soon as sbatch answers
         with RunLock(run_dir).held(wait_s=LOCK_HANDOVER_S) if node_id == 0 else contextlib.nullcontext():
-            code, signum = _node_torchrun(folder, cmd, plan, cfg, node_id)
+            wait = job_rendezvous_wait(plan, node_id, rendezvous_endpoint(host, job_id, port), job_id)
+            code, signum, refused = _node_torchrun(folder, cmd, plan, cfg, node_id, wait)
     except PlanError as e:
         say(str(e))
         return 2
+    if refused and signum is None:  # a node that never joined: the refusal is said; node 0 records it
+        if node_id == 0:
+            folder.write_outcome("refused", torchrun.EXIT_NOT_JOINED, wait[1])
+        return torchrun.EXIT_NOT_JOINED
 
     action, exit_code = decide(code, signum, folder.finished(), node_id, bool(cfg["slurm"]["requeue"]))
     if action == "requeue":
@@ -189,13 +210,19 @@ def _run(run_dir_arg: str) -> int:
     return reported if action == "done" else exit_code
 
 
-def _node_torchrun(folder: RunFolder, cmd: list[str], plan: LaunchPlan, cfg: dict, node_id: int):
-    """This node's torchrun, to its end: (exit code, the signal that stopped it or None)."""
+def _node_torchrun(folder: RunFolder, cmd: list[str], plan: LaunchPlan, cfg: dict, node_id: int,
+                   wait: tuple[str, str] | None):
+    """This node's torchrun, to its end: (exit code, the signal that stopped it or None, whether the rendezvous
+    timed out: `wait` (job_rendezvous_wait) says what it waits for, and its refusal replaces torchrun's traceback)."""
     logs = [folder.rank_log(0)] if node_id == 0 else []  # the job log follows rank 0, wherever it runs
     compiling = bytecode.start_for(plan.env, usable_cpu_count(), parent_death_signal())
     if compiling is not None:
         say(compiling[1])
-    return torchrun.run_torchrun(cmd, {}, logs, prefix=False, verbose=verbose_console(cfg))
+    if wait:
+        say(wait[0])
+    stderr = QuietStop(sys.stderr, rendezvous_refusal=wait[1] if wait else None)
+    code, signum = torchrun.run_torchrun(cmd, {}, logs, prefix=False, verbose=verbose_console(cfg), stderr_filter=stderr)
+    return code, signum, stderr.refused
 
 
 if __name__ == "__main__":
