@@ -221,7 +221,8 @@ def _node_torchrun(folder: RunFolder, cmd: list[str], plan: LaunchPlan, cfg: dic
     if wait:
         say(wait[0])
     stderr = QuietStop(sys.stderr, rendezvous_refusal=wait[1] if wait else None)
-    code, signum = torchrun.run_torchrun(cmd, {}, logs, prefix=False, verbose=verbose_console(cfg), stderr_filter=stderr)
+    code, signum = torchrun.run_torchrun(cmd, {}, logs, prefix=False, verbose=verbose_console(cfg),
+                                         stderr_filter=stderr)
     return code, signum, stderr.refused
 
 
