@@ -4,7 +4,7 @@
     summary = train(model="yolov8n.pt", data="my.yaml", epochs=3, imgsz=640, device=[0, 1])  # Ultralytics' keywords
     summary = train(["model=yolov8s", "train.epochs=10"])   # or the overrides you would type
     plan = train(dry_run=True)                              # a dry run returns the plan
-    summary = resume("runs/2026-12-01/09-47-14-448583")     # continue a stopped run
+    summary = resume("runs/RUN_DIR")                        # continue a stopped run
 
 Keywords and override strings go through the same translation and composition as the command line, and the run
 goes through torchrun as it does from the shell, into `run_dir` (default: Hydra's `runs/<date>/<time>`, relative to

@@ -30,7 +30,7 @@ def shape_problems(earlier) -> list[str]:
     paths = paths_of(earlier)
     if not paths or not all(isinstance(p, str) and p for p in paths):
         return [f"bench.earlier={earlier!r}: expected an earlier time_to_model run folder, or a list of them, e.g. "
-                "bench.earlier=runs/bench/2026-12-05/10-00-00-000000"]
+                "bench.earlier=runs/bench/EARLIER_RUN"]
     return []
 
 
