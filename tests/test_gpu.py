@@ -857,7 +857,7 @@ def test_the_captured_whole_step_takes_the_eager_steps_and_never_waits_for_the_g
 
 
 def test_the_training_graphs_run_the_triton_modules_and_take_pytorchs_gradients():
-    """triton_kernels=True (rank/step/triton_modules.py): the whole step's graph and the network's graph replay the
+    """triton_parts=COPIES (rank/step/triton_modules.py): the whole step's graph and the network's graph replay the
     Triton upsampling (forward and backward) and the concatenations' copies, as the profiler sees the replay, and
     give the gradients of the graphs without them, bit for bit (cuDNN deterministic); the modules run PyTorch's
     and Ultralytics' forward again after the capture."""
@@ -866,6 +866,7 @@ def test_the_training_graphs_run_the_triton_modules_and_take_pytorchs_gradients(
     from launcher.rank.data.pipeline import MAX_TARGETS
     from launcher.rank.step.captured_step import CapturedStep, bucket
     from launcher.rank.step.graphed import GraphedDetector
+    from launcher.rank.step.triton_modules import COPIES
 
     def grads_and_kernels(kernels_on: bool, whole: bool):
         model, batch = make_model_and_batch()
@@ -876,14 +877,15 @@ def test_the_training_graphs_run_the_triton_modules_and_take_pytorchs_gradients(
             opt = torch.optim.SGD(model.parameters(), lr=0.01)
             step = CapturedStep(model, optimizer=opt, scaler=torch.amp.GradScaler("cuda", enabled=False), ema=None,
                                 loss_scale=1.0, grad_clip=0.0, amp_dtype=torch.float16, batch=len(batch["img"]),
-                                imgsz=batch["img"].shape[-1], triton_kernels=kernels_on)
+                                imgsz=batch["img"].shape[-1], triton_parts=COPIES if kernels_on else ())
             step.capture({**batch, MAX_TARGETS: 3})
             graph = step.graphs[bucket(3)]
             replay = lambda: graph.replay(graph.img, graph.targets)  # noqa: E731
             grads = step.grads
         else:
             net = GraphedDetector(model, len(batch["img"]), batch["img"].shape[-1], torch.float16,
-                                  input_dtype=torch.float16, channels_last=True, triton_kernels=kernels_on)
+                                  input_dtype=torch.float16, channels_last=True,
+                                  triton_parts=COPIES if kernels_on else ())
             params = list(model.parameters())
 
             def replay():

@@ -1,5 +1,6 @@
 """The settings a rank would otherwise work out again from the config, decided once here and carried by LaunchPlan:
-the step's precision, the fused optimizer, cuDNN's autotuning, CUDA graphs and what they hold, the validation engine, batch and graphs."""
+the step's precision, the fused optimizer, cuDNN's autotuning, CUDA graphs and what they hold (the fused BatchNorm and
+SiLU among it), the validation engine, batch and graphs."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ def rank_decisions(cfg: dict, *, device: str, mode: str) -> dict:
         "cuda_graphs": graphs,
         "cuda_graphs_required": train.get("cuda_graphs", "auto") is True,
         "graph_scope": "step" if graphs and train.get("graph_scope", "auto") == "auto" else "network",
+        "fused_bn_act": graphs and device == "cuda" and train.get("fused_bn_act", "auto") in ("auto", True),
         "val_engine": checks.val_engine(val, train),
         "val_batch_fixed": _whole(val.get("batch", "auto")),
         "val_cuda_graphs": device == "cuda" and val.get("cuda_graphs", "auto") in ("auto", True),

@@ -50,7 +50,9 @@ def describe(plan: LaunchPlan, model: ModelSpec | None, data: DatasetInfo | None
         f" {plan.cpus_per_node} usable core(s)",
         f"input           {_input_text(plan)} (loader.augment_on)",
         f"rendezvous      {_rendezvous_text(plan)}",
-        *([f"step            CUDA graphs {'on' if plan.cuda_graphs else 'off'} (train.cuda_graphs)"] if plan.device == "cuda" else []),
+        *([f"step            CUDA graphs {'on' if plan.cuda_graphs else 'off'} (train.cuda_graphs)"
+           + ("; BatchNorm and SiLU fused in them (train.fused_bn_act)" if plan.fused_bn_act else "")]
+          if plan.device == "cuda" else []),
         f"restarts        {plan.max_restarts}; collective timeout {plan.timeout_s} s",
     ]
     if data is not None:

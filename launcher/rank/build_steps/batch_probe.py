@@ -57,7 +57,7 @@ def measure_batch(rank, validation: bool) -> dict:
                     taken = CapturedStep(net, optimizer=step.optimizer, scaler=step.scaler, ema=step.ema,
                                          loss_scale=1.0, grad_clip=step.grad_clip, amp_dtype=rank.amp_dtype,
                                          batch=batch, imgsz=int(rank.hyp.imgsz),
-                                         triton_kernels=rank.triton_kernels(), log=lambda _: None)
+                                         triton_parts=rank.triton_parts(), log=lambda _: None)
                     captured = taken.capture_all(targets, images)
                     torch.cuda.empty_cache()  # as the run's set-up does (step_build.captured_step)
                     batches = [images(captured[0])]

@@ -38,7 +38,7 @@ def capture_network(rank, net: nn.Module, batch: int) -> GraphedDetector:
     raises what the capture raised (out of memory included)."""
     dtype, channels_last = rank.step_input
     return GraphedDetector(net, batch, rank.hyp.imgsz, rank.amp_dtype, input_dtype=dtype,
-                           channels_last=channels_last, triton_kernels=rank.triton_kernels())
+                           channels_last=channels_last, triton_parts=rank.triton_parts())
 
 
 def captures_step(rank, net: nn.Module) -> bool:
@@ -61,7 +61,7 @@ def captured_step(rank) -> CapturedStep | None:
                         loss_scale=lrmod.loss_scale(plan.base_batch, plan.batch_per_rank),
                         grad_clip=float(optim.grad_clip), amp_dtype=rank.amp_dtype,
                         batch=plan.micro_batch, imgsz=int(rank.hyp.imgsz),
-                        triton_kernels=rank.triton_kernels(), log=rank.log)
+                        triton_parts=rank.triton_parts(), log=rank.log)
     targets = most_targets_of(rank)
     try:
         captured = step.capture_all(targets, lambda n: auto_batch.synthetic_batch(
