@@ -19,7 +19,9 @@ def rank_decisions(cfg: dict, *, device: str, mode: str) -> dict:
         "cuda_graphs": graphs,
         "cuda_graphs_required": train.get("cuda_graphs", "auto") is True,
         "graph_scope": "step" if graphs and train.get("graph_scope", "auto") == "auto" else "network",
-        "fused_bn_act": graphs and device == "cuda" and train.get("fused_bn_act", "auto") in ("auto", True),
+        # dist.sync_bn's SyncBatchNorm is never fused: its statistics are the ranks'
+        "fused_bn_act": (graphs and device == "cuda" and train.get("fused_bn_act", "auto") in ("auto", True)
+                         and not (cfg.get("dist") or {}).get("sync_bn", False)),
         "val_engine": checks.val_engine(val, train),
         "val_batch_fixed": _whole(val.get("batch", "auto")),
         "val_cuda_graphs": device == "cuda" and val.get("cuda_graphs", "auto") in ("auto", True),

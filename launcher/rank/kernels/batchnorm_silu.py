@@ -32,9 +32,11 @@ from launcher.rank.kernels.triton_use import runs_on
 
 TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_ELEMENTS = 2**31 - 2**16  # the kernels index rows in int32 (with a block to spare)
-STAT_ROWS, STAT_CHANNELS = 64, 32  # rows x channels of a reduction's block
-ROWS, CHANNELS = 64, 64  # rows x channels per program of the elementwise passes
-PARTS = 64  # partials merged per step of a finish kernel
+# Tiles of 32 channels: a pixel's 32 channels are 64 contiguous bytes in fp16 (every Ultralytics width is a multiple of
+# 16, most of 32). First choices, to be tuned on the GPU (docs/benchmarks/h200-step/README.md, how to measure).
+STAT_ROWS, STAT_CHANNELS = 128, 32  # rows x channels of a reduction's block
+ROWS, CHANNELS = 128, 32  # rows x channels per program of the elementwise passes (as kernels.py's row copies)
+PARTS = 128  # partials merged per step of a finish kernel
 PROGRAMS = 1024  # about how many reduction programs one call launches (rows blocks x channel blocks)
 
 
@@ -84,7 +86,6 @@ def _forward_triton(x, weight, bias, running_mean, running_var, momentum, eps, a
 
 def _backward_triton(dy, x, weight, bias, mean, rstd, act: bool):
     rows, c = _rows_channels(x)
-    dy = dy.contiguous(memory_format=torch.channels_last)  # what the graph's backward hands over already
     per, along = _split(rows, c)
     f32 = dict(dtype=torch.float32, device=x.device)
     part_dz, part_dzx = torch.empty((along, c), **f32), torch.empty((along, c), **f32)
@@ -149,8 +150,7 @@ class _BnSilu(torch.autograd.Function):
             raise ValueError(f"Expected more than 1 value per channel when training, got input size {tuple(x.shape)}")
         triton = _on_triton(x)
         forward = _forward_triton if triton else _forward_torch
-        with torch.no_grad():
-            y, mean, rstd = forward(x, weight, bias, running_mean, running_var, momentum, eps, act)
+        y, mean, rstd = forward(x, weight, bias, running_mean, running_var, momentum, eps, act)
         ctx.save_for_backward(x, weight, bias, mean, rstd)
         ctx.act, ctx.triton = act, triton
         return y
@@ -158,8 +158,9 @@ class _BnSilu(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x, weight, bias, mean, rstd = ctx.saved_tensors
-        backward = _backward_triton if ctx.triton and _on_triton(dy.contiguous(memory_format=torch.channels_last)) \
-            else _backward_torch
+        if ctx.triton:
+            dy = dy.contiguous(memory_format=torch.channels_last)  # what the graph's backward hands over already
+        backward = _backward_triton if ctx.triton and _on_triton(dy) else _backward_torch
         dx, dweight, dbias = backward(dy, x, weight, bias, mean, rstd, ctx.act)
         need = ctx.needs_input_grad
         return (dx if need[0] else None, dweight.to(weight.dtype) if need[1] else None,
