@@ -613,6 +613,7 @@ before = len(list(cache.rglob("*.cubin")))
 for k in range(3):
     gi(ds.collate_fn([ds[(0, i)] for i in range(8)]), torch.Generator(device="cuda").manual_seed(k))
 torch.cuda.synchronize()
+print(sorted(p.parent.name[:8] + "/" + p.stem for p in cache.rglob("*.cubin")), file=sys.stderr)  # which compiled
 print(before, len(list(cache.rglob("*.cubin"))))
 """
 
@@ -626,7 +627,7 @@ def test_the_gpu_inputs_kernels_warmed_up_are_the_ones_its_batches_launch(tmp_pa
     import subprocess
     import sys
 
-    counts = {}
+    counts, compiled = {}, {}
     for mode in ("warm", "cold"):
         cache = tmp_path / mode / "triton"
         cache.parent.mkdir()
@@ -634,7 +635,8 @@ def test_the_gpu_inputs_kernels_warmed_up_are_the_ones_its_batches_launch(tmp_pa
                               text=True, env={**os.environ, "TRITON_CACHE_DIR": str(cache)}, timeout=300)
         assert done.returncode == 0, done.stderr[-3000:]
         counts[mode] = tuple(int(n) for n in done.stdout.split()[-2:])
-    assert counts == {"warm": (kernel_count, kernel_count), "cold": (0, kernel_count)}, counts
+        compiled[mode] = done.stderr.strip().splitlines()[-1:]
+    assert counts == {"warm": (kernel_count, kernel_count), "cold": (0, kernel_count)}, (counts, compiled)
 
 
 def test_the_scans_on_cuda_keep_and_match_what_the_cpu_forms_do():
