@@ -262,3 +262,18 @@ def test_the_plan_fuses_where_the_training_graphs_run_on_cuda():
     assert not fused("cuda", fused_bn_act=False) and not fused("cpu") and not fused("cuda", mode="dp")
     assert not fused("cuda", cuda_graphs=False) and not fused("cuda", compile=True)
     assert not fused("cuda", sync_bn=True)  # SyncBatchNorm keeps its own forward
+
+
+def test_the_rank_hands_the_graphs_the_part_where_the_plan_fuses_and_the_kernels_compiled():
+    from types import SimpleNamespace
+
+    from launcher.rank.components import Rank
+    from launcher.rank.step.triton_modules import COPIES, PARTS
+
+    def parts(compiled: bool, fused: bool) -> tuple[str, ...]:
+        rank = SimpleNamespace(triton_kernels=lambda: compiled, plan=SimpleNamespace(fused_bn_act=fused))
+        return Rank.triton_parts(rank)
+
+    assert parts(True, True) == PARTS and "bn_act" in PARTS
+    assert parts(True, False) == COPIES and "bn_act" not in COPIES
+    assert parts(False, True) == ()
