@@ -108,14 +108,14 @@ def kernels_against_pytorch() -> None:
     assert bs._on_triton(torch.zeros(2, 3, 4, 4).contiguous(memory_format=torch.channels_last))
     for dtype in (torch.float32, torch.float16):
         conv_against_ultralytics(dtype, triton=True)
-    defaults = (bs.STAT_ROWS, bs.PROGRAMS, bs.PARTS, bs.ROWS, bs.CHANNELS)
+    defaults = (bs.STAT_ROWS, bs.PROGRAMS, bs.PARTS, bs.FINISH_CHANNELS, bs.ROWS, bs.CHANNELS)
     # (2, 40, 8, 8): 32 row blocks, 3 programs of 11, one of 10; several row and channel blocks elementwise
-    bs.STAT_ROWS, bs.PROGRAMS, bs.PARTS, bs.ROWS, bs.CHANNELS = 4, 6, 2, 16, 16
+    bs.STAT_ROWS, bs.PROGRAMS, bs.PARTS, bs.FINISH_CHANNELS, bs.ROWS, bs.CHANNELS = 4, 6, 2, 16, 16, 16
     try:
         assert bs._split(128, 40) == (11, 3) and bs._split(72, 5) == (3, 6)
         conv_against_ultralytics(torch.float32, triton=True)
     finally:
-        bs.STAT_ROWS, bs.PROGRAMS, bs.PARTS, bs.ROWS, bs.CHANNELS = defaults
+        bs.STAT_ROWS, bs.PROGRAMS, bs.PARTS, bs.FINISH_CHANNELS, bs.ROWS, bs.CHANNELS = defaults
 
     x = (torch.randn(4, 3, 16, 16, dtype=torch.float64) + 1e4).float().contiguous(memory_format=torch.channels_last)
     weight, bias = torch.ones(3, requires_grad=True), torch.zeros(3, requires_grad=True)

@@ -36,7 +36,9 @@ MAX_ELEMENTS = 2**31 - 2**16  # the kernels index rows in int32 (with a block to
 # 16, most of 32). First choices, to be tuned on the GPU (docs/benchmarks/h200-step/README.md, how to measure).
 STAT_ROWS, STAT_CHANNELS = 128, 32  # rows x channels of a reduction's block
 ROWS, CHANNELS = 128, 32  # rows x channels per program of the elementwise passes (as kernels.py's row copies)
-PARTS = 128  # partials merged per step of a finish kernel
+# A finish kernel's programs each take few channels and many partials: it then runs on several multiprocessors (one
+# per 8 channels) in a step or two, not on one in many.
+PARTS, FINISH_CHANNELS = 512, 8  # partials x channels merged per step of a finish kernel
 PROGRAMS = 1024  # about how many reduction programs one call launches (rows blocks x channel blocks)
 
 
@@ -68,10 +70,10 @@ def _stats_triton(x, weight, bias, running_mean, running_var, momentum: float, e
                                                      CHANNELS=STAT_CHANNELS)
     mean, rstd, scale = (torch.empty(c, **f32) for _ in range(3))
     update = running_mean is not None
-    k.stats_finish[(-(-c // STAT_CHANNELS),)](
+    k.stats_finish[(-(-c // FINISH_CHANNELS),)](
         part_mean, part_m2, mean, rstd, scale, weight, running_mean if update else mean,
         running_var if update else rstd, rows, c, along, per * STAT_ROWS, float(momentum), float(eps),
-        UPDATE=update, PARTS=PARTS, CHANNELS=STAT_CHANNELS)
+        UPDATE=update, PARTS=PARTS, CHANNELS=FINISH_CHANNELS)
     return mean, rstd, scale
 
 
@@ -92,8 +94,8 @@ def _backward_triton(dy, x, weight, bias, mean, rstd, act: bool):
     k.grad_partial[(along, -(-c // STAT_CHANNELS))](x, dy, mean, rstd, weight, bias, part_dz, part_dzx, rows, c, per,
                                                     ACT=act, ROWS=STAT_ROWS, CHANNELS=STAT_CHANNELS)
     dweight, dbias = torch.empty(c, **f32), torch.empty(c, **f32)
-    k.grad_finish[(-(-c // STAT_CHANNELS),)](part_dz, part_dzx, dweight, dbias, c, along, PARTS=PARTS,
-                                             CHANNELS=STAT_CHANNELS)
+    k.grad_finish[(-(-c // FINISH_CHANNELS),)](part_dz, part_dzx, dweight, dbias, c, along, PARTS=PARTS,
+                                               CHANNELS=FINISH_CHANNELS)
     dx = torch.empty_like(x, memory_format=torch.channels_last)
     k.act_backward[(-(-rows // ROWS), -(-c // CHANNELS))](x, dy, dx, mean, rstd, weight, bias, dweight, dbias, rows,
                                                           c, ACT=act, ROWS=ROWS, CHANNELS=CHANNELS)
@@ -188,8 +190,8 @@ def warm_up(device: torch.device, dtype: torch.dtype) -> None:
     k.stats_partial.warmup(dtype, f32, f32, 1, 16, 1, ROWS=STAT_ROWS, CHANNELS=STAT_CHANNELS, grid=(1,))
     for update in (True, False):
         k.stats_finish.warmup(f32, f32, f32, f32, f32, f32, f32, f32, 1, 16, 1, 1, 0.1, 0.1, UPDATE=update,
-                              PARTS=PARTS, CHANNELS=STAT_CHANNELS, grid=(1,))
-    k.grad_finish.warmup(f32, f32, f32, f32, 16, 1, PARTS=PARTS, CHANNELS=STAT_CHANNELS, grid=(1,))
+                              PARTS=PARTS, CHANNELS=FINISH_CHANNELS, grid=(1,))
+    k.grad_finish.warmup(f32, f32, f32, f32, 16, 1, PARTS=PARTS, CHANNELS=FINISH_CHANNELS, grid=(1,))
     for act in (True, False):
         k.act_forward.warmup(dtype, dtype, f32, f32, f32, 1, 16, ACT=act, ROWS=ROWS, CHANNELS=CHANNELS, grid=(1,))
         k.grad_partial.warmup(dtype, dtype, f32, f32, f32, f32, f32, f32, 1, 16, 1, ACT=act, ROWS=STAT_ROWS,
