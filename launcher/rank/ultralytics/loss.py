@@ -47,7 +47,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from ultralytics.utils.loss import BboxLoss, E2ELoss, v8DetectionLoss
+from ultralytics.utils.loss import BboxLoss, E2ELoss, v8DetectionLoss, v8PoseLoss, v8SegmentationLoss
 from ultralytics.utils.metrics import bbox_iou
 from ultralytics.utils.ops import xywh2xyxy, xyxy2xywh
 from ultralytics.utils.tal import TaskAlignedAssigner, bbox2dist, make_anchors
@@ -72,15 +72,19 @@ def global_normaliser(raw_local: torch.Tensor) -> torch.Tensor:
 
 
 def training_criterion(model, sync_free: bool = True):
-    """The criterion the training step uses, for the loss Ultralytics would build for `model` (init_criterion):
-    a v8DetectionLoss, or YOLO26's E2ELoss of two, becomes DetectionLoss. Any other loss (segmentation, pose, OBB)
-    is Ultralytics' own, returned with None: it is normalised per rank."""
+    """(the criterion the training step uses, whether its box and class terms are normalised over the ranks), for
+    the loss Ultralytics would build for `model` (init_criterion): a v8DetectionLoss, or YOLO26's E2ELoss of two,
+    becomes DetectionLoss; v8SegmentationLoss and v8PoseLoss take their box, class and DFL terms from one
+    (TaskLoss). Any other loss (YOLO26's segmentation and pose, OBB) is Ultralytics' own, normalised per rank."""
     default = model.init_criterion()
     loss = partial(DetectionLoss, sync_free=sync_free)
     if type(default) is v8DetectionLoss:
         return loss(model, tal_topk=default.assigner.topk, tal_topk2=default.assigner.topk2), True
     if type(default) is E2ELoss and type(default.one2many) is v8DetectionLoss:
         return E2ELoss(model, loss), True
+    if type(default) in TASK_LOSSES:
+        return TASK_LOSSES[type(default)](model, tal_topk=default.assigner.topk, tal_topk2=default.assigner.topk2,
+                                          sync_free=sync_free), True
     return default, False
 
 
@@ -254,6 +258,33 @@ class DenseBboxLoss(BboxLoss):
         dfl = dfl_loss(pred_dist.reshape(-1, reg_max), target_ltrb.reshape(-1, 4), reg_max).view(fg.shape)
         loss_dfl = (torch.where(fg, dfl, 0) * weight).sum() / target_scores_sum
         return loss_iou, loss_dfl
+
+
+class TaskLoss:
+    """Ultralytics' segmentation or pose loss (the class after this one in the bases) with its box, class and DFL
+    terms from a DetectionLoss (get_assigned_targets_and_loss, which both call first): those are normalised over the
+    ranks and sync-free as for detection, and the assignment they return is the one the mask and keypoint terms use.
+    The mask term (divided by the rank's foreground anchors) and the keypoint terms (means over the rank's matched
+    keypoints) stay normalised per rank, as Ultralytics computes them. Nothing is deferred over accumulated
+    micro-batches (no defer_normaliser): each is normalised on its own, as YOLO26's end-to-end loss is."""
+
+    def __init__(self, model, tal_topk: int = 10, tal_topk2: int | None = None, *, sync_free: bool = True):
+        super().__init__(model, tal_topk, tal_topk2)
+        self.boxes = DetectionLoss(model, tal_topk, tal_topk2, sync_free=sync_free)
+
+    def get_assigned_targets_and_loss(self, preds: dict, batch: dict, **assign_kwargs) -> tuple:
+        return self.boxes.get_assigned_targets_and_loss(preds, batch, **assign_kwargs)
+
+
+class SegmentationLoss(TaskLoss, v8SegmentationLoss):
+    pass
+
+
+class PoseLoss(TaskLoss, v8PoseLoss):
+    pass
+
+
+TASK_LOSSES = {v8SegmentationLoss: SegmentationLoss, v8PoseLoss: PoseLoss}  # Ultralytics' loss -> the one trained
 
 
 def dfl_loss(pred_dist: torch.Tensor, target: torch.Tensor, reg_max: int) -> torch.Tensor:
