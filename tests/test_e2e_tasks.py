@@ -1,0 +1,54 @@
+"""A segmentation and a pose model trained end to end on two CPU ranks (gloo) through the real `ddp-launch`, on the
+synthetic shapes labelled for their task (polygons, four keypoints): Ultralytics' pipeline, loss and validator of
+the task, a metric above zero, and a best.pt that Ultralytics loads as that task."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import pytest
+
+from tests.conftest import ddp_launch, run_dir_of
+
+pytestmark = [pytest.mark.slow, pytest.mark.dist]
+
+# small and short, yet learning: 64 px images with one or two large shapes, no mosaic (it would shrink them), a brisk
+# unscaled lr after one epoch of warmup
+SHORT = ["gpus=0", "nproc=2", "data.synthetic.train_images=128", "data.synthetic.val_images=16",
+         "data.synthetic.width=64", "data.synthetic.height=64", "data.synthetic.max_objects=2", "train.imgsz=64",
+         "train.batch_per_device=8", "train.epochs=6", "train.close_mosaic=6", "log.interval_steps=8",
+         "optim.base_lr=0.04", "optim.lr_scaling=none", "optim.warmup_epochs=1"]
+# the metric each reaches in those steps (pose's keypoint mAP needs longer: its OKS is strict on 64 px shapes)
+CASES = {"segment": ("yolov8n-seg.yaml", "map50_mask", "metrics/mAP50-95(M)"),
+         "pose": ("yolov8n-pose.yaml", "map50", "metrics/mAP50-95(P)")}
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def trained(request, tmp_path_factory, cache_dir):
+    task = request.param
+    result = ddp_launch(["model=custom", f"model.cfg={CASES[task][0]}", *SHORT], cwd=tmp_path_factory.mktemp(task))
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    return task, result, run_dir_of(result)
+
+
+def test_each_task_trains_on_two_ranks_to_a_metric_above_zero(trained):
+    task, result, run_dir = trained
+    model, metric, column = CASES[task]
+    assert f"task            {task} (from {model})" in result.stdout
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["task"] == task and summary["world_size"] == 2 and summary["ranks_params_identical"] is True
+    assert summary[metric] > 0, summary
+    with (run_dir / "results.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 6 and column in rows[0]  # the task's own metrics beside the boxes', per epoch
+
+
+def test_best_pt_loads_in_ultralytics_as_its_task(trained):
+    from ultralytics import YOLO
+    from ultralytics.nn.tasks import PoseModel, SegmentationModel
+
+    task, _, run_dir = trained
+    model = YOLO(str(run_dir / "weights" / "best.pt"))
+    assert model.task == task
+    assert type(model.model) is {"segment": SegmentationModel, "pose": PoseModel}[task]
