@@ -1,21 +1,24 @@
-"""A segmentation and a pose model trained end to end on two CPU ranks (gloo) through the real `ddp-launch`, on the
-synthetic shapes labelled for their task (polygons, four keypoints): Ultralytics' pipeline, loss and validator of
-the task, a metric above zero, and a best.pt that Ultralytics loads as that task."""
+"""A segmentation and a pose model trained end to end on two CPU ranks (gloo) through the real `ddp-launch`: the
+README's command for each, shorter and smaller, on the synthetic shapes labelled for their task (polygons, four
+keypoints): Ultralytics' pipeline, loss and validator of the task, a metric above zero, and a best.pt that
+Ultralytics loads as that task."""
 
 from __future__ import annotations
 
 import csv
 import json
+import shlex
 
 import pytest
 
 from tests.conftest import ddp_launch, run_dir_of
+from tests.test_readme import readme_commands
 
 pytestmark = [pytest.mark.slow, pytest.mark.dist]
 
 # small and short, yet learning: 64 px images with one or two large shapes, no mosaic (it would shrink them), a brisk
 # unscaled lr after one epoch of warmup
-SHORT = ["gpus=0", "nproc=2", "data.synthetic.train_images=128", "data.synthetic.val_images=16",
+SHORT = ["data.synthetic.train_images=128", "data.synthetic.val_images=16",
          "data.synthetic.width=64", "data.synthetic.height=64", "data.synthetic.max_objects=2", "train.imgsz=64",
          "train.batch_per_device=8", "train.epochs=6", "train.close_mosaic=6", "log.interval_steps=8",
          "optim.base_lr=0.04", "optim.lr_scaling=none", "optim.warmup_epochs=1"]
@@ -27,7 +30,8 @@ CASES = {"segment": ("yolov8n-seg.yaml", "map50_mask", "metrics/mAP50-95(M)"),
 @pytest.fixture(scope="module", params=list(CASES))
 def trained(request, tmp_path_factory, cache_dir):
     task = request.param
-    result = ddp_launch(["model=custom", f"model.cfg={CASES[task][0]}", *SHORT], cwd=tmp_path_factory.mktemp(task))
+    command = next(c for c in readme_commands("ddp-launch") if f"model={CASES[task][0]}" in c)
+    result = ddp_launch([*shlex.split(command)[1:], *SHORT], cwd=tmp_path_factory.mktemp(task))
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     return task, result, run_dir_of(result)
 
