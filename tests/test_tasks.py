@@ -30,6 +30,11 @@ def test_the_task_is_the_models_where_the_data_fits_it(arch, data, task):
 def test_a_pose_model_needs_keypoints_and_keypoints_need_a_pose_model():
     _, problems = run_task("yolov8n-pose.yaml", {"names": {0: "a"}}, "model=yolov8n-pose.yaml")
     assert len(problems) == 1 and "has no kpt_shape" in problems[0] and "kpt_shape: [K, 3]" in problems[0]
+    for kpt_shape, flip_idx, says in (([4], None, "expected [K, 2] or [K, 3]"), ([4, 3], [0, 1, 2], "flip_idx"),
+                                      ([4, 3], [0, 1, 1, 3], "mirrored order")):
+        _, problems = run_task("yolov8n-pose.yaml", {"kpt_shape": kpt_shape, "flip_idx": flip_idx}, "model=m")
+        assert len(problems) == 1 and says in problems[0], problems
+    assert run_task("yolov8n-pose.yaml", {"kpt_shape": [17, 2]}, "model=m") == ("pose", [])  # no flip_idx: no flip
     for arch in ("yolov8n.yaml", "yolov8n-seg.yaml"):
         _, problems = run_task(arch, POSE_DATA, f"model={arch}")
         assert len(problems) == 1 and "only a pose model trains on" in problems[0]

@@ -163,8 +163,9 @@ def resolve_data(data_cfg: dict, base_dir: Path, *, generate: bool = True, cache
             yaml_path = folder / shapes.MARKER
         else:
             names = dict(enumerate(shapes.CLASSES))
-            pending = {"path": str(folder), "train": str(folder / "images/train"), "val": str(folder / "images/val"), "names": names,
-                       **({"kpt_shape": shapes.KPT_SHAPE, "flip_idx": shapes.FLIP_IDX} if spec.task == "pose" else {})}
+            keypoints = {"kpt_shape": shapes.KPT_SHAPE, "flip_idx": shapes.FLIP_IDX} if spec.task == "pose" else {}
+            pending = {"path": str(folder), "train": str(folder / "images/train"), "val": str(folder / "images/val"),
+                       "names": names, **keypoints}
             return DatasetInfo(name, f"synthetic {spec}", pending, spec.train_images, spec.val_images, note="generated at the first real run"), []
         return _from_yaml(name, yaml_path, None, allow, scan)
 

@@ -83,11 +83,27 @@ def run_task(arch: str | None, data_spec: dict | None, key: str) -> tuple[str, l
         return task, [f"{key}: {name} is a pose model, and the data YAML has no kpt_shape: add `kpt_shape: [K, 3]` "
                       "(K keypoints per object, each x, y, visible; and flip_idx for the horizontal flip) with "
                       "keypoint labels, or train a detection model on this data (model=yolo11n.pt)"]
-    if task != "pose" and kpt_shape:
+    if task == "pose":
+        return task, _keypoint_problems(kpt_shape, data_spec.get("flip_idx"))
+    if kpt_shape:
         return task, [f"{key}: the data YAML has kpt_shape {list(kpt_shape)} (keypoint labels), which only a pose "
                       f"model trains on, and {name} is a {WORDS.get(task, task)} model: use a pose model "
                       "(model=yolov8n-pose.yaml, model=yolo11n-pose.pt), or remove kpt_shape to train boxes only"]
     return task, []
+
+
+def _keypoint_problems(kpt_shape, flip_idx) -> list[str]:
+    """The data YAML's keypoint keys as Ultralytics needs them: kpt_shape [K, 2 or 3], flip_idx K indices (or none:
+    Ultralytics then turns the horizontal flip off)."""
+    if not (isinstance(kpt_shape, (list, tuple)) and len(kpt_shape) == 2 and all(isinstance(v, int) for v in kpt_shape)
+            and kpt_shape[0] > 0 and kpt_shape[1] in (2, 3)):
+        return [f"the data YAML's kpt_shape {kpt_shape!r}: expected [K, 2] or [K, 3] (K keypoints per object, each x, "
+                "y and, with 3, visible)"]
+    if flip_idx is not None and (not isinstance(flip_idx, (list, tuple)) or len(flip_idx) != kpt_shape[0]
+                                 or sorted(flip_idx) != list(range(kpt_shape[0]))):
+        return [f"the data YAML's flip_idx {flip_idx!r}: expected the {kpt_shape[0]} keypoint indices of kpt_shape "
+                "in their mirrored order (each keypoint's partner under a horizontal flip), or no flip_idx"]
+    return []
 
 
 def task_source(arch: str | None) -> str:
