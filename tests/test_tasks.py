@@ -156,3 +156,74 @@ def test_the_task_loss_is_ultralytics_own_on_one_process(task):
         loss, items = criterion(preds, _batch(task))
         torch.testing.assert_close(loss, expected, rtol=1e-4, atol=1e-5)
         assert list(items) == list(expected_items)
+
+
+# --- on two ranks: the same step as one process on the whole batch ------------------------------------------------
+BOXES = (3, 1, 2, 0)  # per image: unequal, so that a normaliser taken per rank would give another step
+
+
+def _task_model_and_batch(task: str):
+    """A network of `task` and a batch of 4 images, 64 px, with BOXES targets each (boxes, and their masks at the
+    prototypes' 16 px or four keypoints inside each box)."""
+    import torch
+    from ultralytics.cfg import get_cfg
+
+    from launcher.rank.data.pipeline import TARGETS_PER_IMAGE
+    from launcher.rank.ultralytics.tasks import task_of
+
+    torch.manual_seed(0)
+    net = task_of(task).network(MODELS[task], {"nc": 3, "channels": 3, "kpt_shape": [4, 3]})
+    net.args = get_cfg(overrides={"task": task})
+    rows = [(i, (i + k) % 3, 0.2 + 0.3 * k, 0.5, 0.25, 0.4) for i, n in enumerate(BOXES) for k in range(n)]
+    t = torch.tensor(rows, dtype=torch.float32)
+    batch = {"img": torch.rand(len(BOXES), 3, 64, 64, generator=torch.Generator().manual_seed(1)),
+             "batch_idx": t[:, 0], "cls": t[:, 1:2], "bboxes": t[:, 2:], TARGETS_PER_IMAGE: list(BOXES)}
+    if task == "segment":  # overlap masks: object k of an image is k + 1, over its box
+        batch["masks"] = torch.zeros(len(BOXES), 16, 16)
+        for i in range(len(BOXES)):
+            for k, (_, _, cx, cy, w, h) in enumerate(r for r in rows if r[0] == i):
+                x0, x1, y0, y1 = (int(16 * v) for v in (cx - w / 2, cx + w / 2, cy - h / 2, cy + h / 2))
+                batch["masks"][i, y0:y1, x0:x1] = k + 1
+    else:  # the box's top, right, bottom and left points
+        batch["keypoints"] = torch.tensor([[[cx, cy - h / 2, 2], [cx + w / 2, cy, 2], [cx, cy + h / 2, 2],
+                                            [cx - w / 2, cy, 2]] for _, _, cx, cy, w, h in rows])
+    return net, batch
+
+
+def _task_shard(batch: dict, rank: int, world: int) -> dict:
+    from launcher.rank.step.train_step import micro_batches
+
+    return micro_batches(batch, world)[rank]
+
+
+def _task_rank(rank: int, world: int, init_file: str, out: str, task: str):
+    import torch
+    import torch.distributed as dist
+
+    from tests.test_ddp_equivalence import one_step
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    net, batch = _task_model_and_batch(task)
+    one_step(torch.nn.parallel.DistributedDataParallel(net), _task_shard(batch, rank, world), len(BOXES) // world)
+    if rank == 0:
+        torch.save({k: v.detach().clone() for k, v in net.named_parameters()}, out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("task", ["segment", "pose"])
+def test_two_ranks_of_b_take_the_same_step_as_one_process_of_2b(task, tmp_path):
+    """The mask and keypoint terms too: each rank divides by the ranks' mean foreground, not its own."""
+    import torch
+    import torch.multiprocessing as mp
+
+    from tests.test_ddp_equivalence import assert_same_step, one_step, parameters
+
+    net, batch = _task_model_and_batch(task)
+    before = parameters(net)
+    one_step(net, batch, len(BOXES))
+    out = tmp_path / "ddp.pt"
+    mp.start_processes(_task_rank, args=(2, str(tmp_path / "init"), str(out), task), nprocs=2, start_method="spawn")
+    assert_same_step(torch.load(out), parameters(net), before)

@@ -54,8 +54,8 @@ def ema_and_loss(net: nn.Module, sync_free: bool, log=None):
     """The EMA copy first, then net.criterion set to the training loss (sync-free as train.sync_free_loss says);
     said through `log` when that loss is not a YOLO detection loss."""
     ema = build.ema(net)
-    net.criterion, global_boxes = training_criterion(net, sync_free=sync_free)
-    if not global_boxes and log is not None:
+    net.criterion, over_ranks = training_criterion(net, sync_free=sync_free)
+    if not over_ranks and log is not None:
         log(f"WARNING: {type(net.criterion).__name__}: loss normalised per rank (not a YOLO detection, segmentation "
             "or pose loss), and not sync-free")
     return ema
