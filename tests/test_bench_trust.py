@@ -62,6 +62,23 @@ def test_a_utilisation_nvml_did_not_report_carries_no_verdict():
     assert report.verdict({**c, "gpu_util": 46.0}).startswith("step-bound: GPU 46 % busy")  # a reading there is
 
 
+def test_a_low_utilisation_beside_a_whole_step_graph_at_its_ceiling_carries_no_verdict():
+    """An H200 whose NVML read 33 % on a step replayed as one CUDA graph at 94 % of its data-free ceiling: that step
+    has no per-step host work or launches to be bound by, so 'step-bound' would be false; below the ceiling, or on a
+    step launched kernel by kernel, the reading still counts."""
+    c = {"mode": "ddp", "size": 1, "images_per_s": 940.0, "data_wait": 0.004, "gpu_util": 33.0,
+         "pipeline_efficiency": 0.94, "efficiency": 1.0, "whole_step_graph": True}
+    assert report.verdict(c) == (
+        "fed: 0 % data wait, 94 % of the data-free ceiling; NVML's 33 % GPU utilisation is not trusted: the step "
+        "replays as one CUDA graph at 94 % of the data-free ceiling, with no per-step host work or launches to be "
+        "bound by, so no verdict rests on it")
+    assert report.verdict({**c, "whole_step_graph": False}).startswith("step-bound: GPU 33 % busy")
+    assert report.verdict({**c, "pipeline_efficiency": 0.80}).startswith("host-bound: 80 %")
+    ranks = [{"images_per_s": 470.0, "data_wait": 0.0, "step_ms": 10.0, "steps_measured": 5, "whole_step_graph": True},
+             {"images_per_s": 470.0, "data_wait": 0.0, "step_ms": 10.0, "steps_measured": 5}]
+    assert report.aggregate("ddp", 2, ranks)["whole_step_graph"] is False  # every rank's step must be one graph
+
+
 def test_the_report_gives_the_spread_the_host_load_and_what_not_to_trust():
     cells = measured([[run(1, 10.0), run(1, 100.0)], [run(2, 270.0), run(2, 285.0)]], BUSY)
     for c in cells:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 
 import numpy as np
 import pytest
@@ -531,7 +532,8 @@ import pathlib, sys
 import torch
 from launcher.rank.kernels import kernels
 cache, warm = pathlib.Path(sys.argv[1]), sys.argv[2] == "warm"
-names = {"validation": kernels.VALIDATION, "training": kernels.TRAINING, "scans": kernels.SCANS}[sys.argv[3]]
+names = {"validation": kernels.VALIDATION, "training": kernels.TRAINING, "scans": kernels.SCANS,
+         "bn_act": ("bn_act",)}[sys.argv[3]]
 if warm:
     kernels.warm_up(torch.device("cuda", 0), torch.float16, names)
 before = len(list(cache.rglob("*.cubin")))
@@ -550,6 +552,12 @@ if names == kernels.SCANS:
     truth = torch.tensor([[[100.0, 100, 200, 180], [300, 50, 420, 200]]], device="cuda").repeat(2, 1, 1)
     matching.true_positives(det.boxes, det.cls, det.valid(), truth, torch.zeros(2, 2, device="cuda"),
                             torch.ones(2, 2, dtype=torch.bool, device="cuda"))
+elif names == ("bn_act",):
+    from launcher.rank.kernels.batchnorm_silu import bn_silu
+    w, b = torch.ones(80, device="cuda", requires_grad=True), torch.zeros(80, device="cuda", requires_grad=True)
+    for act, stats in ((True, True), (False, False)):  # with running statistics to update and without
+        running = (torch.zeros(80, device="cuda"), torch.ones(80, device="cuda")) if stats else (None, None)
+        bn_silu(y.detach().requires_grad_(), w, b, *running, 0.03, 1e-3, True, act).float().sum().backward()
 elif names == kernels.VALIDATION:
     for silu in (True, False):
         kernels.bias_act_(y, torch.randn(80, device="cuda", dtype=torch.half), silu)
@@ -564,12 +572,12 @@ print(before, len(list(cache.rglob("*.cubin"))))
 """
 
 
-@pytest.mark.parametrize("names,kernel_count", [("validation", 3), ("training", 3), ("scans", 3)])
+@pytest.mark.parametrize("names,kernel_count", [("validation", 3), ("training", 3), ("scans", 3), ("bn_act", 10)])
 def test_the_kernels_warmed_up_on_a_thread_are_the_ones_launched_after(tmp_path, names, kernel_count):
     """kernels.warm_up compiles, without a launch, exactly the specialisations that are then launched (fp16,
     channels_last): the folded validation forward's, the training graphs' upsampling forward and backward and the
-    concatenations' copy, and the validation's NMS and matching scans (called directly, and by batched_nms and
-    true_positives as a validation calls them). In a process with an empty Triton cache, the launches after it
+    concatenations' copy, the fused BatchNorm and SiLU's, and the validation's NMS and matching scans (called
+    directly, and by batched_nms and true_positives as a validation calls them). In a process with an empty Triton cache, the launches after it
     compile nothing more; without it they compile all."""
     import os
     import subprocess
@@ -605,6 +613,7 @@ before = len(list(cache.rglob("*.cubin")))
 for k in range(3):
     gi(ds.collate_fn([ds[(0, i)] for i in range(8)]), torch.Generator(device="cuda").manual_seed(k))
 torch.cuda.synchronize()
+print(sorted(p.parent.name[:8] + "/" + p.stem for p in cache.rglob("*.cubin")), file=sys.stderr)  # which compiled
 print(before, len(list(cache.rglob("*.cubin"))))
 """
 
@@ -618,7 +627,7 @@ def test_the_gpu_inputs_kernels_warmed_up_are_the_ones_its_batches_launch(tmp_pa
     import subprocess
     import sys
 
-    counts = {}
+    counts, compiled = {}, {}
     for mode in ("warm", "cold"):
         cache = tmp_path / mode / "triton"
         cache.parent.mkdir()
@@ -626,7 +635,8 @@ def test_the_gpu_inputs_kernels_warmed_up_are_the_ones_its_batches_launch(tmp_pa
                               text=True, env={**os.environ, "TRITON_CACHE_DIR": str(cache)}, timeout=300)
         assert done.returncode == 0, done.stderr[-3000:]
         counts[mode] = tuple(int(n) for n in done.stdout.split()[-2:])
-    assert counts == {"warm": (kernel_count, kernel_count), "cold": (0, kernel_count)}, counts
+        compiled[mode] = done.stderr.strip().splitlines()[-1:]
+    assert counts == {"warm": (kernel_count, kernel_count), "cold": (0, kernel_count)}, (counts, compiled)
 
 
 def test_the_scans_on_cuda_keep_and_match_what_the_cpu_forms_do():
@@ -856,64 +866,129 @@ def test_the_captured_whole_step_takes_the_eager_steps_and_never_waits_for_the_g
     _assert_graph_update_is_eager(updates)
 
 
-def test_the_training_graphs_run_the_triton_modules_and_take_pytorchs_gradients():
-    """triton_kernels=True (rank/step/triton_modules.py): the whole step's graph and the network's graph replay the
-    Triton upsampling (forward and backward) and the concatenations' copies, as the profiler sees the replay, and
-    give the gradients of the graphs without them, bit for bit (cuDNN deterministic); the modules run PyTorch's
-    and Ultralytics' forward again after the capture."""
+def _graphs_grads_and_kernels(parts: tuple[str, ...], whole: bool):
+    """The gradients of a yolov8n's fp16 graph (the whole step's, or the network's) replayed with `parts` of
+    rank/step/triton_modules.py, flat, and the names of the kernels its replay launched."""
     from torch.profiler import ProfilerActivity, profile
 
     from launcher.rank.data.pipeline import MAX_TARGETS
     from launcher.rank.step.captured_step import CapturedStep, bucket
     from launcher.rank.step.graphed import GraphedDetector
 
-    def grads_and_kernels(kernels_on: bool, whole: bool):
-        model, batch = make_model_and_batch()
-        model = with_training_loss(model.cuda().to(memory_format=torch.channels_last)).train()
-        batch = _on_cuda(batch)
-        batch["img"] = batch["img"].half().contiguous(memory_format=torch.channels_last)
-        if whole:
-            opt = torch.optim.SGD(model.parameters(), lr=0.01)
-            step = CapturedStep(model, optimizer=opt, scaler=torch.amp.GradScaler("cuda", enabled=False), ema=None,
-                                loss_scale=1.0, grad_clip=0.0, amp_dtype=torch.float16, batch=len(batch["img"]),
-                                imgsz=batch["img"].shape[-1], triton_kernels=kernels_on)
-            step.capture({**batch, MAX_TARGETS: 3})
-            graph = step.graphs[bucket(3)]
-            replay = lambda: graph.replay(graph.img, graph.targets)  # noqa: E731
-            grads = step.grads
-        else:
-            net = GraphedDetector(model, len(batch["img"]), batch["img"].shape[-1], torch.float16,
-                                  input_dtype=torch.float16, channels_last=True, triton_kernels=kernels_on)
-            params = list(model.parameters())
+    model, batch = make_model_and_batch()
+    model = with_training_loss(model.cuda().to(memory_format=torch.channels_last)).train()
+    batch = _on_cuda(batch)
+    batch["img"] = batch["img"].half().contiguous(memory_format=torch.channels_last)
+    if whole:
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        step = CapturedStep(model, optimizer=opt, scaler=torch.amp.GradScaler("cuda", enabled=False), ema=None,
+                            loss_scale=1.0, grad_clip=0.0, amp_dtype=torch.float16, batch=len(batch["img"]),
+                            imgsz=batch["img"].shape[-1], triton_parts=parts)
+        step.capture({**batch, MAX_TARGETS: 3})
+        graph = step.graphs[bucket(3)]
+        replay = lambda: graph.replay(graph.img, graph.targets)  # noqa: E731
+        grads = step.grads
+    else:
+        net = GraphedDetector(model, len(batch["img"]), batch["img"].shape[-1], torch.float16,
+                              input_dtype=torch.float16, channels_last=True, triton_parts=parts)
+        params = list(model.parameters())
 
-            def replay():
-                for p in params:
-                    p.grad = None
-                with torch.autocast("cuda", dtype=torch.float16):
-                    loss, _ = model.loss(batch, net(batch["img"]))
-                loss.sum().backward()
-            grads = None
+        def replay():
+            for p in params:
+                p.grad = None
+            with torch.autocast("cuda", dtype=torch.float16):
+                loss, _ = model.loss(batch, net(batch["img"]))
+            loss.sum().backward()
+        grads = None
+    replay()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
         replay()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            replay()
-            torch.cuda.synchronize()
-        names = {e.key for e in prof.key_averages()}
-        taken = grads if whole else [p.grad for p in model.parameters() if p.requires_grad]
-        assert not any("forward" in m.__dict__ for m in model.modules())  # PyTorch's again
-        return torch.cat([g.detach().float().flatten() for g in taken]), names
+        torch.cuda.synchronize()
+    names = {e.key for e in prof.key_averages()}
+    taken = grads if whole else [p.grad for p in model.parameters() if p.requires_grad]
+    assert not any("forward" in m.__dict__ for m in model.modules())  # PyTorch's again
+    return torch.cat([g.detach().float().flatten() for g in taken]), names
 
+
+@contextmanager
+def _cudnn_deterministic():
     deterministic, benchmark = torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark
     torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
     try:
+        yield
+    finally:
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = deterministic, benchmark
+
+
+def test_the_training_graphs_run_the_triton_modules_and_take_pytorchs_gradients():
+    """triton_parts=COPIES (rank/step/triton_modules.py): the whole step's graph and the network's graph replay the
+    Triton upsampling (forward and backward) and the concatenations' copies, as the profiler sees the replay, and
+    give the gradients of the graphs without them, bit for bit (cuDNN deterministic); the modules run PyTorch's
+    and Ultralytics' forward again after the capture."""
+    from launcher.rank.step.triton_modules import COPIES
+
+    with _cudnn_deterministic():
         for whole in (True, False):
-            want, pytorch_kernels = grads_and_kernels(False, whole)
-            got, triton_kernels = grads_and_kernels(True, whole)
+            want, pytorch_kernels = _graphs_grads_and_kernels((), whole)
+            got, triton_kernels = _graphs_grads_and_kernels(COPIES, whole)
             assert torch.isfinite(want).all() and torch.equal(got, want), whole
             assert any("upsample_nearest2d" in k for k in pytorch_kernels), pytorch_kernels
             assert not any("upsample_nearest2d" in k for k in triton_kernels), triton_kernels
             assert {"_upsample2x", "_upsample2x_backward", "_copy_rows_kernel"} <= triton_kernels, triton_kernels
-    finally:
-        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = deterministic, benchmark
+
+
+def test_the_training_graphs_with_the_fused_bn_act_take_pytorchs_gradients_to_rounding():
+    """triton_parts=PARTS (train.fused_bn_act): both graphs replay the fused BatchNorm and SiLU kernels, no cuDNN
+    BatchNorm and no SiLU kernel of PyTorch's, and give the gradients of the graphs without it to fp16 rounding (a
+    relative difference of the whole gradient below 3e-2: PyTorch rounds BatchNorm's output to fp16 before SiLU, the
+    fused form once, and the tiny batch's deepest BatchNorms see 16 values per channel); a second capture repeats
+    them bit for bit."""
+    from launcher.rank.step.triton_modules import COPIES, PARTS
+
+    fused = {"stats_partial", "stats_finish", "act_forward", "grad_partial", "grad_finish", "act_backward"}
+    with _cudnn_deterministic():
+        for whole in (True, False):
+            want, _ = _graphs_grads_and_kernels(COPIES, whole)
+            got, names = _graphs_grads_and_kernels(PARTS, whole)
+            again, _ = _graphs_grads_and_kernels(PARTS, whole)
+            assert torch.isfinite(got).all() and torch.equal(got, again), whole
+            assert float((got - want).norm()) < 3e-2 * float(want.norm()), float((got - want).norm() / want.norm())
+            assert fused <= names, names
+            left = [k for k in names if any(w in k.lower() for w in ("silu", "batch_norm", "bn_fw", "bn_bw"))]
+            assert not left, left
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_the_fused_bn_act_kernels_on_cuda_give_batchnorm_and_silus_values(dtype):
+    """rank/kernels/batchnorm_silu.py on CUDA against torch.nn.BatchNorm2d and SiLU in fp32 on the same stored input
+    (channel counts that fill no block, a yolov8s P2 layer's shape): output, input and parameter gradients, running
+    statistics; a second call repeats the first bit for bit (no atomics)."""
+    from launcher.rank.kernels.batchnorm_silu import bn_silu
+
+    tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    for shape in [(2, 5, 3, 4), (4, 80, 13, 17), (2, 144, 9, 11), (64, 32, 160, 160)]:
+        for act in (True, False):
+            x = (torch.randn(shape, device="cuda") * 2 + 1).to(dtype).contiguous(memory_format=torch.channels_last)
+            grad = torch.randn(shape, device="cuda").to(dtype).contiguous(memory_format=torch.channels_last)
+            bn = torch.nn.BatchNorm2d(shape[1], momentum=0.03, eps=1e-3).cuda().train()
+            runs = []
+            for _ in range(2):
+                w, b = bn.weight.detach().clone().requires_grad_(), bn.bias.detach().clone().requires_grad_()
+                rm, rv = bn.running_mean.clone(), bn.running_var.clone()
+                leaf = x.detach().requires_grad_()
+                y = bn_silu(leaf, w, b, rm, rv, bn.momentum, bn.eps, True, act)
+                y.backward(grad)
+                runs.append([y, leaf.grad, w.grad, b.grad, rm, rv])
+            leaf = x.detach().float().requires_grad_()
+            ref = bn(leaf)
+            ref = torch.nn.functional.silu(ref) if act else ref
+            ref.backward(grad.float())
+            want = [ref.to(dtype), leaf.grad.to(dtype), bn.weight.grad, bn.bias.grad, bn.running_mean, bn.running_var]
+            assert runs[0][0].is_contiguous(memory_format=torch.channels_last)
+            for got, again, expected in zip(runs[0], runs[1], want):
+                assert torch.equal(got, again)
+                scale = max(1.0, float(expected.float().abs().max()))
+                torch.testing.assert_close(got.float(), expected.float(), rtol=tol["rtol"], atol=tol["atol"] * scale)
 
 
 def test_a_bucket_captured_mid_epoch_survives_another_thread_pinning_memory():

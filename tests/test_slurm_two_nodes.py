@@ -81,3 +81,19 @@ def test_node_0_of_a_job_whose_other_node_never_starts_is_refused_in_one_line_wi
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "refused" and summary["detail"] in refusals[0]
     assert took < 60, took  # the job's start and 3 s, not c10d's own 600 s
+
+
+def test_a_node_whose_node_0_never_starts_is_refused_in_one_line_within_dist_timeout_s(tmp_path, cache_dir):
+    """Node 1 of a job whose node 0 never starts: it tries node 0's store for dist.timeout_s (not c10d's own 60 s),
+    then says so in one line and exits 2, without torchrun's traceback."""
+    run_dir, job_id, env = planned_job(tmp_path, "dist.timeout_s=3")
+    started = time.monotonic()
+    node1 = subprocess.run([sys.executable, "-m", job.JOB_MODULE, str(run_dir)], env={**env, "SLURM_NODEID": "1"},
+                           capture_output=True, text=True, timeout=120)
+    took, log = time.monotonic() - started, node1.stdout + node1.stderr
+    at = f"localhost:{job.rendezvous_port(job_id)}"
+    assert node1.returncode == 2, log
+    assert f"node 1 of 2: waiting for node 0 at {at} (at most dist.timeout_s=3 s)" in log
+    refusals = [line for line in log.splitlines() if f"refused: node 0 of 2 did not answer at {at}" in line]
+    assert len(refusals) == 1 and "Traceback" not in log and "inner exception" not in log, log
+    assert took < 45, took  # the job's start and 3 s, not c10d's own 60 s

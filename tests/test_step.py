@@ -266,7 +266,7 @@ def swapped_modules_against_pytorch(interpreted: bool = False) -> None:
     import pickle
 
     from launcher.rank.kernels import kernels
-    from launcher.rank.step.triton_modules import triton_modules
+    from launcher.rank.step.triton_modules import COPIES, triton_modules
 
     model, batch = make_model_and_batch()
     model = model.train().to(memory_format=torch.channels_last)
@@ -295,7 +295,7 @@ def swapped_modules_against_pytorch(interpreted: bool = False) -> None:
     want, want_grads, want_input = outputs_and_grads()
     kernels._copy_rows = counted
     try:
-        with triton_modules(model) as swapped:
+        with triton_modules(model, parts=COPIES) as swapped:
             assert swapped == 2 + 8 + 1 + 4
             assert "forward" not in bilinear.__dict__
             assert {type(m).__name__ for m in model.modules() if "forward" in m.__dict__} == {

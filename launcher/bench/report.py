@@ -41,6 +41,7 @@ def aggregate(mode: str, size: int, ranks: list[dict]) -> dict:
         "host_cpu": sum(r.get("host_cpu", 0.0) for r in ranks) / len(ranks),
         "step_ms": sum(r["step_ms"] for r in ranks) / len(ranks),
         "steps_measured": min(r["steps_measured"] for r in ranks),
+        "whole_step_graph": all(r.get("whole_step_graph", False) for r in ranks),
         "loss_finite": all(math.isfinite(v) for r in ranks for v in (r.get("loss") or {}).values()),
     }
 
@@ -91,7 +92,7 @@ def verdict(c: dict) -> str:
             f"host-bound: {100 * pipe:.0f} % of the data-free ceiling with {100 * wait:.0f} % data wait; the loader "
             f"competes with the training process for the CPU (fewer loader.workers, or more cores per GPU)"
         )
-    unread = _unread_utilisation(util, pipe)
+    unread = _unread_utilisation(util, pipe, bool(c.get("whole_step_graph")))
     if unread:
         busy = ""
     elif util is not None and util < GPU_BUSY:
@@ -108,13 +109,20 @@ def verdict(c: dict) -> str:
             + (f"; {unread}" if unread else ""))
 
 
-def _unread_utilisation(util: float | None, pipe: float | None) -> str:
+def _unread_utilisation(util: float | None, pipe: float | None, whole_step_graph: bool = False) -> str:
     """Why NVML's utilisation cannot carry a verdict ("" when it can): a reading of 0 on a cell that trained (some
-    drivers and cards report nothing: a GPU that ran the steps was busy some of the time)."""
-    if util is None or util > 0:
+    drivers and cards report nothing: a GPU that ran the steps was busy some of the time), or a low reading on a step
+    replayed as one CUDA graph at the pace of its data-free ceiling (such a step has no per-step host work or launches
+    to be bound by: the card's NVML under-reports)."""
+    if util is None or util >= GPU_BUSY:
         return ""
     at = f" at {100 * pipe:.0f} % of the data-free ceiling" if pipe is not None else ""
-    return f"GPU utilisation unavailable (NVML read 0 %{at}), so no verdict rests on it"
+    if util <= 0:
+        return f"GPU utilisation unavailable (NVML read 0 %{at}), so no verdict rests on it"
+    if whole_step_graph and pipe is not None and pipe >= PIPELINE_OK:
+        return (f"NVML's {util:.0f} % GPU utilisation is not trusted: the step replays as one CUDA graph{at}, with "
+                "no per-step host work or launches to be bound by, so no verdict rests on it")
+    return ""
 
 
 def environment() -> dict:

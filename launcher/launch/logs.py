@@ -65,6 +65,8 @@ class QuietStop:
     unchanged."""
 
     RENDEZVOUS_ERRORS = ("DistStoreError", "DistNetworkError", "RendezvousTimeoutError", "RendezvousConnectionError")
+    # where in torchrun a rendezvous fails: the nodes' meeting, or a node's first reach for node 0's store
+    RENDEZVOUS_STAGES = ("next_rendezvous", "_create_tcp_store")
     TRACEBACK = "Traceback (most recent call last):"
     CHAINED = ("During handling of the above exception, another exception occurred:",
                "The above exception was the direct cause of the following exception:")
@@ -100,10 +102,13 @@ class QuietStop:
         exceptions = [line for i, line in enumerate(block) if i and line[:1] not in (" ", "\t", "\n")
                       and line.strip() not in self.CHAINED and not line.startswith(self.TRACEBACK)]
         if self.rendezvous_refusal and any(e in line for line in exceptions for e in self.RENDEZVOUS_ERRORS) and any(
-                "next_rendezvous" in line for line in block):
+                at in line for line in block for at in self.RENDEZVOUS_STAGES):
             if not self.refused:
-                last = exceptions[-1].strip()  # c10d's RendezvousTimeoutError comes without a message
-                detail = f" ({last.rsplit('Error: ', 1)[-1]})" if "Error: " in last else ""
+                # the chain's last message that says something (c10d's RendezvousTimeoutError has none, and its
+                # RendezvousConnectionError points at the inner exception, which this line replaces)
+                said = [e.strip().rsplit("Error: ", 1)[-1] for e in exceptions
+                        if "Error: " in e and "inner exception" not in e]
+                detail = f" ({said[-1]})" if said else ""
                 self._write(f"\n{self.rendezvous_refusal}{detail}\n")
             self.refused = True
         elif not any("SignalException" in line for line in exceptions):

@@ -1,5 +1,6 @@
 """The settings a rank would otherwise work out again from the config, decided once here and carried by LaunchPlan:
-the step's precision, the fused optimizer, cuDNN's autotuning, CUDA graphs and what they hold, the validation engine, batch and graphs."""
+the step's precision, the fused optimizer, cuDNN's autotuning, CUDA graphs and what they hold (the fused BatchNorm and
+SiLU among it), the validation engine, batch and graphs."""
 
 from __future__ import annotations
 
@@ -21,6 +22,9 @@ def rank_decisions(cfg: dict, *, device: str, mode: str, task: str = "detect") -
         "cuda_graphs_required": train.get("cuda_graphs", "auto") is True,
         "graph_scope": "step" if graphs and train.get("graph_scope", "auto") == "auto" and has_fast_paths(task)
         else "network",
+        # dist.sync_bn's SyncBatchNorm is never fused: its statistics are the ranks'
+        "fused_bn_act": (graphs and device == "cuda" and train.get("fused_bn_act", "auto") in ("auto", True)
+                         and not (cfg.get("dist") or {}).get("sync_bn", False)),
         "val_engine": checks.val_engine(val, train) if has_fast_paths(task) else "ultralytics",
         "task": task,
         "val_batch_fixed": _whole(val.get("batch", "auto")),

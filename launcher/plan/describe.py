@@ -67,10 +67,11 @@ def _step_text(plan: LaunchPlan) -> str:
     """CUDA graphs, and what they hold where the whole step cannot be captured for the task."""
     if not plan.cuda_graphs:
         return "CUDA graphs off (train.cuda_graphs)"
+    fused = "; BatchNorm and SiLU fused in them (train.fused_bn_act)" if plan.fused_bn_act else ""
     if has_fast_paths(plan.task):
-        return "CUDA graphs on (train.cuda_graphs)"
+        return f"CUDA graphs on (train.cuda_graphs){fused}"
     return (f"CUDA graphs on, the network's forward and backward only (train.cuda_graphs): the {plan.task} loss runs "
-            "eagerly, its shapes follow the targets")
+            f"eagerly, its shapes follow the targets{fused}")
 
 
 def _model_text(model: ModelSpec) -> str:

@@ -30,6 +30,7 @@ class TrainSettings:
     save_period: int = -1
     plots: bool = True
     cuda_graphs: bool | str = "auto"
+    fused_bn_act: bool | str = "auto"
     cudnn_benchmark: bool = False
     cuda_connections: int | None = 32
     graph_scope: str = "auto"

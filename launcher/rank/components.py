@@ -46,6 +46,7 @@ from launcher.rank.kernels import kernels
 from launcher.rank.loop.state import Checkpointer, TrainState
 from launcher.rank.startup.prewarm import Prewarm
 from launcher.rank.step import auto_batch
+from launcher.rank.step import triton_modules
 from launcher.rank.step.optimizer import Schedule
 from launcher.rank.ultralytics import build
 from launcher.run_folder import RunFolder
@@ -215,6 +216,14 @@ class Rank:
         on_gpu = self.plan.augment_on == "gpu"
         return (self.input_dtype if on_gpu else torch.float32), on_gpu
 
+    def triton_parts(self) -> tuple[str, ...]:
+        """What the training graphs run on Triton kernels (step/triton_modules.py's parts): the upsampling and the
+        concatenations, and the fused BatchNorm and SiLU where the plan says (train.fused_bn_act); none where the
+        kernels did not compile."""
+        if not self.triton_kernels():
+            return ()
+        return triton_modules.PARTS if self.plan.fused_bn_act else triton_modules.COPIES
+
     def triton_kernels(self) -> bool:
         """Whether the graphs run the upsampling and the concatenations on Triton kernels: once their compilation has
         ended without an error (else PyTorch's kernels, said once)."""
@@ -223,7 +232,7 @@ class Rank:
         warm = self.kernels.join()
         if warm.error is not None:
             self.log(f"WARNING: the training graphs' Triton kernels did not compile ({warm.error}); PyTorch's "
-                     "upsampling and concatenations run instead")
+                     "upsampling, concatenations, BatchNorm and SiLU run instead")
             self.kernels = None
             return False
         return True
@@ -261,7 +270,8 @@ def amp_dtype(plan: LaunchPlan) -> torch.dtype | None:
 def training_kernels(device: torch.device, dtype: torch.dtype, plan: LaunchPlan) -> kernels.WarmUp | None:
     """The training graphs' Triton kernels (step/triton_modules.py), compiled on a thread from the start: on a fresh
     machine (no Triton cache) compiling them takes longer than the set-up's other parts."""
-    return kernels.WarmUp(device, dtype, kernels.TRAINING) if device.type == "cuda" and plan.cuda_graphs else None
+    names = kernels.TRAINING + (("bn_act",) if plan.fused_bn_act else ())
+    return kernels.WarmUp(device, dtype, names) if device.type == "cuda" and plan.cuda_graphs else None
 
 
 def decode_batch(plan: LaunchPlan) -> int:

@@ -17,6 +17,9 @@ Forms: a "+"-joined list, the first part the deterministic switches, then change
   (rank/step/triton_modules.py);
 - concat: the channel concatenations of C2f, SPPF and Concat and C2f's split as Triton copies, the backward handing
   out packed gradients (rank/ultralytics/blocks.py, swapped in by rank/step/triton_modules.py);
+- bn_act: each Conv block's training BatchNorm and SiLU as one Triton function (rank/kernels/batchnorm_silu.py,
+  swapped in by rank/step/triton_modules.py; train.fused_bn_act): its gradients are PyTorch's to float rounding, not
+  bit for bit, so the comparison with the first form reads as a relative difference;
 - pool-nchw: SPPF's max pools on a contiguous copy (PyTorch's channels_last max-pool backward).
 So det+upsample+concat is what ddp-launch trains with, det+upsample what it trained with before the thirteenth
 session, det+gather-dfl before the eleventh.
@@ -137,6 +140,8 @@ def form_patches(model, form: str) -> ExitStack:
         stack.enter_context(triton_modules(model, parts=("upsample",)))
     if "concat" in parts:
         stack.enter_context(triton_modules(model, parts=("concat",)))
+    if "bn_act" in parts:
+        stack.enter_context(triton_modules(model, parts=("bn_act",)))
     if "pool-nchw" in parts:
         for m in model.modules():
             if isinstance(m, nn.MaxPool2d):

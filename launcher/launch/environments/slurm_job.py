@@ -88,7 +88,8 @@ def node_torchrun_command(
 
     One node: c10d on localhost:0 (the kernel picks the port; jobs sharing a node never clash). Several nodes: c10d
     on the allocation's first host, at `port` (dist.master_port when set) or the job's own port, joined within
-    dist.timeout_s (c10d's `join_timeout`, 600 s otherwise). Node 0
+    dist.timeout_s (c10d's `join_timeout`, 600 s otherwise; and its `read_timeout`, 60 s otherwise: how long a node
+    tries to reach node 0's store before it gives up). Node 0
     (SLURM_NODEID, the first host of the node list) serves the rendezvous store and says so (`is_host`) rather than
     leaving torchrun to recognise its own host name, which fails where a node's name and its host name differ. The
     rendezvous, not the node id, then numbers the ranks.
@@ -106,7 +107,7 @@ def node_torchrun_command(
         is_host = int(slurm_env["SLURM_NODEID"]) == 0
         endpoint = [
             "--rdzv-endpoint", rendezvous_endpoint(first_host, job_id, port),
-            "--rdzv-conf", f"is_host={int(is_host)},join_timeout={plan.timeout_s}",
+            "--rdzv-conf", f"is_host={int(is_host)},join_timeout={plan.timeout_s},read_timeout={plan.timeout_s}",
         ]  # fmt: skip
     rendezvous = ["--rdzv-backend", "c10d", *endpoint, "--rdzv-id", job_id]
     return torchrun.torchrun_command(plan, run_dir, rendezvous, nnodes=nnodes, python=python)

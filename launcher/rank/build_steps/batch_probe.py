@@ -15,10 +15,10 @@ from torch import nn
 from launcher.plan.describe import batch_lines
 from launcher.plan.plan import LaunchPlan, with_batch
 from launcher.rank.step import auto_batch
-from launcher.rank.step.captured_step import CapturedStep
 from launcher.rank.step.train_step import TrainStep
 from launcher.rank.build_steps import model_build
-from launcher.rank.build_steps.step_build import capture_network, captures_step, most_targets_of
+from launcher.rank.build_steps.step_build import (capture_network, capture_whole_step, captures_step,
+                                                  most_targets_of, synthetic_batch)
 from launcher.rank.ultralytics import build
 from launcher.rank.ultralytics.fast_validation import VAL_CONF, nms_settings
 from launcher.rank.validate.forward import InferenceForward
@@ -33,7 +33,6 @@ def measure_batch(rank, validation: bool) -> dict:
     plan, settings = rank.plan, rank.settings
     rank.prewarm.join()  # the probe captures graphs
     memory = auto_batch.CudaMemory(rank.device)
-    dtype, channels_last = rank.step_input
     with torch.random.fork_rng(devices=[rank.device]):
         net, frozen = model_build.network(rank.hyp, rank.data, settings.model.weights, rank.device)
         ema = model_build.ema_and_loss(net, bool(settings.train.sync_free_loss))  # as the run's: the EMA, the loss
@@ -48,24 +47,17 @@ def measure_batch(rank, validation: bool) -> dict:
         targets = most_targets_of(rank)
 
         def run_at(batch: int, validate: bool = False) -> None:
-            def images(n: int = auto_batch.PROBE_TARGETS) -> dict:
-                return auto_batch.synthetic_batch(batch, int(rank.hyp.imgsz), rank.device, dtype=dtype,
-                                                  channels_last=channels_last, nc=int(rank.data["nc"]), targets=n)
-
             try:
                 if whole:  # the step the run takes: every bucket captured, its own gradients and graph pool
-                    taken = CapturedStep(net, optimizer=step.optimizer, scaler=step.scaler, ema=step.ema,
-                                         loss_scale=1.0, grad_clip=step.grad_clip, amp_dtype=rank.amp_dtype,
-                                         batch=batch, imgsz=int(rank.hyp.imgsz),
-                                         triton_kernels=rank.triton_kernels(), log=lambda _: None)
-                    captured = taken.capture_all(targets, images)
-                    torch.cuda.empty_cache()  # as the run's set-up does (step_build.captured_step)
-                    batches = [images(captured[0])]
+                    taken, captured = capture_whole_step(rank, net, optimizer=step.optimizer, scaler=step.scaler,
+                                                         ema=step.ema, batch=batch, loss_scale=1.0,
+                                                         log=lambda _: None)
+                    largest = captured[0]  # the graph with the most target rows, the most crowded batch it replays
                 else:
-                    step.model, taken = probe_graphs(rank, net, batch, graphs), step
-                    batches = [images()]
-                if targets is not None and targets > auto_batch.PROBE_TARGETS:
-                    batches.append(images(targets))  # the most crowded batch the data can make, eager if uncaptured
+                    step.model, taken, largest = probe_graphs(rank, net, batch, graphs), step, 0
+                batches = [synthetic_batch(rank, batch, largest or auto_batch.PROBE_TARGETS)]
+                if targets is not None and targets > max(largest, auto_batch.PROBE_TARGETS):
+                    batches.append(synthetic_batch(rank, batch, targets))  # the most crowded batch, eager if uncaptured
                 for _ in range(auto_batch.STEPS):
                     for one in batches:
                         taken(one)

@@ -38,7 +38,7 @@ def capture_network(rank, net: nn.Module, batch: int) -> GraphedDetector:
     raises what the capture raised (out of memory included)."""
     dtype, channels_last = rank.step_input
     return GraphedDetector(net, batch, rank.hyp.imgsz, rank.amp_dtype, input_dtype=dtype,
-                           channels_last=channels_last, triton_kernels=rank.triton_kernels())
+                           channels_last=channels_last, triton_parts=rank.triton_parts())
 
 
 def captures_step(rank, net: nn.Module) -> bool:
@@ -55,18 +55,12 @@ def captured_step(rank) -> CapturedStep | None:
     """The whole step captured (captured_step.py), every bucket the data can need, at set-up on synthetic batches;
     None when the capture fails and train.cuda_graphs=auto (the network alone is then graphed)."""
     rank.net.train()
-    dtype, channels_last = rank.step_input
-    optim, plan = rank.settings.optim, rank.plan
-    step = CapturedStep(rank.net, optimizer=rank.optimizer, scaler=rank.scaler, ema=rank.ema,
-                        loss_scale=lrmod.loss_scale(plan.base_batch, plan.batch_per_rank),
-                        grad_clip=float(optim.grad_clip), amp_dtype=rank.amp_dtype,
-                        batch=plan.micro_batch, imgsz=int(rank.hyp.imgsz),
-                        triton_kernels=rank.triton_kernels(), log=rank.log)
-    targets = most_targets_of(rank)
+    plan, targets = rank.plan, most_targets_of(rank)
     try:
-        captured = step.capture_all(targets, lambda n: auto_batch.synthetic_batch(
-            plan.micro_batch, int(rank.hyp.imgsz), rank.device, dtype=dtype, channels_last=channels_last,
-            nc=int(rank.data["nc"]), targets=n))
+        step, captured = capture_whole_step(rank, rank.net, optimizer=rank.optimizer, scaler=rank.scaler,
+                                            ema=rank.ema, batch=plan.micro_batch,
+                                            loss_scale=lrmod.loss_scale(plan.base_batch, plan.batch_per_rank),
+                                            log=rank.log)
     except Exception as e:  # noqa: BLE001 - a loss or network that syncs with the host inside the capture
         for p in rank.net.parameters():
             p.grad = None
@@ -75,11 +69,30 @@ def captured_step(rank) -> CapturedStep | None:
             raise RuntimeError(f"{failure}; capture the network only: train.graph_scope=network") from e
         rank.log(f"WARNING: {failure}; capturing the network only")
         return None
-    torch.cuda.empty_cache()  # the warm-ups' side-stream blocks (as graphed_network)
     rank.detail(f"CUDA graphs: the whole step's forward, loss and backward captured for batches of "
                 f"{plan.micro_batch}, a graph per padded target count {sorted(captured)} (the data's images carry "
                 f"at most {'an unknown number of' if targets is None else targets} targets)")
     return step
+
+
+def capture_whole_step(rank, net: nn.Module, *, optimizer, scaler, ema, batch: int, loss_scale: float,
+                       log) -> tuple[CapturedStep, list[int]]:
+    """`net`'s whole step for `batch` images captured in every bucket the data can need, largest first, then the
+    capture's side-stream blocks given back; (the step, the buckets captured). The run's set-up and the auto-batch
+    probe both call it, so the probe measures the graphs the run will hold. Raises what the capture raised."""
+    step = CapturedStep(net, optimizer=optimizer, scaler=scaler, ema=ema, loss_scale=loss_scale,
+                        grad_clip=float(rank.settings.optim.grad_clip), amp_dtype=rank.amp_dtype, batch=batch,
+                        imgsz=int(rank.hyp.imgsz), triton_parts=rank.triton_parts(), log=log)
+    captured = step.capture_all(most_targets_of(rank), lambda n: synthetic_batch(rank, batch, n))
+    torch.cuda.empty_cache()  # the warm-ups' side-stream blocks (as graphed_network)
+    return step, captured
+
+
+def synthetic_batch(rank, batch: int, targets: int = auto_batch.PROBE_TARGETS) -> dict:
+    """`batch` random images of the step's input type and layout, the fullest carrying `targets` targets."""
+    dtype, channels_last = rank.step_input
+    return auto_batch.synthetic_batch(batch, int(rank.hyp.imgsz), rank.device, dtype=dtype,
+                                      channels_last=channels_last, nc=int(rank.data["nc"]), targets=targets)
 
 
 def most_targets_of(rank) -> int | None:

@@ -229,7 +229,7 @@ def nearest2x(x: torch.Tensor) -> torch.Tensor:
 
 
 def warm_up(device: torch.device, dtype: torch.dtype, names: tuple[str, ...] = VALIDATION) -> None:
-    """The kernels `names` (VALIDATION, TRAINING, SCANS) compiled (or loaded from Triton's cache) for `dtype` on
+    """The kernels `names` (VALIDATION, TRAINING, "bn_act", SCANS) compiled (or loaded from Triton's cache) for `dtype` on
     channels_last tensors, as they are launched, without launching: no CUDA work, so it may run beside a graph capture
     on another thread."""
     if triton is None or device.type != "cuda" or dtype not in TRITON_DTYPES:
@@ -244,6 +244,10 @@ def warm_up(device: torch.device, dtype: torch.dtype, names: tuple[str, ...] = V
         _upsample2x_backward.warmup(dtype, dtype, 1, 1, 1, 1, ROWS=ROWS, CHANNELS=CHANNELS, grid=(1,))
     if "copy_rows" in names:  # channels, row strides and addresses multiples of 16, as _rows_on_triton admits
         _copy_rows_kernel.warmup(dtype, dtype, 1, 16, 16, 16, ROWS=COPY_ROWS, CHANNELS=COPY_CHANNELS, grid=(1,))
+    if "bn_act" in names:  # the training graphs' fused BatchNorm and SiLU (rank/kernels/batchnorm_silu.py)
+        from launcher.rank.kernels import batchnorm_silu
+
+        batchnorm_silu.warm_up(device, dtype)
     if "scans" in names:
         from launcher.rank.kernels import scans  # the validation's own module; its kernels are fp32 whatever `dtype`
 

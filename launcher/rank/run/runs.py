@@ -29,6 +29,7 @@ from launcher.rank.metrics.gpu_monitor import GpuMonitor
 from launcher.rank.metrics.meter import StepMeter
 from launcher.rank.metrics.timeline import Timed, Timeline, TimelineEdges
 from launcher.rank.run.train_batches import TrainBatchPlots
+from launcher.rank.step.captured_step import CapturedStep
 from launcher.rank.ultralytics import build, checkpoint
 from launcher.rank.ultralytics.fast_validation import FastValidator
 from launcher.rank.ultralytics.plots import Plotter
@@ -193,7 +194,8 @@ def bench_cell(cfg: dict, plan: LaunchPlan, folder: RunFolder) -> dict | None:
                                                   net=r.net, loss_items=r.step.loss_items, state=r.state,
                                                   input_gpu_ms=input_time.ms_per_image if input_time else None,
                                                   input_threads=input_time.threads if input_time else None),
-                        "ceiling_images_per_s": ceiling, "host_cpu": cpu.busy}
+                        "ceiling_images_per_s": ceiling, "host_cpu": cpu.busy,
+                        "whole_step_graph": isinstance(r.step, CapturedStep)}
         reports = r.comm.gather(rank_figures)
         if r.rank != 0:
             return None

@@ -16,8 +16,9 @@ optimizer, the gradient clip and the GradScaler read them there, and no step zer
 them). Unscaling, clipping, the fused optimizer, the scaler's update and the EMA stay eager: a few multi-tensor
 launches, and the learning rate and momentum they read change every step of the warmup.
 
-With `triton_kernels` (set where its kernels compiled: rank/components.py) the graphs run the neck's upsampling
-and the blocks' channel concatenations on Triton kernels (triton_modules.py).
+With `triton_parts` (set where its kernels compiled: rank/components.py) the graphs run the neck's upsampling, the
+blocks' channel concatenations and (train.fused_bn_act) the Conv blocks' BatchNorm and SiLU on Triton kernels
+(triton_modules.py).
 
 A batch of another shape (multi-scale, a short batch), whose bucket would leave the dense assigner (DENSE_LIMIT) or
 was not captured (more targets than the data was planned to give) runs the same code eagerly, the last with a line
@@ -93,8 +94,8 @@ class CapturedStep:
     device, as TrainStep's do."""
 
     def __init__(self, net: nn.Module, *, optimizer, scaler, ema, loss_scale: float, grad_clip: float, amp_dtype,
-                 batch: int, imgsz: int, triton_kernels: bool = False, log: Callable[[str], None] = print):
-        self.triton_kernels = triton_kernels
+                 batch: int, imgsz: int, triton_parts: tuple[str, ...] = (), log: Callable[[str], None] = print):
+        self.triton_parts = triton_parts
         self.net, self.optimizer, self.scaler, self.ema = net, optimizer, scaler, ema
         self.loss_scale, self.grad_clip, self.amp_dtype, self.log = loss_scale, grad_clip, amp_dtype, log
         self.model = net  # what a caller reads as the step's module (the probe of train.batch_per_device=auto)
@@ -181,7 +182,7 @@ class _Graph:
         self.img, self.targets = img.clone(), targets.clone()
         saved = {k: v.detach().clone() for k, v in step.net.named_buffers()}  # warm-up passes move BN statistics
         try:
-            with triton_modules(step.net, step.triton_kernels):  # what the replays run (triton_modules.py)
+            with triton_modules(step.net, parts=step.triton_parts):  # what the replays run (triton_modules.py)
                 side = torch.cuda.Stream(step.device)
                 side.wait_stream(torch.cuda.current_stream(step.device))
                 with torch.cuda.stream(side):

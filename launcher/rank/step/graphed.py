@@ -11,8 +11,8 @@ network as it was: with `auto` the trainer then trains eagerly with a warning, w
 Full-size batches replay the graph; any other shape (the short last batch of an epoch, multi-scale) runs the same
 network eagerly, with the same parameters. DDP wraps the graphed module: gradients still land in `.grad` through
 autograd, so DDP's all-reduce hooks fire as usual. BatchNorm statistics update inside the graph, in the module's
-own buffers. With `triton_kernels` the graphs run the upsampling and the concatenations on Triton kernels
-(triton_modules.py).
+own buffers. With `triton_parts` the graphs run the upsampling, the concatenations and (train.fused_bn_act) the Conv
+blocks' BatchNorm and SiLU on Triton kernels (triton_modules.py).
 """
 
 from __future__ import annotations
@@ -29,10 +29,10 @@ class GraphedDetector(nn.Module):
 
     def __init__(self, net: nn.Module, batch: int, imgsz: int, amp_dtype: torch.dtype | None, *,
                  input_dtype: torch.dtype = torch.float32, channels_last: bool = False,
-                 triton_kernels: bool = False):
+                 triton_parts: tuple[str, ...] = ()):
         super().__init__()
         self.net = net
-        self.triton_kernels = triton_kernels
+        self.triton_parts = triton_parts
         self.shape = (batch, 3, imgsz, imgsz)
         self.amp_dtype = amp_dtype
         # the graph's input buffer as the pipeline writes batches: each replay then copies without converting
@@ -51,7 +51,7 @@ class GraphedDetector(nn.Module):
         saved = {k: v.detach().clone() for k, v in self.net.named_buffers()}  # warm-up runs move BN statistics
         flat = _FlatForward(self)
         try:
-            with triton_modules(self.net, self.triton_kernels), torch.autocast(
+            with triton_modules(self.net, parts=self.triton_parts), torch.autocast(
                     "cuda", dtype=self.amp_dtype or torch.float32, enabled=self.amp_dtype is not None,
                     cache_enabled=False):
                 return torch.cuda.make_graphed_callables(flat, (sample,), num_warmup_iters=3)
