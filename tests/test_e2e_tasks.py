@@ -44,6 +44,7 @@ def test_each_task_trains_on_two_ranks_its_loss_falling_to_a_metric_above_zero(t
     assert summary["task"] == task and summary["world_size"] == 2 and summary["ranks_params_identical"] is True
     # from scratch in 64 steps: mAPs of a few thousandths, but above zero (the boxes', or the masks' or keypoints')
     assert max(summary["map50"], summary[metric]) > 0, summary
+    assert f"{metric.split('_')[-1]} mAP50 {summary[metric]:.4f}" in result.stdout  # the final lines name it
     with (run_dir / "results.csv").open() as f:
         rows = list(csv.DictReader(f))
     assert len(rows) == 8 and column in rows[0]  # the task's own metrics beside the boxes', per epoch

@@ -4,8 +4,8 @@ Detection has ddp-launch's fast paths: the input augmented on the GPU, the fast 
 captured as one CUDA graph, the auto batch's probe. Segmentation and pose train through Ultralytics' own pipeline
 (its transforms warp polygons and keypoints), its validator (masks and keypoints scored as it scores them) and its
 loss, normalised over the ranks but eager (its mask and keypoint terms have shapes that follow the targets); the
-network alone is graphed on GPUs.
-`auto` settings resolve to those paths; a setting that asks for a fast path the task lacks is refused here.
+network alone is graphed on GPUs. `auto` settings resolve to those paths; a setting that asks for a fast path the
+task lacks is refused here.
 """
 
 from __future__ import annotations
