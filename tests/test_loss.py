@@ -14,10 +14,11 @@ IMGSZ, BATCH = 128, 6
 
 def _model(yaml: str = "yolov8n.yaml"):
     from ultralytics.cfg import get_cfg
-    from ultralytics.nn.tasks import DetectionModel, SegmentationModel
+    from ultralytics.nn.tasks import DetectionModel, OBBModel, SegmentationModel
 
     torch.manual_seed(0)
-    model = (SegmentationModel if "-seg" in yaml else DetectionModel)(yaml, nc=3, verbose=False)
+    model = (SegmentationModel if "-seg" in yaml else OBBModel if "-obb" in yaml else DetectionModel)(
+        yaml, nc=3, verbose=False)
     model.args = get_cfg()
     return model.train()
 
@@ -77,7 +78,9 @@ def test_the_training_loss_equals_ultralytics_loss(counts, host_count, sync_free
 
 
 def test_each_detection_familys_loss_gets_the_global_normaliser_and_the_sync_free_parts():
-    from ultralytics.utils.loss import BboxLoss, E2ELoss, TaskAlignedAssigner, v8SegmentationLoss
+    from ultralytics.utils.loss import BboxLoss, E2ELoss, TaskAlignedAssigner, v8OBBLoss, v8SegmentationLoss
+
+    from launcher.rank.ultralytics.loss import SegmentationLoss
 
     v8, _ = training_criterion(_model())
     assert type(v8.assigner) is DenseTaskAlignedAssigner and type(v8.bbox_loss) is DenseBboxLoss
@@ -88,8 +91,11 @@ def test_each_detection_familys_loss_gets_the_global_normaliser_and_the_sync_fre
     assert detection and type(e2e) is E2ELoss
     assert type(e2e.one2many) is type(e2e.one2one) is DetectionLoss
     assert (e2e.one2many.assigner.topk, e2e.one2one.assigner.topk, e2e.one2one.assigner.topk2) == (10, 7, 1)
-    seg, detection = training_criterion(_model("yolov8n-seg.yaml"))
-    assert not detection and type(seg) is v8SegmentationLoss  # Ultralytics' own, left alone
+    seg, detection = training_criterion(_model("yolov8n-seg.yaml"))  # its box terms: tests/test_tasks.py
+    assert detection and isinstance(seg, v8SegmentationLoss) and type(seg) is SegmentationLoss
+    assert type(seg.boxes) is DetectionLoss and type(seg.boxes.assigner) is DenseTaskAlignedAssigner
+    obb, detection = training_criterion(_model("yolov8n-obb.yaml"))
+    assert not detection and type(obb) is v8OBBLoss  # Ultralytics' own, left alone
 
 
 def test_the_host_reads_the_largest_per_image_count_off_the_cpu_batch():

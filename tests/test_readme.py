@@ -110,6 +110,8 @@ RUN_ELSEWHERE = {
     "ddp-launch -m train.epochs=1 seed=1,2": "tests/test_sweeps.py",
     "ddp-launch log.integrations=[tensorboard]": "tests/test_tracking.py",
     "ddp-launch resume=RUN_DIR data.path=NEW": "tests/test_moved_runs.py",
+    "ddp-launch gpus=0 nproc=2 model=yolov8n-seg.yaml train.epochs=2": "tests/test_e2e_tasks.py",
+    "ddp-launch gpus=0 nproc=2 model=yolov8n-pose.yaml train.epochs=2": "tests/test_e2e_tasks.py",
 }
 
 

@@ -14,7 +14,9 @@ import pytest
 # reach (the module of rank/ultralytics/ that makes it) -> [(Ultralytics module, "Class.attribute" or "name", ...)]
 REACHES = {
     "validation.py": [("ultralytics.models.yolo.detect", "DetectionValidator.__call__", "DetectionValidator.init_metrics",
-                       "DetectionValidator.update_metrics", "DetectionValidator.get_desc")],
+                       "DetectionValidator.update_metrics", "DetectionValidator.get_desc"),
+                      ("ultralytics.models.yolo.segment", "SegmentationValidator.get_desc"),
+                      ("ultralytics.models.yolo.pose", "PoseValidator.get_desc")],
     "results_table.py": [("ultralytics.engine.validator", "TQDM", "BaseValidator.__call__"),
                          ("ultralytics.models.yolo.detect", "DetectionValidator.print_results")],
     "fast_validation.py": [("ultralytics.models.yolo.detect", "DetectionValidator.init_metrics",
@@ -25,7 +27,8 @@ REACHES = {
     "class_metrics.py": [("ultralytics.utils.metrics", "DetMetrics.process", "ap_per_class", "compute_ap", "smooth")],
     "folded.py": [("ultralytics.nn.modules", "Conv.forward_fuse", "DWConv"), ("ultralytics.nn.tasks", "BaseModel.fuse")],
     "loss.py": [("ultralytics.utils.loss", "v8DetectionLoss.get_assigned_targets_and_loss", "v8DetectionLoss.preprocess",
-                 "BboxLoss.forward", "DFLoss.__call__", "E2ELoss"),
+                 "BboxLoss.forward", "DFLoss.__call__", "E2ELoss", "v8SegmentationLoss.loss", "v8PoseLoss.loss",
+                 "v8SegmentationLoss.calculate_segmentation_loss", "v8PoseLoss.calculate_keypoints_loss"),
                 ("ultralytics.utils.tal", "TaskAlignedAssigner.get_box_metrics",
                  "TaskAlignedAssigner.select_candidates_in_gts", "bbox2dist", "make_anchors")],
     "datasets.py": [("ultralytics.data.base", "BaseDataset.get_img_files", "BaseDataset.load_image"),
@@ -47,12 +50,13 @@ REACHES = {
 
 # reach -> the tests (files or node ids) that compare what it computes with what Ultralytics computes
 BEHAVIOUR = {
-    "validation.py": ["tests/test_fast_validation.py"],
+    "validation.py": ["tests/test_fast_validation.py", "tests/test_e2e_tasks.py"],
     "results_table.py": ["tests/test_fast_validation.py"],
     "fast_validation.py": ["tests/test_fast_validation.py", "tests/test_confusion.py"],
     "class_metrics.py": ["tests/test_fast_validation.py"],
     "folded.py": ["tests/test_folded_copy.py"],
-    "loss.py": ["tests/test_loss.py"],
+    "loss.py": ["tests/test_loss.py", "tests/test_tasks.py::test_the_task_loss_is_ultralytics_own_on_one_process",
+                "tests/test_tasks.py::test_two_ranks_of_b_take_the_same_step_as_one_process_of_2b"],
     "datasets.py": ["tests/test_image_cache.py", "tests/test_gpu_augment.py",
                     "tests/test_data_check.py::test_the_split_lists_the_files_ultralytics_lists",
                     "tests/test_ultralytics_reaches.py::test_a_loader_forks_its_workers_at_its_first_iteration",
@@ -89,7 +93,7 @@ def test_the_reaches_keep_the_signatures_the_adapter_calls():
     """The calls whose arguments the adapter passes by position or by a name Ultralytics could rename."""
     from ultralytics.data.base import BaseDataset
     from ultralytics.models.yolo.detect import DetectionValidator
-    from ultralytics.utils.loss import v8DetectionLoss
+    from ultralytics.utils.loss import v8DetectionLoss, v8PoseLoss, v8SegmentationLoss
     from ultralytics.utils.metrics import ConfusionMatrix
     from ultralytics.utils.torch_utils import strip_optimizer
 
@@ -101,6 +105,8 @@ def test_the_reaches_keep_the_signatures_the_adapter_calls():
     assert {"updates"} <= set(parameters(strip_optimizer))
     assert {"conf"} <= set(parameters(ConfusionMatrix.process_batch))
     assert "preprocess" in vars(v8DetectionLoss)
+    for task_loss in (v8SegmentationLoss, v8PoseLoss):  # their box terms: TaskLoss hands them to DetectionLoss
+        assert "self.get_assigned_targets_and_loss(preds, batch)" in inspect.getsource(task_loss.loss)
 
 
 def test_a_loader_forks_its_workers_at_its_first_iteration():

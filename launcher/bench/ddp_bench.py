@@ -22,6 +22,7 @@ from launcher.bench.cells import Cell, plan_cells
 from launcher.entry import (GROUPS, Jobs, RunFolderGuard, conf_dir, interrupted, print_help_if_asked,
                             translated_or_exit)
 from launcher.inputs.data import resolve_data
+from launcher.inputs.model_task import model_task
 from launcher.inputs.models import resolve_model
 from launcher.launch import torchrun
 from launcher.launch.start import weight_dirs
@@ -70,6 +71,11 @@ def run_bench(cfg: dict, run_dir: Path, base_dir: Path, command: str) -> int:
     else:
         cells, problems = [], [f"bench.kind={kind!r}: expected throughput or time_to_model"]
     model, model_msgs = resolve_model(cfg["model"], base_dir, weight_dirs(cfg))
+    task = model_task(model.cfg or model.weights) if model is not None else None
+    if task not in (None, "detect"):  # its cells' synthetic batches and ceilings are detection's
+        model_msgs.append(f"model: ddp-bench measures detection models, and {Path(str(model.cfg or model.weights)).name} "
+                          f"is a {task} model; train it with ddp-launch, or benchmark a detection model "
+                          "(model=yolov8s)")
     if problems or model_msgs:
         raise PlanError(config_problems(problems + model_msgs))
     dry_run = bool(cfg.get("dry_run"))

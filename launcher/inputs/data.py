@@ -132,17 +132,21 @@ def _split_problems(name: str, spec: dict, checks: dict[str, labels.SplitCheck])
 
 
 def resolve_data(data_cfg: dict, base_dir: Path, *, generate: bool = True, cache_dir: Path | None = None,
-                 datasets_dir: Path | None = None) -> tuple[DatasetInfo | None, list[Problem]]:
+                 datasets_dir: Path | None = None, model_task: str | None = None) -> tuple[DatasetInfo | None, list[Problem]]:
     """Resolve `data.*` to a DatasetInfo, every image and label checked (labels.py). `generate=False` (a dry run)
     never writes the synthetic dataset nor the checks' cache; `cache_dir` (paths.cache) holds that cache. A data
     YAML named without a folder that is not a file here but one Ultralytics ships (data=coco8.yaml) is read from
-    Ultralytics, its dataset under `datasets_dir` (paths.datasets) as Ultralytics' datasets_dir would hold it."""
+    Ultralytics, its dataset under `datasets_dir` (paths.datasets) as Ultralytics' datasets_dir would hold it. The
+    synthetic dataset's `task: auto` labels it for `model_task` (the model's, inputs/model_task.py)."""
     scan = {"cache_dir": Path(cache_dir) / "labels" if cache_dir else None, "write_cache": generate}
     name = str(data_cfg.get("name", "data"))
     kind = data_cfg.get("kind", "yaml")
     allow = bool(data_cfg.get("allow_download", False))
     if kind == "synthetic":
-        spec = shapes.ShapesSpec.from_config(data_cfg.get("synthetic") or {})
+        synthetic = dict(data_cfg.get("synthetic") or {})
+        if synthetic.get("task", "auto") == "auto":
+            synthetic["task"] = model_task if model_task in shapes.TASKS else "detect"
+        spec = shapes.ShapesSpec.from_config(synthetic)
         bad = spec.problems()
         if bad:
             return None, [Problem(m) for m in bad]
@@ -159,7 +163,9 @@ def resolve_data(data_cfg: dict, base_dir: Path, *, generate: bool = True, cache
             yaml_path = folder / shapes.MARKER
         else:
             names = dict(enumerate(shapes.CLASSES))
-            pending = {"path": str(folder), "train": str(folder / "images/train"), "val": str(folder / "images/val"), "names": names}
+            keypoints = {"kpt_shape": shapes.KPT_SHAPE, "flip_idx": shapes.FLIP_IDX} if spec.task == "pose" else {}
+            pending = {"path": str(folder), "train": str(folder / "images/train"), "val": str(folder / "images/val"),
+                       "names": names, **keypoints}
             return DatasetInfo(name, f"synthetic {spec}", pending, spec.train_images, spec.val_images, note="generated at the first real run"), []
         return _from_yaml(name, yaml_path, None, allow, scan)
 

@@ -1,7 +1,11 @@
-"""The task a model trains for (detect, segment, pose, obb, classify, ...), read as Ultralytics' guess_model_task
-reads it: from the architecture YAML's last head module, or from the file name (-seg, -pose, -obb, -cls) where no
-YAML can be read. ddp-launch trains detectors; any other task is refused in the plan, before a process starts,
-instead of training its box head alone and leaving a model that looks trained."""
+"""The task a run trains (detect, segment, pose; obb and classify not built yet), decided from the model and the
+dataset before any process starts.
+
+The model's task is read as Ultralytics' guess_model_task reads it: from the architecture YAML's last head module,
+or from the file name (-seg, -pose, -obb, -cls) where no YAML can be read. The dataset must fit it: a data YAML with
+`kpt_shape` holds keypoints, which only a pose model trains on, and a pose model needs one. Segmentation labels are
+polygons, which the data YAML does not say: the model decides.
+"""
 
 from __future__ import annotations
 
@@ -11,10 +15,13 @@ import yaml
 
 from launcher.inputs import ultralytics_files
 
-TRAINED = "detect"
+DETECT = "detect"
+TRAINED = ("detect", "segment", "pose")  # the tasks ddp-launch trains (rank/ultralytics/tasks.py builds each)
 NAME_TASKS = (("-seg", "segment"), ("-pose", "pose"), ("-obb", "obb"), ("-cls", "classify"))
 WORDS = {"segment": "segmentation", "semantic": "semantic segmentation", "pose": "pose", "obb": "rotated-box (obb)",
          "classify": "classification", "depth": "depth"}
+# the validation metrics a task adds to the boxes' (B): Ultralytics' suffix, and summary.json's name for them
+TASK_METRICS = {"segment": ("M", "mask"), "pose": ("P", "pose")}
 
 
 def head_task(head: str) -> str | None:
@@ -51,13 +58,54 @@ def model_task(arch: str | None) -> str | None:
 
 
 def task_problem(arch: str | None, key: str) -> str | None:
-    """One line refusing a model of another task than detection (`key`: the setting that named it); None for a
-    detector or where the task cannot be told."""
+    """One line refusing a model of a task ddp-launch does not train yet (`key`: the setting that named it); None
+    for detection, segmentation and pose models, and where the task cannot be told."""
     task = model_task(arch)
-    if task is None or task == TRAINED:
+    if task is None or task in TRAINED:
         return None
     name, word = Path(str(arch)).name, WORDS.get(task, task)
-    return (f"{key}: {name} is a {word} model, and ddp-launch trains detection models only ({word} is not built yet; "
-            "training its box head alone would give a model that only looks trained). Use a detection model "
-            f"(model=yolo11n.pt, model=yolov8s.yaml), or Ultralytics' own trainer for this one: yolo {task} train "
-            "model=... data=... device=0,1")
+    return (f"{key}: {name} is a {word} model; ddp-launch trains detection, segmentation and pose models ({word} is "
+            "not built yet: training its box head alone would give a model that only looks trained). Use one of "
+            f"those (model=yolo11n.pt, model=yolov8n-seg.yaml), or Ultralytics' own trainer for this one: yolo {task} "
+            "train model=... data=... device=0,1")
+
+
+def run_task(arch: str | None, data_spec: dict | None, key: str) -> tuple[str, list[str]]:
+    """(the task the run trains, problems): the model's task (detect where it cannot be told), refused where the
+    dataset does not fit it (`data_spec`: the data YAML as the ranks get it; `key`: the setting that named the
+    model)."""
+    task = model_task(arch) or DETECT
+    if task not in TRAINED:
+        return task, []  # task_problem words it
+    name = Path(str(arch)).name
+    kpt_shape = (data_spec or {}).get("kpt_shape")
+    if task == "pose" and not kpt_shape:
+        return task, [f"{key}: {name} is a pose model, and the data YAML has no kpt_shape: add `kpt_shape: [K, 3]` "
+                      "(K keypoints per object, each x, y, visible; and flip_idx for the horizontal flip) with "
+                      "keypoint labels, or train a detection model on this data (model=yolo11n.pt)"]
+    if task == "pose":
+        return task, _keypoint_problems(kpt_shape, data_spec.get("flip_idx"))
+    if kpt_shape:
+        return task, [f"{key}: the data YAML has kpt_shape {list(kpt_shape)} (keypoint labels), which only a pose "
+                      f"model trains on, and {name} is a {WORDS.get(task, task)} model: use a pose model "
+                      "(model=yolov8n-pose.yaml, model=yolo11n-pose.pt), or remove kpt_shape to train boxes only"]
+    return task, []
+
+
+def _keypoint_problems(kpt_shape, flip_idx) -> list[str]:
+    """The data YAML's keypoint keys as Ultralytics needs them: kpt_shape [K, 2 or 3], flip_idx K indices (or none:
+    Ultralytics then turns the horizontal flip off)."""
+    if not (isinstance(kpt_shape, (list, tuple)) and len(kpt_shape) == 2 and all(isinstance(v, int) for v in kpt_shape)
+            and kpt_shape[0] > 0 and kpt_shape[1] in (2, 3)):
+        return [f"the data YAML's kpt_shape {kpt_shape!r}: expected [K, 2] or [K, 3] (K keypoints per object, each x, "
+                "y and, with 3, visible)"]
+    if flip_idx is not None and (not isinstance(flip_idx, (list, tuple)) or len(flip_idx) != kpt_shape[0]
+                                 or sorted(flip_idx) != list(range(kpt_shape[0]))):
+        return [f"the data YAML's flip_idx {flip_idx!r}: expected the {kpt_shape[0]} keypoint indices of kpt_shape "
+                "in their mirrored order (each keypoint's partner under a horizontal flip), or no flip_idx"]
+    return []
+
+
+def task_source(arch: str | None) -> str:
+    """What the task was read from, for the plan's line: the architecture's file name."""
+    return Path(str(arch)).name if arch else "the model"

@@ -1,4 +1,6 @@
-"""The built-in synthetic dataset: filled circles, squares and triangles on noisy or textured backgrounds.
+"""The built-in synthetic dataset: filled circles, squares and triangles on noisy or textured backgrounds, labelled
+for the task the model trains (`task`): boxes, polygons (segment) or four keypoints per shape (pose: its top, right,
+bottom and left points, kpt_shape [4, 3], flip_idx swapping right and left).
 
 Generated once per distinct setting into `<root>/shapes-<digest>/` in Ultralytics' layout (images/{train,val},
 labels/{train,val}, data.yaml), fully determined by the settings and the seed, and shared by every later run.
@@ -21,6 +23,9 @@ from pathlib import Path
 import numpy as np
 
 CLASSES = ("circle", "square", "triangle")
+TASKS = ("detect", "segment", "pose")
+KPT_SHAPE, FLIP_IDX = [4, 3], [0, 3, 2, 1]  # top, right, bottom, left: a horizontal flip swaps right and left
+CIRCLE_VERTICES = 24  # a circle's polygon
 MARKER = "data.yaml"  # written last: its presence means the folder is complete
 
 
@@ -35,13 +40,17 @@ class ShapesSpec:
     texture: bool = False
     quality: int = 90
     seed: int = 0
+    task: str = "detect"
 
     @classmethod
     def from_config(cls, synthetic: dict) -> ShapesSpec:
         return cls(**{k: synthetic[k] for k in cls.__dataclass_fields__ if k in synthetic})
 
     def digest(self) -> str:
-        blob = json.dumps({"v": 1, **asdict(self)}, sort_keys=True).encode()
+        fields = asdict(self)
+        if self.task == "detect":  # the boxes' datasets keep the folder they were generated in
+            fields.pop("task")
+        blob = json.dumps({"v": 1, **fields}, sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:12]
 
     def problems(self) -> list[str]:
@@ -54,6 +63,8 @@ class ShapesSpec:
             out.append("data.synthetic: need 1 <= min_objects <= max_objects")
         if not 1 <= self.quality <= 100:
             out.append("data.synthetic.quality is a JPEG quality, 1..100")
+        if self.task not in TASKS:
+            out.append(f"data.synthetic.task={self.task!r}: expected auto (the model's task), {', '.join(TASKS)}")
         return out
 
 
@@ -82,8 +93,9 @@ def _background(rng: np.random.Generator, h: int, w: int, texture: bool) -> np.n
     return np.clip(img, 0, 255).astype(np.uint8)
 
 
-def _draw_image(spec: ShapesSpec, split: str, index: int) -> tuple[np.ndarray, list[tuple[int, float, float, float, float]]]:
-    """One image and its YOLO labels (class, cx, cy, w, h normalised), a pure function of (spec, split, index)."""
+def _draw_image(spec: ShapesSpec, split: str, index: int) -> tuple[np.ndarray, list[tuple[float, ...]]]:
+    """One image and its YOLO label rows for spec.task (class, then the box cx, cy, w, h; or the polygon's x, y
+    pairs; or the box and four keypoints' x, y, visible; normalised), a pure function of (spec, split, index)."""
     import cv2
 
     seed = int.from_bytes(hashlib.sha256(f"{spec.seed}/{split}/{index}".encode()).digest()[:8], "little")
@@ -108,14 +120,29 @@ def _draw_image(spec: ShapesSpec, split: str, index: int) -> tuple[np.ndarray, l
         cls = int(rng.integers(0, len(CLASSES)))
         color = tuple(int(c) for c in rng.integers(0, 256, size=3))
         x0, y0, x1, y1 = box
+        cx, cy = (x0 + x1) // 2, (y0 + y1) // 2
         if CLASSES[cls] == "circle":
-            cv2.circle(img, ((x0 + x1) // 2, (y0 + y1) // 2), size // 2, color, -1, lineType=cv2.LINE_AA)
+            cv2.circle(img, (cx, cy), size // 2, color, -1, lineType=cv2.LINE_AA)
+            angles = np.linspace(0, 2 * np.pi, CIRCLE_VERTICES, endpoint=False)
+            polygon = np.stack([cx + size / 2 * np.cos(angles), cy + size / 2 * np.sin(angles)], 1)
+            points = [(cx, y0), (x1, cy), (cx, y1), (x0, cy)]
         elif CLASSES[cls] == "square":
             cv2.rectangle(img, (x0, y0), (x1 - 1, y1 - 1), color, -1)
+            polygon = np.array([[x0, y0], [x1, y0], [x1, y1], [x0, y1]], np.float64)
+            points = [(cx, y0), (x1, cy), (cx, y1), (x0, cy)]
         else:
-            pts = np.array([[(x0 + x1) // 2, y0], [x0, y1 - 1], [x1 - 1, y1 - 1]], np.int32)
+            pts = np.array([[cx, y0], [x0, y1 - 1], [x1 - 1, y1 - 1]], np.int32)
             cv2.fillPoly(img, [pts], color, lineType=cv2.LINE_AA)
-        labels.append((cls, (x0 + x1) / 2 / w, (y0 + y1) / 2 / h, size / w, size / h))
+            polygon = pts.astype(np.float64)
+            points = [(cx, y0), (x1 - 1, y1 - 1), (cx, y1 - 1), (x0, y1 - 1)]
+        box_row = ((x0 + x1) / 2 / w, (y0 + y1) / 2 / h, size / w, size / h)
+        if spec.task == "segment":
+            xy = np.clip(polygon / (w, h), 0, 1)
+            labels.append((cls, *xy.ravel().tolist()))
+        elif spec.task == "pose":
+            labels.append((cls, *box_row, *(v for x, y in points for v in (min(x / w, 1.0), min(y / h, 1.0), 2))))
+        else:
+            labels.append((cls, *box_row))
     return img, labels
 
 
@@ -139,13 +166,15 @@ def _write_chunk(args: tuple[ShapesSpec, str, str, range]) -> None:
             raise RuntimeError(f"JPEG encoding failed for {split} image {i}")
         (folder / "images" / split / f"{i:06d}.jpg").write_bytes(buf.tobytes())
         (folder / "labels" / split / f"{i:06d}.txt").write_text(
-            "".join(f"{c} {x:.6f} {y:.6f} {bw:.6f} {bh:.6f}\n" for c, x, y, bw, bh in labels)
+            "".join(f"{row[0]} " + " ".join(f"{v:.6f}" if isinstance(v, float) else str(v) for v in row[1:]) + "\n"
+                    for row in labels)
         )
 
 
-def data_yaml_text(folder: Path) -> str:
+def data_yaml_text(folder: Path, task: str = "detect") -> str:
     names = "\n".join(f"  {i}: {n}" for i, n in enumerate(CLASSES))
-    return f"path: {folder}\ntrain: images/train\nval: images/val\nnames:\n{names}\n"
+    keypoints = f"kpt_shape: {KPT_SHAPE}\nflip_idx: {FLIP_IDX}\n" if task == "pose" else ""
+    return f"path: {folder}\ntrain: images/train\nval: images/val\n{keypoints}names:\n{names}\n"
 
 
 def ensure_dataset(root: Path, spec: ShapesSpec, workers: int | None = None, log=print) -> Path:
@@ -173,7 +202,7 @@ def ensure_dataset(root: Path, spec: ShapesSpec, workers: int | None = None, log
             for job in jobs:
                 _write_chunk(job)
         (tmp / "spec.json").write_text(json.dumps(asdict(spec), indent=2))
-        (tmp / MARKER).write_text(data_yaml_text(final))
+        (tmp / MARKER).write_text(data_yaml_text(final, spec.task))
         try:
             os.rename(tmp, final)  # atomic publish; fails if a concurrent launch published first
         except OSError:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from launcher.inputs import ultralytics_files
 from launcher.inputs.data import DatasetInfo, resolve_data
-from launcher.inputs.model_task import task_problem
+from launcher.inputs.model_task import model_task, run_task, task_problem, task_source
 from launcher.inputs.models import resolve_model
 from launcher.launch import environments, resume_checkpoints, starting_weights
 from launcher.launch.logs import say
@@ -55,13 +55,19 @@ def start(cfg: dict, run_dir: Path, base_dir: Path, on_plan=None, translated: li
         raise PlanError(errors + [p for p in early if p.environment and not dry_run])
 
     data, data_problems = resolve_data(cfg["data"], base_dir, generate=not dry_run, cache_dir=_cache(cfg),
-                                       datasets_dir=Path(cfg["paths"]["datasets"]))
+                                       datasets_dir=Path(cfg["paths"]["datasets"]),
+                                       model_task=model_task(model.cfg or model.weights) if model else None)
+    task, task_from = "detect", None
     if model is not None and data is not None:
         model, weights_problems = starting_weights.check(model, data, _cache(cfg))
         data_problems += weights_problems
         other_task = task_problem(model.arch, f"model.weights={model.weights}") if not model.cfg else None
         data_problems += [Problem(other_task)] if other_task else []
-    plan, problems = make_plan(cfg, hw, data, port_is_free=port_is_free)
+        arch = model.cfg or model.arch or model.weights
+        task, mismatch = run_task(arch, data.spec, f"model={Path(str(model.cfg or model.weights)).name}")
+        task_from = task_source(arch)
+        data_problems += [Problem(m) for m in mismatch]
+    plan, problems = make_plan(cfg, hw, data, port_is_free=port_is_free, task=task, task_from=task_from)
     errors, warnings = check_plan(problems + config_problems(model_msgs) + data_problems, dry_run=dry_run)
 
     say("ddp-launch plan")
@@ -128,7 +134,7 @@ def resume(run_dir: Path, overrides: dict, fresh_dir: Path | None = None) -> int
         if data is None and missing_problems(folder):
             raise PlanError(missing_problems(folder))
         if overrides:
-            cfg, plan = _replan(cfg, overrides, env, folder, data)
+            cfg, plan = _replan(cfg, overrides, env, folder, data, plan)
         line, problems = resume_checkpoints.verdict(folder, resume_checkpoints.inspect(folder, _cache(cfg)))
         if problems:
             raise PlanError(problems)
@@ -197,9 +203,9 @@ def _select(cfg: dict, key: str):
     return node
 
 
-def _replan(cfg: dict, overrides: dict, env, folder: RunFolder, data: DatasetInfo | None):
+def _replan(cfg: dict, overrides: dict, env, folder: RunFolder, data: DatasetInfo | None, before):
     """The run's config with the topology overrides, planned for this machine on its dataset (`data`, where it
-    moved; else the folder's data.yaml): PlanError before anything is written."""
+    moved; else the folder's data.yaml) for the task of its plan `before`: PlanError before anything is written."""
     moved = copy.deepcopy(cfg)
     for key, value in overrides.items():
         node = moved
@@ -212,7 +218,8 @@ def _replan(cfg: dict, overrides: dict, env, folder: RunFolder, data: DatasetInf
     if data is None:
         data, data_problems = resolve_data({"name": moved["data"]["name"], "path": str(folder.data_file)}, folder.path,
                                            cache_dir=_cache(moved))
-    plan, problems = make_plan(moved, env.hardware(moved), data, port_is_free=port_is_free)
+    plan, problems = make_plan(moved, env.hardware(moved), data, port_is_free=port_is_free, task=before.task,
+                               task_from=before.task_from)
     errors, _ = check_plan(problems + data_problems, dry_run=False)
     if errors:
         raise PlanError(errors)

@@ -36,6 +36,7 @@ def check(model: ModelSpec, data: DatasetInfo, cache: Path) -> tuple[ModelSpec, 
     cmd = [sys.executable, "-m", MODULE, "--weights", model.weights, "--names", json.dumps(data.spec["names"]),
            "--channels", str(data.spec.get("channels", 3))]
     cmd += ["--cfg", model.cfg] if model.cfg else []
+    cmd += ["--kpt-shape", json.dumps(data.spec["kpt_shape"])] if data.spec.get("kpt_shape") else []
     cmd += ["--download", model.download] if model.download else []
     done = None
     try:

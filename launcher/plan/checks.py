@@ -13,6 +13,7 @@ from pathlib import Path
 from launcher.inputs import ultralytics_files
 from launcher.machine.hardware import Hardware
 from launcher.plan.environment import BYTECODE_OFF, CUDA_CONNECTIONS, NCCL_DEBUG_LEVELS, TORCH_DEBUG_LEVELS
+from launcher.plan.task_rules import has_fast_paths
 from launcher.plan.ultralytics_values import extra_problems
 from launcher.problems import Problem
 
@@ -93,7 +94,8 @@ def unknown_key_problems(cfg: dict, known: dict, prefix: str = "") -> list[Probl
     return problems
 
 
-def augment_on(loader: dict, train: dict, device: str, cores_per_rank: int) -> tuple[str, str | None]:
+def augment_on(loader: dict, train: dict, device: str, cores_per_rank: int, *,
+               task: str = "detect") -> tuple[str, str | None]:
     """loader.augment_on resolved to `cpu` (Ultralytics' transforms in the loader's workers) or `gpu` (the workers
     read file bytes, the GPU decodes and augments), and a note when `auto` chose the GPU input or was kept from it.
 
@@ -101,10 +103,13 @@ def augment_on(loader: dict, train: dict, device: str, cores_per_rank: int) -> t
     image size of GPU_INPUT_FROM_IMGSZ or more: with few cores the CPU pipeline starves the GPU, at 640 px the GPU
     input is ahead, at small images the CPU pipeline is (the GPU input's host work shares the training process's
     interpreter); the figures are in docs/benchmarks/README.md, sections 6 and 8. `gpu` on a CPU run runs the same
-    tensor maths on the CPU (slow; how CI tests it)."""
+    tensor maths on the CPU (slow; how CI tests it). A model of another task than detection takes the CPU pipeline
+    (the GPU one warps boxes only: task_rules.py refuses `gpu` for it)."""
     value = loader.get("augment_on", "auto")
     if value in ("cpu", "gpu"):
         return value, None
+    if not has_fast_paths(task):
+        return "cpu", None
     few_cores = cores_per_rank < GPU_INPUT_BELOW_CORES
     large = isinstance(train.get("imgsz"), int) and train["imgsz"] >= GPU_INPUT_FROM_IMGSZ  # a bad one: train_problems
     if value != "auto" or device != "cuda" or not (few_cores or large):  # a wrong value: input_problems

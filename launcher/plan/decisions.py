@@ -5,11 +5,13 @@ SiLU among it), the validation engine, batch and graphs."""
 from __future__ import annotations
 
 from launcher.plan import checks
+from launcher.plan.task_rules import has_fast_paths
 
 
-def rank_decisions(cfg: dict, *, device: str, mode: str) -> dict:
-    """LaunchPlan's fields decided from `cfg` for ranks on `device` in `mode` (make_plan's, and an older plan.json's
-    missing ones: LaunchPlan.from_dict)."""
+def rank_decisions(cfg: dict, *, device: str, mode: str, task: str = "detect") -> dict:
+    """LaunchPlan's fields decided from `cfg` for ranks on `device` in `mode` training a `task` model (make_plan's,
+    and an older plan.json's missing ones: LaunchPlan.from_dict). The whole step is captured for detection only
+    (its loss alone is built sync-free with static shapes: rank/step/captured_step.py)."""
     train, val, fused = cfg["train"], cfg.get("val") or {}, cfg["optim"].get("fused", "auto")
     graphs = checks.uses_cuda_graphs(train, device=device, mode=mode)
     return {
@@ -18,11 +20,13 @@ def rank_decisions(cfg: dict, *, device: str, mode: str) -> dict:
         "cudnn_benchmark": device == "cuda" and bool(train.get("cudnn_benchmark", False)),
         "cuda_graphs": graphs,
         "cuda_graphs_required": train.get("cuda_graphs", "auto") is True,
-        "graph_scope": "step" if graphs and train.get("graph_scope", "auto") == "auto" else "network",
+        "graph_scope": "step" if graphs and train.get("graph_scope", "auto") == "auto" and has_fast_paths(task)
+        else "network",
         # dist.sync_bn's SyncBatchNorm is never fused: its statistics are the ranks'
         "fused_bn_act": (graphs and device == "cuda" and train.get("fused_bn_act", "auto") in ("auto", True)
                          and not (cfg.get("dist") or {}).get("sync_bn", False)),
-        "val_engine": checks.val_engine(val, train),
+        "val_engine": checks.val_engine(val, train) if has_fast_paths(task) else "ultralytics",
+        "task": task,
         "val_batch_fixed": _whole(val.get("batch", "auto")),
         "val_cuda_graphs": device == "cuda" and val.get("cuda_graphs", "auto") in ("auto", True),
     }

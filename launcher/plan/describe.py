@@ -10,6 +10,7 @@ from launcher.inputs.models import ModelSpec
 from launcher.plan import lr
 from launcher.plan.batch import held_fraction
 from launcher.plan.plan import LaunchPlan
+from launcher.plan.task_rules import has_fast_paths, task_text
 
 
 def _rendezvous_text(plan: LaunchPlan) -> str:
@@ -34,6 +35,7 @@ def describe(plan: LaunchPlan, model: ModelSpec | None, data: DatasetInfo | None
     lines = [f"{'translated' if i == 0 else '':<16}{t}" for i, t in enumerate(translated)]
     if model is not None:
         lines.append(f"model           {_model_text(model)}")
+    lines.append(f"task            {task_text(plan.task, plan.task_from)}")
     if cfg is not None:
         lines.append(f"training        {_training_text(cfg)}")
     lines += [
@@ -50,9 +52,7 @@ def describe(plan: LaunchPlan, model: ModelSpec | None, data: DatasetInfo | None
         f" {plan.cpus_per_node} usable core(s)",
         f"input           {_input_text(plan)} (loader.augment_on)",
         f"rendezvous      {_rendezvous_text(plan)}",
-        *([f"step            CUDA graphs {'on' if plan.cuda_graphs else 'off'} (train.cuda_graphs)"
-           + ("; BatchNorm and SiLU fused in them (train.fused_bn_act)" if plan.fused_bn_act else "")]
-          if plan.device == "cuda" else []),
+        *([f"step            {_step_text(plan)}"] if plan.device == "cuda" else []),
         f"restarts        {plan.max_restarts}; collective timeout {plan.timeout_s} s",
     ]
     if data is not None:
@@ -61,6 +61,17 @@ def describe(plan: LaunchPlan, model: ModelSpec | None, data: DatasetInfo | None
         lines += [f"data            {line}" for split, check in data.checks.items() for line in labels.describe(split, check)]
     lines += [f"note            {n}" for n in plan.notes]
     return "\n".join(lines)
+
+
+def _step_text(plan: LaunchPlan) -> str:
+    """CUDA graphs, and what they hold where the whole step cannot be captured for the task."""
+    if not plan.cuda_graphs:
+        return "CUDA graphs off (train.cuda_graphs)"
+    fused = "; BatchNorm and SiLU fused in them (train.fused_bn_act)" if plan.fused_bn_act else ""
+    if has_fast_paths(plan.task):
+        return f"CUDA graphs on (train.cuda_graphs){fused}"
+    return (f"CUDA graphs on, the network's forward and backward only (train.cuda_graphs): the {plan.task} loss runs "
+            f"eagerly, its shapes follow the targets{fused}")
 
 
 def _model_text(model: ModelSpec) -> str:

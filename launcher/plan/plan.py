@@ -20,6 +20,7 @@ from launcher.plan.batch import AUTO_BATCH_MULTIPLE, batch_fields, per_device_ba
 from launcher.plan.checks import as_int
 from launcher.plan.decisions import rank_decisions, val_batch_at
 from launcher.plan.rendezvous import Rendezvous, rendezvous
+from launcher.plan.task_rules import task_problems
 from launcher.plan.environment import (CUDA_CONNECTIONS, bytecode_environment, cuda_environment,
                                       distributed_environment, interpreter_environment, offline_environment,
                                       thread_environment)
@@ -83,6 +84,8 @@ class LaunchPlan:
     val_batch_fixed: int | None = None  # val.batch as a number; None: auto (decisions.val_batch_at)
     val_cuda_graphs: bool = False  # the fast engine's forward replayed as CUDA graphs
     fused_bn_act: bool = False  # train.fused_bn_act resolved: the training graphs' Conv blocks fuse BatchNorm and SiLU
+    task: str = "detect"  # what the run trains: detect | segment | pose (inputs/model_task.py, task_rules.py)
+    task_from: str | None = None  # the model file the task was read from
 
     @property
     def val_batch(self) -> int | None:
@@ -109,7 +112,9 @@ class LaunchPlan:
     @classmethod
     def from_dict(cls, d: dict, cfg: dict | None = None) -> LaunchPlan:
         """The plan plan.json holds; the fields an older plan.json lacks decided from its run's `cfg`."""
-        d = {**rank_decisions(cfg, device=d["device"], mode=d["mode"]), **d} if cfg is not None else dict(d)
+        decided = {} if cfg is None else rank_decisions(cfg, device=d["device"], mode=d["mode"],
+                                                        task=d.get("task", "detect"))
+        d = {**decided, **d}
         d["rendezvous"] = Rendezvous(**d["rendezvous"])
         d["notes"] = tuple(d.get("notes", ()))
         return cls(**d)
@@ -133,8 +138,11 @@ def make_plan(
     hw: Hardware,
     data: DatasetInfo | None = None,
     port_is_free: Callable[[int], bool] | None = None,
+    task: str = "detect",
+    task_from: str | None = None,
 ) -> tuple[LaunchPlan, list[Problem]]:
-    """Decide the launch. Returns the plan (best effort, also when there are problems) and every problem found."""
+    """Decide the launch of a `task` model (read from the file `task_from`: inputs/model_task.py). Returns the plan
+    (best effort, also when there are problems) and every problem found."""
     notes: list[str] = []
     problems: list[Problem] = checks.ultralytics_problems(hw, notes) + checks.unknown_key_problems(cfg, keys.known_keys())
     train, optim, loader, dist = cfg["train"], cfg["optim"], cfg["loader"], cfg["dist"]
@@ -156,8 +164,9 @@ def make_plan(
 
     problems += checks.train_problems(train)
     problems += checks.step_problems(train, optim, device=top.device, mode=top.mode, hw=hw)
-    augment_on, why = checks.augment_on(loader, train, top.device, max(1, hw.cpu_count // top.nproc))
+    augment_on, why = checks.augment_on(loader, train, top.device, max(1, hw.cpu_count // top.nproc), task=task)
     notes += [why] if why else []
+    problems += task_problems(cfg, task, device=top.device)
     problems += checks.input_problems(loader, train, augment_on=augment_on)
     problems += checks.integration_problems(cfg.get("log") or {})
     problems += checks.val_problems(cfg.get("val") or {}, train)
@@ -213,7 +222,8 @@ def make_plan(
         augment_on=augment_on,
         auto_batch=auto_batch,
         images=dict(data.checks) if data is not None else {},
-        **rank_decisions(cfg, device=top.device, mode=top.mode),
+        task_from=task_from,
+        **rank_decisions(cfg, device=top.device, mode=top.mode, task=task),
     )
     return plan, problems
 

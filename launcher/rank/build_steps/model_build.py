@@ -52,12 +52,12 @@ def scaler(amp_dtype: torch.dtype | None) -> torch.amp.GradScaler:
 
 def ema_and_loss(net: nn.Module, sync_free: bool, log=None):
     """The EMA copy first, then net.criterion set to the training loss (sync-free as train.sync_free_loss says);
-    said through `log` when that loss is not a YOLO detection loss."""
+    said through `log` when that loss is Ultralytics' own, normalised per rank (loss.training_criterion)."""
     ema = build.ema(net)
-    net.criterion, detection = training_criterion(net, sync_free=sync_free)
-    if not detection and log is not None:
-        log(f"WARNING: {type(net.criterion).__name__}: loss normalised per rank (not a YOLO detection loss), and not "
-            "sync-free")
+    net.criterion, over_ranks = training_criterion(net, sync_free=sync_free)
+    if not over_ranks and log is not None:
+        log(f"WARNING: {type(net.criterion).__name__}: Ultralytics' own loss, normalised per rank and not sync-free "
+            "(over the ranks: the YOLOv8/YOLO11 detection, segmentation and pose losses, and YOLO26's detection loss)")
     return ema
 
 

@@ -8,6 +8,8 @@ import time
 
 import torch
 
+from launcher.inputs.model_task import TASK_METRICS
+
 
 def params_digest(net: torch.nn.Module) -> str:
     """SHA-256 of the learnable parameters. BatchNorm running statistics are left out: they are each rank's own after
@@ -71,6 +73,15 @@ def rank_report(*, rank: int, device, meter, monitor, net, loss_items: dict | No
     }
 
 
+def task_metrics(task: str, metrics: dict) -> dict:
+    """A segmentation or pose run's own mAP beside the boxes': {"map50_mask": ..., "map50_95_mask": ...}."""
+    if task not in TASK_METRICS:
+        return {}
+    suffix, name = TASK_METRICS[task]
+    return {f"map50_{name}": float(metrics.get(f"metrics/mAP50({suffix})", 0.0)),
+            f"map50_95_{name}": float(metrics.get(f"metrics/mAP50-95({suffix})", 0.0))}
+
+
 def summary(*, plan, state, epochs: int, reports: list[dict], weights, last, run_dir, started: float) -> dict:
     """summary.json of a finished run: the metrics, the plan's batch and lr, and the ranks' figures combined."""
     metrics = state.metrics or {}
@@ -82,6 +93,8 @@ def summary(*, plan, state, epochs: int, reports: list[dict], weights, last, run
         "map50_95": float(metrics.get("metrics/mAP50-95(B)", 0.0)),
         "precision": float(metrics.get("metrics/precision(B)", 0.0)),
         "recall": float(metrics.get("metrics/recall(B)", 0.0)),
+        "task": plan.task,
+        **task_metrics(plan.task, metrics),
         "epochs_completed": state.epoch + 1,
         "epochs": epochs,
         "validated_epochs": list(state.validated_epochs),

@@ -10,7 +10,7 @@ import torch
 from launcher.rank.data.pipeline import MAX_TARGETS, TARGETS_PER_IMAGE
 from launcher.rank.step.wrap import unwrap
 
-PER_TARGET = ("batch_idx", "cls", "bboxes")  # a batch's per-target tensors, grouped by image in image order
+PER_TARGET = ("batch_idx", "cls", "bboxes", "keypoints")  # per-target tensors, grouped by image in image order
 
 
 def train_step(model, batch: dict, *, loss_scale: float, optimizer, scaler, grad_clip: float, amp_dtype=None,

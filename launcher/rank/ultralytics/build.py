@@ -21,6 +21,7 @@ from ultralytics.utils.torch_utils import ModelEMA
 
 from launcher.plan.plan import LaunchPlan
 from launcher.plan.settings import Settings
+from launcher.rank.ultralytics.tasks import task_of
 
 OPTIMIZERS = {"sgd": torch.optim.SGD, "adamw": torch.optim.AdamW}
 ALWAYS_FROZEN = (".dfl",)  # Ultralytics always freezes the DFL projection
@@ -31,6 +32,7 @@ def hyperparameters(settings: Settings, plan: LaunchPlan, run_dir: Path, local_r
     train, optim, model = settings.train, settings.optim, settings.model
     args = {
         "model": model.cfg or model.weights,
+        "task": plan.task,  # the dataset's polygons or keypoints, the validator's, the checkpoint's (tasks.py)
         "pretrained": model.weights or False,
         "data": str(settings.data.path),
         "epochs": train.epochs,
@@ -109,11 +111,12 @@ def dataset_info(hyp) -> dict:
 
 
 def network(hyp, data: dict, weights: str | None) -> tuple[DetectionModel, list[str]]:
-    """The DetectionModel to train, from model.cfg (random init) and/or model.weights, with Ultralytics' model
-    attributes, the imgsz checked against its stride, and its frozen layers. Returns (model, frozen name parts)."""
+    """The network of hyp.task to train (a DetectionModel or its segmentation or pose subclass: tasks.py), from
+    model.cfg (random init) and/or model.weights, with Ultralytics' model attributes, the imgsz checked against its
+    stride, and its frozen layers. Returns (model, frozen name parts)."""
     start = load_checkpoint(weights)[0] if weights else None
     arch = hyp.model if str(hyp.model).endswith((".yaml", ".yml")) else start.yaml
-    model = DetectionModel(arch, nc=data["nc"], ch=data["channels"], verbose=False)
+    model = task_of(hyp.task).network(arch, data)
     if hyp.cls_remap and data.get("names"):
         model.names = data["names"]  # a pretrained class head is remapped by class name (set_model_names_for_load)
     if start is not None:

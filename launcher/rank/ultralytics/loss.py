@@ -4,7 +4,8 @@
 the total weight of the targets assigned *in the batch at hand*. Under DDP each rank would divide by its own shard's
 total, so the averaged gradient would not be the gradient of the same loss on the whole global batch. Here every
 rank divides by the mean of the ranks' totals (one scalar all-reduce per step, no host sync): a DDP step at world
-size W x batch b equals a single-process step at batch W x b (tests/test_ddp_equivalence.py).
+size W x batch b equals a single-process step at batch W x b (tests/test_ddp_equivalence.py). Segmentation and
+pose losses take their box terms from it and their mask and keypoint terms over the ranks' foreground (TaskLoss).
 
 **Accumulated micro-batches** (train.accumulate) are normalised the same way, over the whole step: after
 `defer_normaliser()` the loss divides by 1 and keeps each micro-batch's raw target weight; the step then divides the
@@ -47,7 +48,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from ultralytics.utils.loss import BboxLoss, E2ELoss, v8DetectionLoss
+from ultralytics.utils.loss import BboxLoss, E2ELoss, v8DetectionLoss, v8PoseLoss, v8SegmentationLoss
 from ultralytics.utils.metrics import bbox_iou
 from ultralytics.utils.ops import xywh2xyxy, xyxy2xywh
 from ultralytics.utils.tal import TaskAlignedAssigner, bbox2dist, make_anchors
@@ -72,15 +73,18 @@ def global_normaliser(raw_local: torch.Tensor) -> torch.Tensor:
 
 
 def training_criterion(model, sync_free: bool = True):
-    """The criterion the training step uses, for the loss Ultralytics would build for `model` (init_criterion):
-    a v8DetectionLoss, or YOLO26's E2ELoss of two, becomes DetectionLoss. Any other loss (segmentation, pose, OBB)
-    is Ultralytics' own, returned with None: it is normalised per rank."""
+    """(the criterion the training step uses, whether it is normalised over the ranks), for the loss Ultralytics
+    would build for `model` (init_criterion): a v8DetectionLoss, or YOLO26's E2ELoss of two, becomes DetectionLoss;
+    v8SegmentationLoss and v8PoseLoss take their box, class and DFL terms from one (TaskLoss). Any other loss (YOLO26's segmentation and pose, OBB) is Ultralytics' own, normalised per rank."""
     default = model.init_criterion()
     loss = partial(DetectionLoss, sync_free=sync_free)
     if type(default) is v8DetectionLoss:
         return loss(model, tal_topk=default.assigner.topk, tal_topk2=default.assigner.topk2), True
     if type(default) is E2ELoss and type(default.one2many) is v8DetectionLoss:
         return E2ELoss(model, loss), True
+    if type(default) in TASK_LOSSES:
+        return TASK_LOSSES[type(default)](model, tal_topk=default.assigner.topk, tal_topk2=default.assigner.topk2,
+                                          sync_free=sync_free), True
     return default, False
 
 
@@ -254,6 +258,48 @@ class DenseBboxLoss(BboxLoss):
         dfl = dfl_loss(pred_dist.reshape(-1, reg_max), target_ltrb.reshape(-1, 4), reg_max).view(fg.shape)
         loss_dfl = (torch.where(fg, dfl, 0) * weight).sum() / target_scores_sum
         return loss_iou, loss_dfl
+
+
+class TaskLoss:
+    """Ultralytics' segmentation or pose loss (the class after this one in the bases), normalised over the ranks.
+
+    Its box, class and DFL terms come from a DetectionLoss (get_assigned_targets_and_loss, which both call first):
+    normalised over the ranks and sync-free as for detection, and the assignment they return is the one the mask and
+    keypoint terms use. Those terms are divided by the rank's foreground anchors (the mask term) or averaged over
+    them (the keypoint terms): here by the mean over the ranks of the foreground anchors instead (one more scalar
+    all-reduce per step), so that a DDP step at world size W x batch b equals a single-process step at W x b
+    (tests/test_tasks.py). Nothing is deferred over accumulated micro-batches (no defer_normaliser): each is
+    normalised on its own, as YOLO26's end-to-end loss is."""
+
+    def __init__(self, model, tal_topk: int = 10, tal_topk2: int | None = None, *, sync_free: bool = True):
+        super().__init__(model, tal_topk, tal_topk2)
+        self.boxes = DetectionLoss(model, tal_topk, tal_topk2, sync_free=sync_free)
+        self.foreground: torch.Tensor | None = None  # this step's foreground anchors, the ranks' mean
+
+    def get_assigned_targets_and_loss(self, preds: dict, batch: dict, **assign_kwargs) -> tuple:
+        assigned = self.boxes.get_assigned_targets_and_loss(preds, batch, **assign_kwargs)
+        fg_mask = assigned[0][0]
+        self.foreground = global_normaliser(fg_mask.sum().float())  # on every rank, every step: a collective
+        return assigned
+
+    def share(self, fg_mask: torch.Tensor) -> torch.Tensor:
+        """What turns a term normalised by this rank's foreground anchors into one normalised by the ranks' mean."""
+        return fg_mask.sum() / self.foreground
+
+
+class SegmentationLoss(TaskLoss, v8SegmentationLoss):
+    def calculate_segmentation_loss(self, fg_mask, *args):
+        return super().calculate_segmentation_loss(fg_mask, *args) * self.share(fg_mask)
+
+
+class PoseLoss(TaskLoss, v8PoseLoss):
+    def calculate_keypoints_loss(self, masks, *args):
+        location, visibility = super().calculate_keypoints_loss(masks, *args)
+        share = self.share(masks)
+        return location * share, visibility * share
+
+
+TASK_LOSSES = {v8SegmentationLoss: SegmentationLoss, v8PoseLoss: PoseLoss}  # Ultralytics' loss -> the one trained
 
 
 def dfl_loss(pred_dist: torch.Tensor, target: torch.Tensor, reg_max: int) -> torch.Tensor:

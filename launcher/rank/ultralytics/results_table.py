@@ -11,7 +11,7 @@ training; only with more than one class, its rule).
 from __future__ import annotations
 
 from contextlib import contextmanager
-from functools import partial
+from functools import cache, partial
 
 import ultralytics.engine.validator as base_validator
 from ultralytics.models.yolo.detect import DetectionValidator
@@ -30,14 +30,23 @@ def print_table(v: DetectionValidator, *, per_class: bool) -> None:
         v.training, v.args.verbose = training, verbose
 
 
-class TableValidator(DetectionValidator):
-    """Ultralytics' DetectionValidator (val.engine=ultralytics) writing print_table's table: the header, and a row
-    per class when `per_class` is set."""
+class _Table:
+    """Before a DetectionValidator (or its segmentation or pose subclass) in the bases: print_table's table, the
+    header and a row per class when `per_class` is set."""
 
     per_class = False
 
     def print_results(self) -> None:
         print_table(self, per_class=self.per_class)
+
+
+@cache
+def table_validator(validator: type) -> type:
+    """Ultralytics' `validator` (val.engine=ultralytics: DetectionValidator, SegmentationValidator, PoseValidator)
+    writing print_table's table."""
+    return type(f"Table{validator.__name__}", (_Table, validator), {})
+
+
 
 
 @contextmanager

@@ -1,4 +1,5 @@
-"""Validation during training with Ultralytics' DetectionValidator, sharded over the ranks and gathered to rank 0.
+"""Validation during training with Ultralytics' validator of the task (DetectionValidator, or its segmentation or
+pose subclass: tasks.py), sharded over the ranks and gathered to rank 0.
 
 The validator is given a trainer to read; ddp-launch has none, so `_TrainerView` offers exactly the attributes
 DetectionValidator 8.4.190 reads off one in training mode (BaseValidator.__call__): the device, the dataset, AMP, the
@@ -16,7 +17,8 @@ from ultralytics.utils import callbacks
 
 from launcher.rank.group.dist import Comm
 from launcher.rank.ultralytics.plots import PLOT_LOCK
-from launcher.rank.ultralytics.results_table import TableValidator, no_progress_bar, print_table
+from launcher.rank.ultralytics.results_table import no_progress_bar, print_table, table_validator
+from launcher.rank.ultralytics.tasks import task_of
 
 
 def label_loss_items(loss_items: dict | None, prefix: str = "train") -> dict:
@@ -43,7 +45,8 @@ class Validator:
         hooks = callbacks.get_default_callbacks()
         if on_batch is not None:
             hooks["on_val_batch_end"].append(lambda _validator: on_batch())
-        self.validator = TableValidator(loader, save_dir=run_dir, args=copy(hyp), _callbacks=hooks)
+        validator = table_validator(task_of(hyp.task).validator)  # the task's: boxes, and masks or keypoints
+        self.validator = validator(loader, save_dir=run_dir, args=copy(hyp), _callbacks=hooks)
 
     @property
     def metric_keys(self) -> list[str]:

@@ -41,16 +41,25 @@ def fetch(name: str, folder: Path) -> Path:
     return Path(attempt_download_asset(folder / name))
 
 
-def transfer(weights: Path, cfg: str | None, names: dict, channels: int) -> tuple[int, int, str]:
-    """(tensors the checkpoint gives, tensors of the network, its architecture's YAML name) for the network
-    build.network makes from it."""
+def transfer(weights: Path, cfg: str | None, names: dict, channels: int,
+             kpt_shape: list | None = None) -> tuple[int, int, str]:
+    """(tensors the checkpoint gives, tensors of the network, its architecture's YAML name) for the network of its
+    task that build.network makes from it (`kpt_shape`: the dataset's, for a pose network)."""
     from ultralytics.cfg import get_cfg
     from ultralytics.utils import LOGGER
 
     from launcher.rank.ultralytics import build
 
-    hyp = get_cfg(overrides={"model": cfg or str(weights), "pretrained": str(weights), "imgsz": 640, "plots": False})
-    data = {"nc": len(names), "names": names, "channels": channels}
+    from ultralytics.nn.tasks import guess_model_task, load_checkpoint
+
+    from launcher.inputs.model_task import model_task
+    from launcher.rank.ultralytics.tasks import TASKS
+
+    # the architecture's task, as the plan reads it (a task outside TASKS is refused there)
+    task = model_task(cfg) if cfg else guess_model_task(load_checkpoint(str(weights))[0])
+    hyp = get_cfg(overrides={"model": cfg or str(weights), "pretrained": str(weights), "imgsz": 640, "plots": False,
+                             "task": task if task in TASKS else "detect"})
+    data = {"nc": len(names), "names": names, "channels": channels, **({"kpt_shape": kpt_shape} if kpt_shape else {})}
     counter = _Transferred()
     LOGGER.addHandler(counter)
     try:
@@ -76,13 +85,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cfg", default=None, help="the architecture YAML, when it is not the checkpoint's")
     parser.add_argument("--names", required=True, help="the dataset's class names, a JSON mapping")
     parser.add_argument("--channels", type=int, default=3)
+    parser.add_argument("--kpt-shape", default=None, help="the dataset's kpt_shape, a JSON list (pose)")
     parser.add_argument("--download", default=None, help="fetch this Ultralytics release asset into --weights' folder")
     args = parser.parse_args(argv)
     try:
         if args.download:
             fetch(args.download, args.weights.parent)
         names = {int(k): v for k, v in json.loads(args.names).items()}
-        done, total, arch = transfer(args.weights, args.cfg, names, args.channels)
+        kpt_shape = json.loads(args.kpt_shape) if args.kpt_shape else None
+        done, total, arch = transfer(args.weights, args.cfg, names, args.channels, kpt_shape)
         result: dict = {"transferred": done, "total": total, "arch": arch}
     except Exception as e:  # the launcher words it with the file's name; the detail is the exception's first line
         result = {"error": first_line(e)}

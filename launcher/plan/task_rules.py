@@ -1,0 +1,51 @@
+"""What the task a run trains (inputs/model_task.py) changes in the plan.
+
+Detection has ddp-launch's fast paths: the input augmented on the GPU, the fast validation engine, the whole step
+captured as one CUDA graph, the auto batch's probe. Segmentation and pose train through Ultralytics' own pipeline
+(its transforms warp polygons and keypoints), its validator (masks and keypoints scored as it scores them) and its
+loss, normalised over the ranks but eager (its mask and keypoint terms have shapes that follow the targets); the
+network alone is graphed on GPUs. `auto` settings resolve to those paths; a setting that asks for a fast path the
+task lacks is refused here.
+"""
+
+from __future__ import annotations
+
+from launcher.problems import Problem
+
+FAST_PATHS = ("detect",)  # the tasks with the GPU input, the fast validator, the captured step and the auto batch
+
+
+def has_fast_paths(task: str) -> bool:
+    return task in FAST_PATHS
+
+
+def task_problems(cfg: dict, task: str, *, device: str) -> list[Problem]:
+    """The settings that ask for a path `task` does not have, each with what to set instead."""
+    if has_fast_paths(task):
+        return []
+    train, loader, val = cfg["train"], cfg.get("loader") or {}, cfg.get("val") or {}
+    problems = []
+    if loader.get("augment_on") == "gpu":
+        problems.append(Problem(f"loader.augment_on=gpu with a {task} model: the GPU input pipeline augments boxes "
+                                "only, not masks or keypoints; use loader.augment_on=cpu (or auto)"))
+    if val.get("engine") == "fast":
+        problems.append(Problem(f"val.engine=fast with a {task} model: the fast engine scores boxes only; use "
+                                "val.engine=ultralytics (or auto)"))
+    if train.get("batch_per_device") == "auto" and device == "cuda":
+        problems.append(Problem(f"train.batch_per_device=auto with a {task} model: the probe measures the detection "
+                                "step only; give train.batch_per_device as a number"))
+    extra = train.get("extra") or {}
+    accumulate = train.get("accumulate", 1)
+    if task == "segment" and extra.get("overlap_mask") is False and isinstance(accumulate, int) and accumulate > 1:
+        problems.append(Problem("train.extra.overlap_mask=false with train.accumulate > 1: the micro-batches split "
+                                "masks per image; leave overlap_mask at true, or train.accumulate=1"))
+    return problems
+
+
+def task_text(task: str, task_from: str | None) -> str:
+    """The plan's task line: the task, what it was read from, and the paths it takes."""
+    source = f" (from {task_from})" if task_from else ""
+    if has_fast_paths(task):
+        return f"{task}{source}"
+    return (f"{task}{source}; Ultralytics' CPU pipeline, validator and loss (the GPU input, the fast validator and "
+            "the captured step are detection's)")

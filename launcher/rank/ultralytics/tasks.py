@@ -1,0 +1,45 @@
+"""The per-task seam: what differs between the tasks ddp-launch trains, each Ultralytics' own.
+
+A task gives the network's class (ultralytics.nn.tasks), the arguments its constructor takes from the dataset
+(PoseModel's kpt_shape) and the validator Ultralytics trains it with. The rest follows from Ultralytics' own
+switches, set once: the hyperparameters' `task` (build.hyperparameters) makes build_yolo_dataset load polygons
+(use_segments) or keypoints (use_keypoints) and YOLODataset.collate_fn batch the masks or keypoints; the network's
+init_criterion gives the loss (v8SegmentationLoss, v8PoseLoss), which loss.training_criterion normalises over the
+ranks; the checkpoint holds the network of that class with `task` in its arguments, so YOLO("best.pt").task is it.
+
+Which tasks the plan lets through, and what they change there, is decided in plan/task_rules.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ultralytics.models.yolo.detect import DetectionValidator
+from ultralytics.models.yolo.pose import PoseValidator
+from ultralytics.models.yolo.segment import SegmentationValidator
+from ultralytics.nn.tasks import DetectionModel, PoseModel, SegmentationModel
+
+
+@dataclass(frozen=True)
+class Task:
+    name: str  # Ultralytics' task name: detect | segment | pose
+    model: type  # the network's class
+    validator: type  # Ultralytics' validator for it (val.engine=ultralytics)
+    data_keys: tuple[tuple[str, str], ...] = ()  # (data YAML key, the network constructor's argument)
+
+    def network(self, arch, data: dict):
+        """The network of this task for the architecture `arch` (a YAML path or dict) and the dataset `data`."""
+        extra = {arg: data[key] for key, arg in self.data_keys if data.get(key)}
+        return self.model(arch, nc=data["nc"], ch=data["channels"], verbose=False, **extra)
+
+
+TASKS = {
+    "detect": Task("detect", DetectionModel, DetectionValidator),
+    "segment": Task("segment", SegmentationModel, SegmentationValidator),
+    "pose": Task("pose", PoseModel, PoseValidator, data_keys=(("kpt_shape", "data_kpt_shape"),)),
+}
+
+
+def task_of(name: str | None) -> Task:
+    """The task named `name` (a plan's, or the hyperparameters'); KeyError for one ddp-launch does not train."""
+    return TASKS[name or "detect"]

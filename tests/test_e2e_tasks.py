@@ -1,0 +1,61 @@
+"""A segmentation and a pose model trained end to end on two CPU ranks (gloo) through the real `ddp-launch`: the
+README's command for each, shorter and smaller, on the synthetic shapes labelled for their task (polygons, four
+keypoints): Ultralytics' pipeline, loss and validator of the task, a metric above zero, and a best.pt that
+Ultralytics loads as that task."""
+
+from __future__ import annotations
+
+import csv
+import json
+import shlex
+
+import pytest
+
+from tests.conftest import ddp_launch, run_dir_of
+from tests.test_readme import readme_commands
+
+pytestmark = [pytest.mark.slow, pytest.mark.dist]
+
+# small and short, yet learning: one or two shapes per 96 px image, no mosaic (it would shrink them), a brisk
+# unscaled lr after one epoch of warmup, validated every other epoch
+SHORT = ["data.synthetic.train_images=128", "data.synthetic.val_images=16", "data.synthetic.width=96",
+         "data.synthetic.height=96", "data.synthetic.max_objects=2", "train.imgsz=96", "train.batch_per_device=8",
+         "train.epochs=8", "train.close_mosaic=8", "train.val_interval=2", "log.interval_steps=8",
+         "optim.base_lr=0.02", "optim.lr_scaling=none", "optim.warmup_epochs=1"]
+# the model, the task's loss term and metrics (Ultralytics' names), summary.json's name for its mAP
+CASES = {"segment": ("yolov8n-seg.yaml", "train/seg_loss", "metrics/mAP50-95(M)", "map50_mask"),
+         "pose": ("yolov8n-pose.yaml", "train/pose_loss", "metrics/mAP50-95(P)", "map50_pose")}
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def trained(request, tmp_path_factory, cache_dir):
+    task = request.param
+    command = next(c for c in readme_commands("ddp-launch") if f"model={CASES[task][0]}" in c)
+    result = ddp_launch([*shlex.split(command)[1:], *SHORT], cwd=tmp_path_factory.mktemp(task))
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    return task, result, run_dir_of(result)
+
+
+def test_each_task_trains_on_two_ranks_its_loss_falling_to_a_metric_above_zero(trained):
+    task, result, run_dir = trained
+    model, loss, column, metric = CASES[task]
+    assert f"task            {task} (from {model})" in result.stdout
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["task"] == task and summary["world_size"] == 2 and summary["ranks_params_identical"] is True
+    # from scratch in 64 steps: mAPs of a few thousandths, but above zero (the boxes', or the masks' or keypoints')
+    assert max(summary["map50"], summary[metric]) > 0, summary
+    assert f"{metric.split('_')[-1]} mAP50 {summary[metric]:.4f}" in result.stdout  # the final lines name it
+    with (run_dir / "results.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 8 and column in rows[0]  # the task's own metrics beside the boxes', per epoch
+    assert float(rows[-1][loss]) < 0.7 * float(rows[0][loss])  # the mask or keypoint term learned
+
+
+def test_best_pt_loads_in_ultralytics_as_its_task(trained):
+    from ultralytics import YOLO
+    from ultralytics.nn.tasks import PoseModel, SegmentationModel
+
+    task, _, run_dir = trained
+    model = YOLO(str(run_dir / "weights" / "best.pt"))
+    assert model.task == task
+    assert type(model.model) is {"segment": SegmentationModel, "pose": PoseModel}[task]
