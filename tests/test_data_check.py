@@ -111,7 +111,7 @@ def test_verdicts_are_cached_by_size_and_mtime(dataset, tmp_path, monkeypatch):
     root, cache = dataset.parent, tmp_path / "cache"
     first = labels.check_split([str(root / "images" / "train")], len(NAMES), cache_dir=cache)
     calls = []
-    monkeypatch.setattr(labels, "check_pair", lambda *a: calls.append(a[0]) or (None, None, 0))
+    monkeypatch.setattr(labels, "check_pair", lambda *a: calls.append(a[0]) or (None, None, 0, None))
     assert labels.check_split([str(root / "images" / "train")], len(NAMES), cache_dir=cache) == first
     assert calls == []  # nothing re-read
     (root / "labels" / "train" / "good00.txt").write_text("7 0.5 0.5 0.1 0.1\n")  # changed: checked again

@@ -1,7 +1,7 @@
-"""A segmentation and a pose model trained end to end on two CPU ranks (gloo) through the real `ddp-launch`: the
-README's command for each, shorter and smaller, on the synthetic shapes labelled for their task (polygons, four
-keypoints): Ultralytics' pipeline, loss and validator of the task, a metric above zero, and a best.pt that
-Ultralytics loads as that task."""
+"""A segmentation, a pose and an obb model trained end to end on two CPU ranks (gloo) through the real `ddp-launch`:
+the README's command for each, shorter and smaller, on the synthetic shapes labelled for their task (polygons, four
+keypoints, rotated boxes): Ultralytics' pipeline, loss and validator of the task, a metric above zero, and a best.pt
+that Ultralytics loads as that task."""
 
 from __future__ import annotations
 
@@ -24,7 +24,9 @@ SHORT = ["data.synthetic.train_images=128", "data.synthetic.val_images=16", "dat
          "optim.base_lr=0.02", "optim.lr_scaling=none", "optim.warmup_epochs=1"]
 # the model, the task's loss term and metrics (Ultralytics' names), summary.json's name for its mAP
 CASES = {"segment": ("yolov8n-seg.yaml", "train/seg_loss", "metrics/mAP50-95(M)", "map50_mask"),
-         "pose": ("yolov8n-pose.yaml", "train/pose_loss", "metrics/mAP50-95(P)", "map50_pose")}
+         "pose": ("yolov8n-pose.yaml", "train/pose_loss", "metrics/mAP50-95(P)", "map50_pose"),
+         "obb": ("yolov8n-obb.yaml", "train/box_loss", "metrics/mAP50-95(B)", "map50")}  # B: the rotated boxes'
+FINAL = {"segment": "mask mAP50 {:.4f}", "pose": "pose mAP50 {:.4f}", "obb": "mAP50 {:.4f}"}  # the final lines
 
 
 @pytest.fixture(scope="module", params=list(CASES))
@@ -44,7 +46,8 @@ def test_each_task_trains_on_two_ranks_its_loss_falling_to_a_metric_above_zero(t
     assert summary["task"] == task and summary["world_size"] == 2 and summary["ranks_params_identical"] is True
     # from scratch in 64 steps: mAPs of a few thousandths, but above zero (the boxes', or the masks' or keypoints')
     assert max(summary["map50"], summary[metric]) > 0, summary
-    assert f"{metric.split('_')[-1]} mAP50 {summary[metric]:.4f}" in result.stdout  # the final lines name it
+    assert FINAL[task].format(summary[metric]) in result.stdout  # the final lines name it
+    assert (task == "obb") == ("(rotated boxes)" in result.stdout)
     with (run_dir / "results.csv").open() as f:
         rows = list(csv.DictReader(f))
     assert len(rows) == 8 and column in rows[0]  # the task's own metrics beside the boxes', per epoch
@@ -53,9 +56,9 @@ def test_each_task_trains_on_two_ranks_its_loss_falling_to_a_metric_above_zero(t
 
 def test_best_pt_loads_in_ultralytics_as_its_task(trained):
     from ultralytics import YOLO
-    from ultralytics.nn.tasks import PoseModel, SegmentationModel
+    from ultralytics.nn.tasks import OBBModel, PoseModel, SegmentationModel
 
     task, _, run_dir = trained
     model = YOLO(str(run_dir / "weights" / "best.pt"))
     assert model.task == task
-    assert type(model.model) is {"segment": SegmentationModel, "pose": PoseModel}[task]
+    assert type(model.model) is {"segment": SegmentationModel, "pose": PoseModel, "obb": OBBModel}[task]

@@ -112,6 +112,7 @@ RUN_ELSEWHERE = {
     "ddp-launch resume=RUN_DIR data.path=NEW": "tests/test_moved_runs.py",
     "ddp-launch gpus=0 nproc=2 model=yolov8n-seg.yaml train.epochs=2": "tests/test_e2e_tasks.py",
     "ddp-launch gpus=0 nproc=2 model=yolov8n-pose.yaml train.epochs=2": "tests/test_e2e_tasks.py",
+    "ddp-launch gpus=0 nproc=2 model=yolov8n-obb.yaml train.epochs=2": "tests/test_e2e_tasks.py",
 }
 
 

@@ -9,6 +9,8 @@ rules run here, so the plan can say how many images each split really has and wh
   any label problem: a class id >= nc, coordinates above 1.01 or below 0 (1 % tolerance), a non-integer class,
   rows that are not 5 numbers, segment and box rows mixed. One bad line drops the whole image.
 * kept: an image without a label file or with an empty one (a background image), duplicate label rows (removed).
+* counted, per usable image, the form of its rows (`forms`): boxes (class x y w h), obb (every row class and four
+  corners: Ultralytics' rotated-box labels) or polygons; what a model's task needs of them is model_task.py's.
 * noted, as Ultralytics says nothing of them: label files whose image is gone (it never reads them), and images that
   share one label file (a.jpg and a.png both read a.txt).
 
@@ -32,10 +34,12 @@ import numpy as np
 
 # ultralytics/data/utils.py IMG_FORMATS (8.4.190): the suffixes its dataset lister keeps
 IMG_FORMATS = {"avif", "bmp", "dng", "heic", "heif", "jp2", "jpeg", "jpg", "mpo", "png", "tif", "tiff", "webp"}
-RULES = "ultralytics 8.4.190 verify_image_label, detect task; ddp-launch check 2"  # in the cache key
+RULES = "ultralytics 8.4.190 verify_image_label, detect task; ddp-launch check 3"  # in the cache key
 EXAMPLES = 3  # file names shown per reason
 THREADS = min(16, os.cpu_count() or 1)
 CHUNK = 256  # at most this many files per task of the check's thread pool
+BOX_ROWS, OBB_ROWS, POLYGON_ROWS = FORMS = ("boxes", "obb", "polygons")  # the forms of an image's label rows
+OBB_COLUMNS = 9  # an obb row: class and four corners' x, y
 
 UNIDENTIFIED = "not an image Pillow can read (random bytes, or an unsupported format)"
 TOO_SMALL = "smaller than 10 px on a side"
@@ -108,6 +112,7 @@ class SplitCheck:
     dropped: dict[str, list[str]] = field(default_factory=dict)  # reason -> files
     kept: dict[str, list[str]] = field(default_factory=dict)  # worth knowing: background images, duplicates, ...
     most_boxes: int = 0  # the most boxes in one usable image (what a batch's padded targets must hold)
+    forms: dict[str, int] = field(default_factory=dict)  # usable labelled images per row form (FORMS)
     orphan_labels: list[str] = field(default_factory=list)  # label files beside the split's whose image is gone
     shared_labels: dict[str, list[str]] = field(default_factory=dict)  # a label file -> the images that read it
 
@@ -119,6 +124,7 @@ class SplitCheck:
         shared = sorted(self.shared_labels.items())
         return {"images": self.images, "usable": self.usable, "labels_found": self.labels_found,
                 "dropped": counted(self.dropped), "kept": counted(self.kept), "most_boxes": self.most_boxes,
+                "forms": dict(sorted(self.forms.items())),
                 "orphan_labels": {"count": len(self.orphan_labels),
                                   "first": [Path(f).name for f in self.orphan_labels[:EXAMPLES]]},
                 "shared_labels": {"count": len(shared), "first": [
@@ -154,31 +160,34 @@ def describe(split: str, check: dict) -> list[str]:
 
 # --- one image and its labels ---------------------------------------------------------------------------------------
 def check_pair(image: str, labels: str, nc: int, nkpt: int = 0,
-               ndim: int = 0) -> tuple[str | None, str | None, int]:
-    """(why the pair is dropped or None, a note on a kept pair or None, the boxes a kept pair trains on):
-    Ultralytics' verify_image_label for the detect task, without writing anything."""
-    reason, note, boxes = _verdict(image, labels, nc, nkpt, ndim)
-    return reason, note, 0 if reason else boxes
+               ndim: int = 0) -> tuple[str | None, str | None, int, str | None]:
+    """(why the pair is dropped or None, a note on a kept pair or None, the boxes a kept pair trains on, the form of
+    its rows: one of FORMS, None without rows): Ultralytics' verify_image_label for the detect task, without
+    writing anything."""
+    reason, note, boxes, form = _verdict(image, labels, nc, nkpt, ndim)
+    return (reason, note, 0, None) if reason else (reason, note, boxes, form if boxes else None)
 
 
-def _verdict(image: str, labels: str, nc: int, nkpt: int, ndim: int) -> tuple[str | None, str | None, int]:
+def _verdict(image: str, labels: str, nc: int, nkpt: int, ndim: int) -> tuple[str | None, str | None, int, str | None]:
     try:
         note = _check_image(image)
     except _Dropped as e:
-        return str(e), None, 0
+        return str(e), None, 0, None
     if not os.path.isfile(labels):
-        return None, note or BACKGROUND_MISSING, 0
+        return None, note or BACKGROUND_MISSING, 0, None
     try:
         with open(labels, encoding="utf-8-sig") as f:
             rows = [x.split() for x in f.read().strip().splitlines() if x.strip()]
     except (OSError, UnicodeDecodeError) as e:
-        return f"unreadable label file ({type(e).__name__})", None, 0
+        return f"unreadable label file ({type(e).__name__})", None, 0, None
     if nkpt:  # pose labels for a box task: the box is kept, the keypoints dropped
         rows = [x[:5] if len(x) == 5 + nkpt * ndim else x for x in rows]
+    form = BOX_ROWS
     try:
         if any(len(x) > 6 for x in rows):  # polygons: their boxes
             if any(len(x) == 5 for x in rows):
-                return "labels mix segment and box rows", None, 0
+                return "labels mix segment and box rows", None, 0, None
+            form = OBB_ROWS if all(len(x) == OBB_COLUMNS for x in rows) else POLYGON_ROWS
             classes = np.array([x[0] for x in rows], dtype=np.float32)
             boxes = []
             for x in rows:
@@ -189,21 +198,21 @@ def _verdict(image: str, labels: str, nc: int, nkpt: int, ndim: int) -> tuple[st
         else:
             lb = np.array(rows, dtype=np.float32)
     except ValueError:
-        return "label rows that are not numbers of one length", None, 0
+        return "label rows that are not numbers of one length", None, 0, None
     if not len(lb):
-        return None, note or BACKGROUND_EMPTY, 0
+        return None, note or BACKGROUND_EMPTY, 0, None
     if lb.ndim != 2 or lb.shape[1] != 5:
-        return "label rows that are not 5 numbers (class x y w h)", None, 0
+        return "label rows that are not 5 numbers (class x y w h)", None, 0, None
     if not lb[:, 1:].max() <= 1.01:  # written as Ultralytics asserts it: a NaN fails too
-        return "label coordinates above 1 (not normalised to the image size)", None, 0
+        return "label coordinates above 1 (not normalised to the image size)", None, 0, None
     if not (lb.min() >= 0 or (lb.min() >= -0.01 and lb[:, 3:5].min() >= 0)):
-        return "negative label values", None, 0
+        return "negative label values", None, 0, None
     if not (lb[:, 0] % 1 == 0).all():
-        return "non-integer class ids", None, 0
+        return "non-integer class ids", None, 0, None
     if not lb[:, 0].max() < nc:
-        return f"class id >= nc ({nc} classes: 0-{nc - 1})", None, 0
+        return f"class id >= nc ({nc} classes: 0-{nc - 1})", None, 0, None
     unique = len(np.unique(lb, axis=0))
-    return None, (note or DUPLICATES) if unique < len(lb) else note, unique
+    return None, (note or DUPLICATES) if unique < len(lb) else note, unique, form
 
 
 class _Dropped(Exception):
@@ -298,7 +307,7 @@ def check_split(entries: list[str], nc: int, *, kpt_shape=None, cache_dir: Path 
         stamps[image] = stamp
         hit = cached.get(image)
         if hit is not None and hit[:4] == stamp:
-            return hit[4], hit[5], hit[6]
+            return tuple(hit[4:8])
         return check_pair(image, labels, nc, nkpt, ndim)
 
     # in chunks: a future per file cost more than the file's stat on a repeated plan (the verdicts cached); enough of
@@ -318,12 +327,14 @@ def check_split(entries: list[str], nc: int, *, kpt_shape=None, cache_dir: Path 
     result.shared_labels = {label: found for label, found in readers.items()
                             if len(found) > 1 and stamps[found[0]][2] >= 0}
     result.orphan_labels = [f for f in _label_files(entries) if f not in readers]
-    for image, (dropped, note, boxes) in zip(images, verdicts):
+    for image, (dropped, note, boxes, form) in zip(images, verdicts):
         if dropped:
             result.dropped.setdefault(dropped, []).append(image)
             continue
         result.usable += 1
         result.most_boxes = max(result.most_boxes, boxes)
+        if form:
+            result.forms[form] = result.forms.get(form, 0) + 1
         if note:
             result.kept.setdefault(note, []).append(image)
     fresh = {im: stamps[im] + list(v) for im, v in zip(images, verdicts)}

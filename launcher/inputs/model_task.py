@@ -1,10 +1,13 @@
-"""The task a run trains (detect, segment, pose; obb and classify not built yet), decided from the model and the
+"""The task a run trains (detect, segment, pose, obb; classify not built yet), decided from the model and the
 dataset before any process starts.
 
 The model's task is read as Ultralytics' guess_model_task reads it: from the architecture YAML's last head module,
 or from the file name (-seg, -pose, -obb, -cls) where no YAML can be read. The dataset must fit it: a data YAML with
 `kpt_shape` holds keypoints, which only a pose model trains on, and a pose model needs one. Segmentation labels are
-polygons, which the data YAML does not say: the model decides.
+polygons, which the data YAML does not say: the model decides. Rotated boxes (obb) are rows of a class and four
+corners, which the label check counts (labels.py, `forms`): an obb model refuses box rows (class x y w h), which
+have no corners, and a detection model refuses labels that are all corners (it would train the upright boxes
+around them).
 """
 
 from __future__ import annotations
@@ -13,10 +16,10 @@ from pathlib import Path
 
 import yaml
 
-from launcher.inputs import ultralytics_files
+from launcher.inputs import labels, ultralytics_files
 
 DETECT = "detect"
-TRAINED = ("detect", "segment", "pose")  # the tasks ddp-launch trains (rank/ultralytics/tasks.py builds each)
+TRAINED = ("detect", "segment", "pose", "obb")  # the tasks ddp-launch trains (rank/ultralytics/tasks.py builds each)
 NAME_TASKS = (("-seg", "segment"), ("-pose", "pose"), ("-obb", "obb"), ("-cls", "classify"))
 WORDS = {"segment": "segmentation", "semantic": "semantic segmentation", "pose": "pose", "obb": "rotated-box (obb)",
          "classify": "classification", "depth": "depth"}
@@ -59,25 +62,29 @@ def model_task(arch: str | None) -> str | None:
 
 def task_problem(arch: str | None, key: str) -> str | None:
     """One line refusing a model of a task ddp-launch does not train yet (`key`: the setting that named it); None
-    for detection, segmentation and pose models, and where the task cannot be told."""
+    for detection, segmentation, pose and obb models, and where the task cannot be told."""
     task = model_task(arch)
     if task is None or task in TRAINED:
         return None
     name, word = Path(str(arch)).name, WORDS.get(task, task)
-    return (f"{key}: {name} is a {word} model; ddp-launch trains detection, segmentation and pose models ({word} is "
-            "not built yet: training its box head alone would give a model that only looks trained). Use one of "
+    return (f"{key}: {name} is a {word} model; ddp-launch trains detection, segmentation, pose and obb models "
+            f"({word} is not built yet: training its box head alone would give a model that only looks trained). Use one of "
             f"those (model=yolo11n.pt, model=yolov8n-seg.yaml), or Ultralytics' own trainer for this one: yolo {task} "
             "train model=... data=... device=0,1")
 
 
-def run_task(arch: str | None, data_spec: dict | None, key: str) -> tuple[str, list[str]]:
+def run_task(arch: str | None, data_spec: dict | None, key: str,
+             checks: dict | None = None) -> tuple[str, list[str]]:
     """(the task the run trains, problems): the model's task (detect where it cannot be told), refused where the
-    dataset does not fit it (`data_spec`: the data YAML as the ranks get it; `key`: the setting that named the
-    model)."""
+    dataset does not fit it (`data_spec`: the data YAML as the ranks get it; `checks`: its splits' label checks,
+    labels.SplitCheck.to_dict; `key`: the setting that named the model)."""
     task = model_task(arch) or DETECT
     if task not in TRAINED:
         return task, []  # task_problem words it
     name = Path(str(arch)).name
+    forms = _forms(task, name, key, checks or {})
+    if forms:
+        return task, forms
     kpt_shape = (data_spec or {}).get("kpt_shape")
     if task == "pose" and not kpt_shape:
         return task, [f"{key}: {name} is a pose model, and the data YAML has no kpt_shape: add `kpt_shape: [K, 3]` "
@@ -90,6 +97,22 @@ def run_task(arch: str | None, data_spec: dict | None, key: str) -> tuple[str, l
                       f"model trains on, and {name} is a {WORDS.get(task, task)} model: use a pose model "
                       "(model=yolov8n-pose.yaml, model=yolo11n-pose.pt), or remove kpt_shape to train boxes only"]
     return task, []
+
+
+def _forms(task: str, name: str, key: str, checks: dict) -> list[str]:
+    """An obb model on box rows, or a detection model on rows that are all rotated boxes' corners: one line each."""
+    for split, check in checks.items():
+        forms = check.get("forms") or {}
+        if task == "obb" and forms.get(labels.BOX_ROWS):
+            return [f"{key}: {name} is an obb model, and {forms[labels.BOX_ROWS]} {split} image(s) have box label "
+                    "rows (class x y w h), which have no corners: give each object a row of its class and four "
+                    "corners (class x1 y1 x2 y2 x3 y3 x4 y4, normalised), or train a detection model on this data "
+                    "(model=yolo11n.pt)"]
+        if task == DETECT and forms.get(labels.OBB_ROWS) and set(forms) == {labels.OBB_ROWS}:
+            return [f"{key}: every {split} label row is a class and four corners (Ultralytics' obb labels), and {name} "
+                    "is a detection model, which would train on the upright boxes around them: use an obb model "
+                    "(model=yolo11n-obb.yaml, model=yolo11n-obb.pt), or write the labels as boxes (class x y w h)"]
+    return []
 
 
 def _keypoint_problems(kpt_shape, flip_idx) -> list[str]:

@@ -1,6 +1,7 @@
 """The built-in synthetic dataset: filled circles, squares and triangles on noisy or textured backgrounds, labelled
-for the task the model trains (`task`): boxes, polygons (segment) or four keypoints per shape (pose: its top, right,
-bottom and left points, kpt_shape [4, 3], flip_idx swapping right and left).
+for the task the model trains (`task`): boxes, polygons (segment), four keypoints per shape (pose: its top, right,
+bottom and left points, kpt_shape [4, 3], flip_idx swapping right and left) or rotated boxes (obb: each shape
+stretched and turned, an ellipse, a rectangle or a triangle filling a rotated rectangle, labelled by its corners).
 
 Generated once per distinct setting into `<root>/shapes-<digest>/` in Ultralytics' layout (images/{train,val},
 labels/{train,val}, data.yaml), fully determined by the settings and the seed, and shared by every later run.
@@ -23,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 CLASSES = ("circle", "square", "triangle")
-TASKS = ("detect", "segment", "pose")
+TASKS = ("detect", "segment", "pose", "obb")
 KPT_SHAPE, FLIP_IDX = [4, 3], [0, 3, 2, 1]  # top, right, bottom, left: a horizontal flip swaps right and left
 CIRCLE_VERTICES = 24  # a circle's polygon
 MARKER = "data.yaml"  # written last: its presence means the folder is complete
@@ -95,7 +96,8 @@ def _background(rng: np.random.Generator, h: int, w: int, texture: bool) -> np.n
 
 def _draw_image(spec: ShapesSpec, split: str, index: int) -> tuple[np.ndarray, list[tuple[float, ...]]]:
     """One image and its YOLO label rows for spec.task (class, then the box cx, cy, w, h; or the polygon's x, y
-    pairs; or the box and four keypoints' x, y, visible; normalised), a pure function of (spec, split, index)."""
+    pairs; or the box and four keypoints' x, y, visible; or the rotated box's four corners; normalised), a pure
+    function of (spec, split, index)."""
     import cv2
 
     seed = int.from_bytes(hashlib.sha256(f"{spec.seed}/{split}/{index}".encode()).digest()[:8], "little")
@@ -120,6 +122,10 @@ def _draw_image(spec: ShapesSpec, split: str, index: int) -> tuple[np.ndarray, l
         cls = int(rng.integers(0, len(CLASSES)))
         color = tuple(int(c) for c in rng.integers(0, 256, size=3))
         x0, y0, x1, y1 = box
+        if spec.task == "obb":
+            corners = _rotated_shape(img, CLASSES[cls], (x0 + x1) / 2, (y0 + y1) / 2, size, rng, color)
+            labels.append((cls, *np.clip(corners / (w, h), 0, 1).ravel().tolist()))
+            continue
         cx, cy = (x0 + x1) // 2, (y0 + y1) // 2
         if CLASSES[cls] == "circle":
             cv2.circle(img, (cx, cy), size // 2, color, -1, lineType=cv2.LINE_AA)
@@ -144,6 +150,31 @@ def _draw_image(spec: ShapesSpec, split: str, index: int) -> tuple[np.ndarray, l
         else:
             labels.append((cls, *box_row))
     return img, labels
+
+
+def _rotated_shape(img: np.ndarray, name: str, cx: float, cy: float, size: int, rng: np.random.Generator,
+                   color: tuple) -> np.ndarray:
+    """Draw `name` filling a rectangle of 1.6 to 2.5 to 1, turned by a random angle and as large as fits the
+    size x size square at (cx, cy); return the rectangle's four corners (4, 2) in pixels, in order around it."""
+    import cv2
+
+    angle, ratio = rng.uniform(0, np.pi), rng.uniform(0.4, 0.625)
+    c, s = abs(np.cos(angle)), abs(np.sin(angle))
+    long = size / max(c + ratio * s, s + ratio * c)  # the turned rectangle's upright extent is `size` at most
+    u = np.array([np.cos(angle), np.sin(angle)]) * long / 2  # half the long side, along it
+    v = np.array([-np.sin(angle), np.cos(angle)]) * long * ratio / 2  # half the short side
+    centre = np.array([cx, cy])
+    corners = np.stack([centre - u - v, centre + u - v, centre + u + v, centre - u + v])
+    if name == "circle":
+        axes = (int(round(long / 2)), int(round(long * ratio / 2)))
+        cv2.ellipse(img, (int(round(cx)), int(round(cy))), axes, float(np.degrees(angle)), 0, 360, color, -1,
+                    lineType=cv2.LINE_AA)
+    elif name == "square":
+        cv2.fillPoly(img, [np.round(corners).astype(np.int32)], color, lineType=cv2.LINE_AA)
+    else:  # the apex at one short side's middle, the base along the other
+        triangle = np.stack([centre - u, centre + u - v, centre + u + v])
+        cv2.fillPoly(img, [np.round(triangle).astype(np.int32)], color, lineType=cv2.LINE_AA)
+    return corners
 
 
 def _iou(a, b) -> float:

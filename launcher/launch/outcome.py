@@ -43,7 +43,8 @@ def report(folder: RunFolder, code: int, signum: int | None, node_rank: int) -> 
         f"\ndone: {s['epochs_completed']} epoch(s) on {s['world_size']} rank(s), global batch {s['global_batch']}, "
         f"lr0 {s['lr0']:.6g}, {_speed_text(s)}"
     )
-    say(f"mAP50 {s['map50']:.4f}  mAP50-95 {s['map50_95']:.4f}" + "".join(
+    rotated = " (rotated boxes)" if s.get("task") == "obb" else ""  # an obb run's box metrics are its rotated boxes'
+    say(f"mAP50 {s['map50']:.4f}  mAP50-95 {s['map50_95']:.4f}{rotated}" + "".join(
         f"  {name} mAP50 {s[f'map50_{name}']:.4f}  mAP50-95 {s[f'map50_95_{name}']:.4f}"
         for _, name in TASK_METRICS.values() if f"map50_{name}" in s))
     for split, check in (s.get("images") or {}).items():

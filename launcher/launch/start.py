@@ -64,7 +64,7 @@ def start(cfg: dict, run_dir: Path, base_dir: Path, on_plan=None, translated: li
         other_task = task_problem(model.arch, f"model.weights={model.weights}") if not model.cfg else None
         data_problems += [Problem(other_task)] if other_task else []
         arch = model.cfg or model.arch or model.weights
-        task, mismatch = run_task(arch, data.spec, f"model={Path(str(model.cfg or model.weights)).name}")
+        task, mismatch = run_task(arch, data.spec, f"model={Path(str(model.cfg or model.weights)).name}", data.checks)
         task_from = task_source(arch)
         data_problems += [Problem(m) for m in mismatch]
     plan, problems = make_plan(cfg, hw, data, port_is_free=port_is_free, task=task, task_from=task_from)

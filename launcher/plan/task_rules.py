@@ -1,10 +1,10 @@
 """What the task a run trains (inputs/model_task.py) changes in the plan.
 
 Detection has ddp-launch's fast paths: the input augmented on the GPU, the fast validation engine, the whole step
-captured as one CUDA graph, the auto batch's probe. Segmentation and pose train through Ultralytics' own pipeline
-(its transforms warp polygons and keypoints), its validator (masks and keypoints scored as it scores them) and its
-loss, normalised over the ranks but eager (its mask and keypoint terms have shapes that follow the targets); the
-network alone is graphed on GPUs. `auto` settings resolve to those paths; a setting that asks for a fast path the
+captured as one CUDA graph, the auto batch's probe. Segmentation, pose and obb train through Ultralytics' own
+pipeline (its transforms warp polygons, keypoints and corners), its validator (masks, keypoints and rotated boxes
+scored as it scores them) and its loss, normalised over the ranks but eager (its mask, keypoint and rotated-box
+terms have shapes that follow the targets); the network alone is graphed on GPUs. `auto` settings resolve to those paths; a setting that asks for a fast path the
 task lacks is refused here.
 """
 
@@ -26,10 +26,10 @@ def task_problems(cfg: dict, task: str, *, device: str) -> list[Problem]:
     train, loader, val = cfg["train"], cfg.get("loader") or {}, cfg.get("val") or {}
     problems = []
     if loader.get("augment_on") == "gpu":
-        problems.append(Problem(f"loader.augment_on=gpu with a {task} model: the GPU input pipeline augments boxes "
-                                "only, not masks or keypoints; use loader.augment_on=cpu (or auto)"))
+        problems.append(Problem(f"loader.augment_on=gpu with a {task} model: the GPU input pipeline augments upright "
+                                "boxes only, not masks, keypoints or corners; use loader.augment_on=cpu (or auto)"))
     if val.get("engine") == "fast":
-        problems.append(Problem(f"val.engine=fast with a {task} model: the fast engine scores boxes only; use "
+        problems.append(Problem(f"val.engine=fast with a {task} model: the fast engine scores upright boxes only; use "
                                 "val.engine=ultralytics (or auto)"))
     if train.get("batch_per_device") == "auto" and device == "cuda":
         problems.append(Problem(f"train.batch_per_device=auto with a {task} model: the probe measures the detection "

@@ -5,7 +5,8 @@ the total weight of the targets assigned *in the batch at hand*. Under DDP each 
 total, so the averaged gradient would not be the gradient of the same loss on the whole global batch. Here every
 rank divides by the mean of the ranks' totals (one scalar all-reduce per step, no host sync): a DDP step at world
 size W x batch b equals a single-process step at batch W x b (tests/test_ddp_equivalence.py). Segmentation and
-pose losses take their box terms from it and their mask and keypoint terms over the ranks' foreground (TaskLoss).
+pose losses take their box terms from it and their mask and keypoint terms over the ranks' foreground (TaskLoss);
+the rotated-box loss divides each of its terms by the ranks' mean target weight the same way (OBBLoss).
 
 **Accumulated micro-batches** (train.accumulate) are normalised the same way, over the whole step: after
 `defer_normaliser()` the loss divides by 1 and keeps each micro-batch's raw target weight; the step then divides the
@@ -48,7 +49,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from ultralytics.utils.loss import BboxLoss, E2ELoss, v8DetectionLoss, v8PoseLoss, v8SegmentationLoss
+from ultralytics.utils.loss import BboxLoss, E2ELoss, v8DetectionLoss, v8OBBLoss, v8PoseLoss, v8SegmentationLoss
 from ultralytics.utils.metrics import bbox_iou
 from ultralytics.utils.ops import xywh2xyxy, xyxy2xywh
 from ultralytics.utils.tal import TaskAlignedAssigner, bbox2dist, make_anchors
@@ -75,7 +76,9 @@ def global_normaliser(raw_local: torch.Tensor) -> torch.Tensor:
 def training_criterion(model, sync_free: bool = True):
     """(the criterion the training step uses, whether it is normalised over the ranks), for the loss Ultralytics
     would build for `model` (init_criterion): a v8DetectionLoss, or YOLO26's E2ELoss of two, becomes DetectionLoss;
-    v8SegmentationLoss and v8PoseLoss take their box, class and DFL terms from one (TaskLoss). Any other loss (YOLO26's segmentation and pose, OBB) is Ultralytics' own, normalised per rank."""
+    v8SegmentationLoss and v8PoseLoss take their box, class and DFL terms from one (TaskLoss), v8OBBLoss its
+    normaliser (OBBLoss). Any other loss (YOLO26's segmentation, pose and obb) is Ultralytics' own, normalised per
+    rank."""
     default = model.init_criterion()
     loss = partial(DetectionLoss, sync_free=sync_free)
     if type(default) is v8DetectionLoss:
@@ -299,7 +302,28 @@ class PoseLoss(TaskLoss, v8PoseLoss):
         return location * share, visibility * share
 
 
-TASK_LOSSES = {v8SegmentationLoss: SegmentationLoss, v8PoseLoss: PoseLoss}  # Ultralytics' loss -> the one trained
+class OBBLoss(v8OBBLoss):
+    """Ultralytics' rotated-box loss, normalised over the ranks: each of its terms (box, class, DFL, angle) is
+    divided by the rank's clamped target weight (target_scores_sum); rescaled here to the global normaliser's
+    division. Its own code runs (eager, with its host syncs); the assigner is wrapped to read the raw weight."""
+
+    def __init__(self, model, tal_topk: int = 10, tal_topk2: int | None = None, *, sync_free: bool = True):
+        super().__init__(model, tal_topk, tal_topk2)
+        self._assign, self.assigner = self.assigner, self._assigned
+        self._weight: torch.Tensor | None = None  # this batch's raw target weight, read off the assignment
+
+    def _assigned(self, *args, **kwargs):
+        out = self._assign(*args, **kwargs)
+        self._weight = out[2].sum().detach()  # target_scores, as Ultralytics sums it
+        return out
+
+    def loss(self, preds: dict, batch: dict) -> tuple:
+        loss, items = super().loss(preds, batch)
+        share = self._weight.clamp(min=1) / global_normaliser(self._weight)  # on every rank, every step
+        return loss * share, {k: v * share for k, v in items.items()}
+
+
+TASK_LOSSES = {v8SegmentationLoss: SegmentationLoss, v8PoseLoss: PoseLoss, v8OBBLoss: OBBLoss}  # Ultralytics' -> ours
 
 
 def dfl_loss(pred_dist: torch.Tensor, target: torch.Tensor, reg_max: int) -> torch.Tensor:

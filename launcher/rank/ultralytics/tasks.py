@@ -3,9 +3,9 @@
 A task gives the network's class (ultralytics.nn.tasks), the arguments its constructor takes from the dataset
 (PoseModel's kpt_shape) and the validator Ultralytics trains it with. The rest follows from Ultralytics' own
 switches, set once: the hyperparameters' `task` (build.hyperparameters) makes build_yolo_dataset load polygons
-(use_segments) or keypoints (use_keypoints) and YOLODataset.collate_fn batch the masks or keypoints; the network's
-init_criterion gives the loss (v8SegmentationLoss, v8PoseLoss), which loss.training_criterion normalises over the
-ranks; the checkpoint holds the network of that class with `task` in its arguments, so YOLO("best.pt").task is it.
+(use_segments), keypoints (use_keypoints) or rotated boxes (use_obb: the corners' rows turned into x, y, w, h,
+angle) and YOLODataset.collate_fn batch the masks or keypoints; the network's init_criterion gives the loss
+(v8SegmentationLoss, v8PoseLoss, v8OBBLoss), which loss.training_criterion normalises over the ranks; the checkpoint holds the network of that class with `task` in its arguments, so YOLO("best.pt").task is it.
 
 Which tasks the plan lets through, and what they change there, is decided in plan/task_rules.py.
 """
@@ -15,14 +15,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ultralytics.models.yolo.detect import DetectionValidator
+from ultralytics.models.yolo.obb import OBBValidator
 from ultralytics.models.yolo.pose import PoseValidator
 from ultralytics.models.yolo.segment import SegmentationValidator
-from ultralytics.nn.tasks import DetectionModel, PoseModel, SegmentationModel
+from ultralytics.nn.tasks import DetectionModel, OBBModel, PoseModel, SegmentationModel
 
 
 @dataclass(frozen=True)
 class Task:
-    name: str  # Ultralytics' task name: detect | segment | pose
+    name: str  # Ultralytics' task name: detect | segment | pose | obb
     model: type  # the network's class
     validator: type  # Ultralytics' validator for it (val.engine=ultralytics)
     data_keys: tuple[tuple[str, str], ...] = ()  # (data YAML key, the network constructor's argument)
@@ -37,6 +38,7 @@ TASKS = {
     "detect": Task("detect", DetectionModel, DetectionValidator),
     "segment": Task("segment", SegmentationModel, SegmentationValidator),
     "pose": Task("pose", PoseModel, PoseValidator, data_keys=(("kpt_shape", "data_kpt_shape"),)),
+    "obb": Task("obb", OBBModel, OBBValidator),  # its box metrics (B) are the rotated boxes'
 }
 
 
