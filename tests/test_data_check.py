@@ -264,3 +264,19 @@ def test_orphan_label_files_and_images_sharing_one_label_file_are_named_in_the_p
     assert "WARNING: 2 train label file(s) without an image, never read (gone1.txt, gone2.txt)" in text
     assert "WARNING: 1 train label file(s) read by two images or more (pair.txt <- pair.jpg and pair.png)" in text
     assert "val label file" not in text
+
+
+OBB_ROW = "0 0.2 0.1 0.5 0.3 0.4 0.6 0.1 0.4\n"  # class and four corners
+
+
+def test_the_check_counts_each_usable_images_row_form_for_the_models_task(tmp_path):
+    """Boxes, rotated boxes (every row 9 numbers: class and four corners) and polygons: what model_task.py checks an
+    obb or detection model against, also when the verdicts come from the cache."""
+    _write(tmp_path, "train", "box.jpg", _jpeg(), GOOD)
+    _write(tmp_path, "train", "obb.jpg", _jpeg(), OBB_ROW + OBB_ROW.replace("0 ", "1 ", 1))
+    _write(tmp_path, "train", "polygon.jpg", _jpeg(), OBB_ROW + "2 0.1 0.1 0.3 0.1 0.2 0.3\n")
+    _write(tmp_path, "train", "empty.jpg", _jpeg(), "")
+    _write(tmp_path, "train", "dropped.jpg", _jpeg(), OBB_ROW.replace("0 ", "7 ", 1))
+    for _ in range(2):  # the second from the cache
+        check = labels.check_split([str(tmp_path / "images" / "train")], len(NAMES), cache_dir=tmp_path / "cache")
+        assert check.to_dict()["forms"] == {"boxes": 1, "obb": 1, "polygons": 1} and check.usable == 4

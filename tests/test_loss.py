@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from launcher.rank.data.pipeline import MAX_TARGETS, max_targets_per_image
-from launcher.rank.ultralytics.loss import DenseBboxLoss, DenseTaskAlignedAssigner, DetectionLoss, training_criterion
+from launcher.rank.ultralytics.loss import (DenseBboxLoss, DenseTaskAlignedAssigner, DetectionLoss, OBBLoss,
+                                            training_criterion)
 
 IMGSZ, BATCH = 128, 6
 
@@ -94,8 +95,8 @@ def test_each_detection_familys_loss_gets_the_global_normaliser_and_the_sync_fre
     seg, detection = training_criterion(_model("yolov8n-seg.yaml"))  # its box terms: tests/test_tasks.py
     assert detection and isinstance(seg, v8SegmentationLoss) and type(seg) is SegmentationLoss
     assert type(seg.boxes) is DetectionLoss and type(seg.boxes.assigner) is DenseTaskAlignedAssigner
-    obb, detection = training_criterion(_model("yolov8n-obb.yaml"))
-    assert not detection and type(obb) is v8OBBLoss  # Ultralytics' own, left alone
+    obb, detection = training_criterion(_model("yolov8n-obb.yaml"))  # its normaliser: tests/test_tasks.py
+    assert detection and isinstance(obb, v8OBBLoss) and type(obb) is OBBLoss
 
 
 def test_the_host_reads_the_largest_per_image_count_off_the_cpu_batch():

@@ -1,6 +1,6 @@
-"""Models of a task ddp-launch does not train yet (obb, classify) are refused in the plan, before anything starts, by
-their YAML's head or their checkpoint's name: an -obb model trained on its box losses alone would look trained.
-Detection, segmentation and pose models pass (tests/test_tasks.py: the task they train)."""
+"""Models of a task ddp-launch does not train yet (classify) are refused in the plan, before anything starts, by
+their YAML's head or their checkpoint's name: a -cls model trained as a detector would only look trained.
+Detection, segmentation, pose and obb models pass (tests/test_tasks.py: the task they train)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from launcher.inputs.model_task import model_task
 from launcher.inputs.models import resolve_model
 
 
-@pytest.mark.parametrize("cfg, task", [("yolo11s-obb.yaml", "rotated-box (obb)"), ("yolo11n-cls.yaml", "classification")])
+@pytest.mark.parametrize("cfg, task", [("yolo11n-cls.yaml", "classification"), ("yolov8s-cls.yaml", "classification")])
 def test_a_model_of_a_task_not_built_yet_is_refused_with_what_to_use(cfg, task):
     spec, problems = resolve_model({"name": "custom", "cfg": cfg}, base_dir=".")
     assert spec is None and len(problems) == 1
@@ -18,33 +18,34 @@ def test_a_model_of_a_task_not_built_yet_is_refused_with_what_to_use(cfg, task):
     assert "model=yolo11n.pt" in problems[0] and "yolo " in problems[0]
 
 
-def test_detection_segmentation_and_pose_models_and_their_own_yaml_pass(tmp_path):
-    for cfg in ("yolov8s.yaml", "yolo11n.yaml", "yolo26n.yaml", "yolov8n-seg.yaml", "yolo11n-pose.yaml"):
+def test_detection_segmentation_pose_and_obb_models_and_their_own_yaml_pass(tmp_path):
+    for cfg in ("yolov8s.yaml", "yolo11n.yaml", "yolo26n.yaml", "yolov8n-seg.yaml", "yolo11n-pose.yaml", "yolo11s-obb.yaml"):
         spec, problems = resolve_model({"name": "custom", "cfg": cfg}, base_dir=tmp_path)
         assert spec is not None and not problems, problems
     own = tmp_path / "mine.yaml"  # a user's YAML: its head decides, not its name
-    own.write_text("nc: 3\nbackbone: [[-1, 1, Conv, [16, 3, 2]]]\nhead: [[[0], 1, OBB, [3, 1]]]\n")
+    own.write_text("nc: 3\nbackbone: [[-1, 1, Conv, [16, 3, 2]]]\nhead: [[[0], 1, Classify, [3]]]\n")
     spec, problems = resolve_model({"name": "custom", "cfg": str(own)}, base_dir=tmp_path)
-    assert spec is None and "mine.yaml is a rotated-box (obb) model" in problems[0]
+    assert spec is None and "mine.yaml is a classification model" in problems[0]
+    assert model_task("yolo11s-obb.yaml") == "obb"
     assert model_task("yolov8n-seg.yaml") == "segment" and model_task("yolov8n.yaml") == "detect"
 
 
 def test_a_checkpoint_named_for_another_task_is_refused(tmp_path):
-    (tmp_path / "yolov8n-obb.pt").write_bytes(b"")
-    spec, problems = resolve_model({"name": "custom", "weights": "yolov8n-obb.pt"}, base_dir=tmp_path)
-    assert spec is None and "yolov8n-obb.pt is a rotated-box (obb) model" in problems[0]
+    (tmp_path / "yolov8n-cls.pt").write_bytes(b"")
+    spec, problems = resolve_model({"name": "custom", "weights": "yolov8n-cls.pt"}, base_dir=tmp_path)
+    assert spec is None and "yolov8n-cls.pt is a classification model" in problems[0]
 
 
 def test_a_checkpoint_of_another_task_is_refused_by_what_it_holds(tmp_path, cache_dir):
-    """An OBB checkpoint renamed best.pt: the plan opens it (launch/starting_weights.py) and refuses it by its
-    architecture, before any process starts."""
+    """A classification checkpoint renamed best.pt: the plan opens it (launch/starting_weights.py) and refuses it by
+    its architecture, before any process starts."""
     import torch
-    from ultralytics.nn.tasks import OBBModel
+    from ultralytics.nn.tasks import ClassificationModel
 
     from tests.conftest import ddp_launch
 
-    torch.save({"model": OBBModel("yolov8n-obb.yaml", nc=3, verbose=False).half(), "ema": None,
+    torch.save({"model": ClassificationModel("yolov8n-cls.yaml", nc=3, verbose=False).half(), "ema": None,
                 "train_args": {}, "epoch": -1}, tmp_path / "best.pt")
     r = ddp_launch(["model=best.pt", "gpus=0", "dry_run=true"], cwd=tmp_path)
-    assert r.returncode != 0 and "is a rotated-box (obb) model" in r.stdout + r.stderr, r.stdout[-2000:] + r.stderr[-2000:]
+    assert r.returncode != 0 and "is a classification model" in r.stdout + r.stderr, r.stdout[-2000:] + r.stderr[-2000:]
     assert "Traceback" not in r.stdout + r.stderr

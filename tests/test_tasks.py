@@ -1,7 +1,7 @@
 """The task a run trains follows from the model and the dataset, decided in the plan before any process starts:
-segmentation and pose models train through Ultralytics' pipeline, validator and loss (their box and class terms
-normalised over the ranks), a model that does not fit its data is refused with what to change, and the synthetic
-shapes are labelled for the model's task. tests/test_e2e_tasks.py trains each task on two ranks."""
+segmentation, pose and obb models train through Ultralytics' pipeline, validator and loss (normalised over the
+ranks), a model that does not fit its data is refused with what to change, and the synthetic shapes are labelled
+for the model's task. tests/test_e2e_tasks.py trains each task on two ranks."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from launcher.plan.plan import LaunchPlan, make_plan
 from tests.conftest import compose_config, ddp_launch
 
 FEW_CORES = Hardware(gpus=tuple(Gpu(i, "NVIDIA H200", 141.0) for i in range(8)), cpu_count=16, nccl_available=True)
-MODELS = {"segment": "yolov8n-seg.yaml", "pose": "yolov8n-pose.yaml"}
+MODELS = {"segment": "yolov8n-seg.yaml", "pose": "yolov8n-pose.yaml", "obb": "yolov8n-obb.yaml"}
 POSE_DATA = {"names": {0: "a"}, "kpt_shape": [4, 3], "flip_idx": [0, 3, 2, 1]}
 
 
@@ -41,12 +41,45 @@ def test_a_pose_model_needs_keypoints_and_keypoints_need_a_pose_model():
         assert "model=yolov8n-pose.yaml" in problems[0] and "remove kpt_shape" in problems[0]
 
 
+def _checked(**forms) -> dict:
+    return {"train": {"forms": forms}, "val": {"forms": forms}}
+
+
+def test_an_obb_model_needs_corner_rows_and_corner_rows_need_an_obb_model():
+    assert run_task("yolov8n-obb.yaml", {}, "model=m", _checked(obb=8)) == ("obb", [])
+    assert run_task("yolov8n-obb.yaml", {}, "model=m", _checked(obb=8, polygons=2)) == ("obb", [])  # minAreaRect
+    _, problems = run_task("yolov8n-obb.yaml", {}, "model=yolov8n-obb.yaml", _checked(boxes=3, obb=5))
+    assert len(problems) == 1 and "yolov8n-obb.yaml is an obb model, and 3 train image(s) have box label rows" in \
+        problems[0] and "class x1 y1 x2 y2 x3 y3 x4 y4" in problems[0] and "model=yolo11n.pt" in problems[0]
+    _, problems = run_task("yolo11n.pt", {}, "model=yolo11n.pt", _checked(obb=8))
+    assert len(problems) == 1 and "every train label row is a class and four corners" in problems[0]
+    assert "model=yolo11n-obb.yaml" in problems[0] and "class x y w h" in problems[0]
+    for arch, forms in (("yolo11n.pt", {"obb": 8, "boxes": 1}), ("yolov8n-seg.yaml", {"obb": 8})):
+        assert run_task(arch, {}, "model=m", _checked(**forms))[1] == []  # mixed, or polygons for masks
+
+
+def test_an_obb_model_on_box_labels_is_refused_by_the_plan(tmp_path, cache_dir):
+    from launcher.launch.start import start
+    from launcher.problems import PlanError
+    from tests.test_data_check import GOOD, NAMES, _jpeg, _write
+
+    for split in ("train", "val"):
+        _write(tmp_path / "ds", split, "a.jpg", _jpeg(), GOOD)
+    data = tmp_path / "ds" / "data.yaml"
+    data.write_text(yaml.safe_dump({"path": str(data.parent), "train": "images/train", "val": "images/val",
+                                    "names": NAMES}))
+    cfg = compose_config(["data=custom", f"data.path={data}", "model=custom", "model.cfg=yolov8n-obb.yaml", "gpus=0"])
+    with pytest.raises(PlanError, match="is an obb model, and 1 train image"):
+        start(cfg, tmp_path / "run", tmp_path)
+    assert not (tmp_path / "run").exists()
+
+
 # --- what the task changes in the plan ------------------------------------------------------------------------
-def test_segment_and_pose_take_ultralytics_paths_where_detection_takes_the_fast_ones():
+def test_segment_pose_and_obb_take_ultralytics_paths_where_detection_takes_the_fast_ones():
     cfg = compose_config(["train.imgsz=640"])
     detect, problems = make_plan(cfg, FEW_CORES)
     assert not problems and (detect.augment_on, detect.val_engine, detect.graph_scope) == ("gpu", "fast", "step")
-    for task in ("segment", "pose"):
+    for task in ("segment", "pose", "obb"):
         plan, problems = make_plan(cfg, FEW_CORES, task=task, task_from=MODELS[task])
         assert not problems
         assert (plan.task, plan.augment_on, plan.val_engine, plan.graph_scope, plan.cuda_graphs) == (
@@ -98,21 +131,29 @@ def test_ddp_bench_refuses_a_model_of_another_task_than_detection(tmp_path, cach
 
 
 # --- the synthetic shapes, labelled for the task -----------------------------------------------------------------
-@pytest.mark.parametrize("task", ["segment", "pose"])
-def test_the_synthetic_shapes_carry_polygons_or_keypoints_that_ultralytics_checks_pass(task, tmp_path):
+@pytest.mark.parametrize("task", ["segment", "pose", "obb"])
+def test_the_synthetic_shapes_carry_polygons_keypoints_or_corners_that_ultralytics_checks_pass(task, tmp_path):
     spec = shapes.ShapesSpec(train_images=4, val_images=2, width=64, height=64, task=task)
     assert spec.digest() != shapes.ShapesSpec(train_images=4, val_images=2, width=64, height=64).digest()
     data = yaml.safe_load(shapes.ensure_dataset(tmp_path, spec, workers=1, log=lambda _: None).read_text())
     assert (data.get("kpt_shape"), data.get("flip_idx")) == (([4, 3], [0, 3, 2, 1]) if task == "pose" else (None, None))
     check = labels.check_split([f"{data['path']}/{data['train']}"], 3, kpt_shape=data.get("kpt_shape"))
     assert check.usable == check.images == 4 and not check.dropped
+    assert set(check.forms) == {{"segment": "polygons", "pose": "boxes", "obb": "obb"}[task]}
     rows = [line.split() for f in sorted(tmp_path.rglob("labels/train/*.txt")) for line in f.read_text().splitlines()]
     assert rows and all(len(r) == (1 + 4 + 4 * 3 if task == "pose" else len(r)) for r in rows)
     assert task == "pose" or all(len(r) >= 7 and len(r) % 2 for r in rows)  # class and x, y pairs: a polygon
+    if task == "obb":  # a rectangle: its opposite sides of one length, turned from upright in some images
+        import numpy as np
+
+        corners = np.array([r[1:] for r in rows], np.float64).reshape(-1, 4, 2) * 64
+        sides = np.linalg.norm(np.roll(corners, -1, 1) - corners, axis=2)
+        np.testing.assert_allclose(sides[:, :2], sides[:, 2:], atol=1e-3)
+        assert (np.abs(corners[:, 0, 1] - corners[:, 1, 1]) > 1).any()
 
 
 def test_a_synthetic_task_it_does_not_know_is_refused():
-    assert any("data.synthetic.task='obb'" in m for m in shapes.ShapesSpec(task="obb").problems())
+    assert any("data.synthetic.task='classify'" in m for m in shapes.ShapesSpec(task="classify").problems())
 
 
 # --- the loss: Ultralytics' values, its box terms from the run's detection loss ------------------------------------
@@ -130,18 +171,20 @@ def _batch(task: str):
         masks = torch.zeros(2, 16, 16)
         masks[0, 3:8, 3:8], masks[0, 7:13, 9:14], masks[1, 3:13, 3:13] = 1, 2, 1
         batch["masks"] = masks
+    elif task == "obb":  # x, y, w, h and the angle in radians
+        batch["bboxes"] = torch.cat((batch["bboxes"], torch.tensor([[0.3], [-0.7], [1.2]])), 1)
     else:
         batch["keypoints"] = torch.rand(3, 4, 3, generator=g).clamp(0.1, 0.9)
         batch["keypoints"][..., 2] = 2.0
     return batch
 
 
-@pytest.mark.parametrize("task", ["segment", "pose"])
+@pytest.mark.parametrize("task", ["segment", "pose", "obb"])
 def test_the_task_loss_is_ultralytics_own_on_one_process(task):
     import torch
     from ultralytics.cfg import get_cfg
 
-    from launcher.rank.ultralytics.loss import TaskLoss, training_criterion
+    from launcher.rank.ultralytics.loss import OBBLoss, TaskLoss, training_criterion
     from launcher.rank.ultralytics.tasks import task_of
 
     torch.manual_seed(0)
@@ -152,7 +195,8 @@ def test_the_task_loss_is_ultralytics_own_on_one_process(task):
     expected, expected_items = net.init_criterion()(preds, _batch(task))
     for sync_free in (True, False):
         criterion, global_boxes = training_criterion(net, sync_free=sync_free)
-        assert isinstance(criterion, TaskLoss) and global_boxes and not hasattr(criterion, "defer_normaliser")
+        assert isinstance(criterion, OBBLoss if task == "obb" else TaskLoss) and global_boxes
+        assert not hasattr(criterion, "defer_normaliser")
         loss, items = criterion(preds, _batch(task))
         torch.testing.assert_close(loss, expected, rtol=1e-4, atol=1e-5)
         assert list(items) == list(expected_items)
@@ -164,7 +208,7 @@ BOXES = (3, 1, 2, 0)  # per image: unequal, so that a normaliser taken per rank 
 
 def _task_model_and_batch(task: str):
     """A network of `task` and a batch of 4 images, 64 px, with BOXES targets each (boxes, and their masks at the
-    prototypes' 16 px or four keypoints inside each box)."""
+    prototypes' 16 px, four keypoints inside each box, or each box turned)."""
     import torch
     from ultralytics.cfg import get_cfg
 
@@ -184,6 +228,8 @@ def _task_model_and_batch(task: str):
             for k, (_, _, cx, cy, w, h) in enumerate(r for r in rows if r[0] == i):
                 x0, x1, y0, y1 = (int(16 * v) for v in (cx - w / 2, cx + w / 2, cy - h / 2, cy + h / 2))
                 batch["masks"][i, y0:y1, x0:x1] = k + 1
+    elif task == "obb":  # turned by an angle of its own
+        batch["bboxes"] = torch.cat((batch["bboxes"], torch.linspace(-1.2, 1.2, len(rows)).view(-1, 1)), 1)
     else:  # the box's top, right, bottom and left points
         batch["keypoints"] = torch.tensor([[[cx, cy - h / 2, 2], [cx + w / 2, cy, 2], [cx, cy + h / 2, 2],
                                             [cx - w / 2, cy, 2]] for _, _, cx, cy, w, h in rows])
@@ -213,9 +259,10 @@ def _task_rank(rank: int, world: int, init_file: str, out: str, task: str):
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("task", ["segment", "pose"])
+@pytest.mark.parametrize("task", ["segment", "pose", "obb"])
 def test_two_ranks_of_b_take_the_same_step_as_one_process_of_2b(task, tmp_path):
-    """The mask and keypoint terms too: each rank divides by the ranks' mean foreground, not its own."""
+    """The mask and keypoint terms too: each rank divides by the ranks' mean foreground, not its own; the rotated
+    boxes' terms by the ranks' mean target weight."""
     import torch
     import torch.multiprocessing as mp
 

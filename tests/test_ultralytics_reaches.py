@@ -16,7 +16,8 @@ REACHES = {
     "validation.py": [("ultralytics.models.yolo.detect", "DetectionValidator.__call__", "DetectionValidator.init_metrics",
                        "DetectionValidator.update_metrics", "DetectionValidator.get_desc"),
                       ("ultralytics.models.yolo.segment", "SegmentationValidator.get_desc"),
-                      ("ultralytics.models.yolo.pose", "PoseValidator.get_desc")],
+                      ("ultralytics.models.yolo.pose", "PoseValidator.get_desc"),
+                      ("ultralytics.models.yolo.obb", "OBBValidator.get_desc")],
     "results_table.py": [("ultralytics.engine.validator", "TQDM", "BaseValidator.__call__"),
                          ("ultralytics.models.yolo.detect", "DetectionValidator.print_results")],
     "fast_validation.py": [("ultralytics.models.yolo.detect", "DetectionValidator.init_metrics",
@@ -28,7 +29,8 @@ REACHES = {
     "folded.py": [("ultralytics.nn.modules", "Conv.forward_fuse", "DWConv"), ("ultralytics.nn.tasks", "BaseModel.fuse")],
     "loss.py": [("ultralytics.utils.loss", "v8DetectionLoss.get_assigned_targets_and_loss", "v8DetectionLoss.preprocess",
                  "BboxLoss.forward", "DFLoss.__call__", "E2ELoss", "v8SegmentationLoss.loss", "v8PoseLoss.loss",
-                 "v8SegmentationLoss.calculate_segmentation_loss", "v8PoseLoss.calculate_keypoints_loss"),
+                 "v8SegmentationLoss.calculate_segmentation_loss", "v8PoseLoss.calculate_keypoints_loss",
+                 "v8OBBLoss.loss"),
                 ("ultralytics.utils.tal", "TaskAlignedAssigner.get_box_metrics",
                  "TaskAlignedAssigner.select_candidates_in_gts", "bbox2dist", "make_anchors")],
     "datasets.py": [("ultralytics.data.base", "BaseDataset.get_img_files", "BaseDataset.load_image"),
@@ -93,7 +95,7 @@ def test_the_reaches_keep_the_signatures_the_adapter_calls():
     """The calls whose arguments the adapter passes by position or by a name Ultralytics could rename."""
     from ultralytics.data.base import BaseDataset
     from ultralytics.models.yolo.detect import DetectionValidator
-    from ultralytics.utils.loss import v8DetectionLoss, v8PoseLoss, v8SegmentationLoss
+    from ultralytics.utils.loss import v8DetectionLoss, v8OBBLoss, v8PoseLoss, v8SegmentationLoss
     from ultralytics.utils.metrics import ConfusionMatrix
     from ultralytics.utils.torch_utils import strip_optimizer
 
@@ -107,6 +109,8 @@ def test_the_reaches_keep_the_signatures_the_adapter_calls():
     assert "preprocess" in vars(v8DetectionLoss)
     for task_loss in (v8SegmentationLoss, v8PoseLoss):  # their box terms: TaskLoss hands them to DetectionLoss
         assert "self.get_assigned_targets_and_loss(preds, batch)" in inspect.getsource(task_loss.loss)
+    obb = inspect.getsource(v8OBBLoss.loss)  # OBBLoss: one assignment, every term over its clamped target weight
+    assert obb.count("self.assigner(") == 1 and "target_scores_sum = max(target_scores.sum(), 1)" in obb
 
 
 def test_a_loader_forks_its_workers_at_its_first_iteration():

@@ -1,10 +1,10 @@
-"""The only package of ddp-launch that imports Ultralytics. Ranks train Ultralytics' detection, segmentation and
-pose models with its own model, datasets, augmentation, loss and validator (what differs per task: tasks.py);
+"""The only package of ddp-launch that imports Ultralytics. Ranks train Ultralytics' detection, segmentation, pose
+and obb models with its own model, datasets, augmentation, loss and validator (what differs per task: tasks.py);
 ddp-launch owns the process group, the loop, the loader and the update.
 
-Public seams used as documented: get_cfg, check_det_dataset, DetectionModel, SegmentationModel, PoseModel (and .load,
+Public seams used as documented: get_cfg, check_det_dataset, DetectionModel, SegmentationModel, PoseModel, OBBModel (and .load,
 .loss, .init_criterion), load_checkpoint, guess_model_task, YOLODataset / build_yolo_dataset / build_dataloader,
-ModelEMA, strip_optimizer, E2ELoss(model, loss_fn), DetectionValidator, SegmentationValidator, PoseValidator,
+ModelEMA, strip_optimizer, E2ELoss(model, loss_fn), DetectionValidator, SegmentationValidator, PoseValidator, OBBValidator,
 callbacks.get_default_callbacks, YOLO (the baseline).
 
 Reaches into internals, each in one place:
@@ -23,7 +23,8 @@ Reaches into internals, each in one place:
   host's target count); TaskAlignedAssigner.get_box_metrics / select_candidates_in_gts and BboxLoss.forward overridden;
   v8SegmentationLoss's and v8PoseLoss's get_assigned_targets_and_loss (their box terms, which their .loss calls
   first) handed to that detection loss, and their calculate_segmentation_loss / calculate_keypoints_loss rescaled
-  to the ranks' foreground.
+  to the ranks' foreground; v8OBBLoss's assigner wrapped (its target weight read) and its .loss rescaled to the
+  ranks' mean target weight.
 - datasets.py: BaseDataset.get_img_files on a stand-in (the files of a split); the image lists and mosaic buffer of
   BaseDataset and Mosaic.buffer_enabled (the node-shared cache, loader.mosaic_buffer); imread and load_image's
   resize rule (the cache's pixels); InfiniteDataLoader.iterator set from torch's DataLoader._get_iterator (the

@@ -111,7 +111,7 @@ def dataset_info(hyp) -> dict:
 
 
 def network(hyp, data: dict, weights: str | None) -> tuple[DetectionModel, list[str]]:
-    """The network of hyp.task to train (a DetectionModel or its segmentation or pose subclass: tasks.py), from
+    """The network of hyp.task to train (a DetectionModel or its segmentation, pose or obb subclass: tasks.py), from
     model.cfg (random init) and/or model.weights, with Ultralytics' model attributes, the imgsz checked against its
     stride, and its frozen layers. Returns (model, frozen name parts)."""
     start = load_checkpoint(weights)[0] if weights else None

@@ -31,7 +31,7 @@ def print_table(v: DetectionValidator, *, per_class: bool) -> None:
 
 
 class _Table:
-    """Before a DetectionValidator (or its segmentation or pose subclass) in the bases: print_table's table, the
+    """Before a DetectionValidator (or its segmentation, pose or obb subclass) in the bases: print_table's table, the
     header and a row per class when `per_class` is set."""
 
     per_class = False

@@ -1,5 +1,5 @@
-"""Validation during training with Ultralytics' validator of the task (DetectionValidator, or its segmentation or
-pose subclass: tasks.py), sharded over the ranks and gathered to rank 0.
+"""Validation during training with Ultralytics' validator of the task (DetectionValidator, or its segmentation,
+pose or obb subclass: tasks.py), sharded over the ranks and gathered to rank 0.
 
 The validator is given a trainer to read; ddp-launch has none, so `_TrainerView` offers exactly the attributes
 DetectionValidator 8.4.190 reads off one in training mode (BaseValidator.__call__): the device, the dataset, AMP, the
