@@ -68,9 +68,9 @@ def task_problem(arch: str | None, key: str) -> str | None:
         return None
     name, word = Path(str(arch)).name, WORDS.get(task, task)
     return (f"{key}: {name} is a {word} model; ddp-launch trains detection, segmentation, pose and obb models "
-            f"({word} is not built yet: training its box head alone would give a model that only looks trained). Use one of "
-            f"those (model=yolo11n.pt, model=yolov8n-seg.yaml), or Ultralytics' own trainer for this one: yolo {task} "
-            "train model=... data=... device=0,1")
+            f"({word} is not built yet: its data, loss and validator are not wired into the ranks). Use one of those "
+            f"(model=yolo11n.pt, model=yolov8n-seg.yaml), or Ultralytics' own trainer for this one: yolo {task} train "
+            "model=... data=... device=0,1")
 
 
 def run_task(arch: str | None, data_spec: dict | None, key: str,

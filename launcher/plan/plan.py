@@ -84,7 +84,7 @@ class LaunchPlan:
     val_batch_fixed: int | None = None  # val.batch as a number; None: auto (decisions.val_batch_at)
     val_cuda_graphs: bool = False  # the fast engine's forward replayed as CUDA graphs
     fused_bn_act: bool = False  # train.fused_bn_act resolved: the training graphs' Conv blocks fuse BatchNorm and SiLU
-    task: str = "detect"  # what the run trains: detect | segment | pose (inputs/model_task.py, task_rules.py)
+    task: str = "detect"  # what the run trains: detect | segment | pose | obb (inputs/model_task.py, task_rules.py)
     task_from: str | None = None  # the model file the task was read from
 
     @property
