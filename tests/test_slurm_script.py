@@ -220,7 +220,7 @@ def test_each_node_of_a_two_node_job_joins_one_rendezvous_that_node_0_serves():
         "--nnodes", "2",
         "--rdzv-backend", "c10d",
         "--rdzv-endpoint", "gpu07:24242",
-        "--rdzv-conf", "is_host=1,join_timeout=600",
+        "--rdzv-conf", "is_host=1,join_timeout=600,read_timeout=600",
         "--rdzv-id", "4242",
         "--nproc-per-node", "4",
         "--max-restarts", "0",
@@ -233,7 +233,8 @@ def test_each_node_of_a_two_node_job_joins_one_rendezvous_that_node_0_serves():
 def test_the_nodes_of_a_job_join_within_dist_timeout_s_and_say_for_whom_they_wait():
     _, plan = slurm_plan(["slurm.nodes=2", "slurm.gpus_per_node=4", "dist.timeout_s=45"])
     cmd = job.node_torchrun_command(plan, Path("/r"), two_node_env(0), "gpu07")
-    assert cmd[cmd.index("--rdzv-conf") + 1] == "is_host=1,join_timeout=45"  # c10d's join, not torchrun's 600 s
+    # c10d's join and its reach for node 0's store, not torchrun's 600 s
+    assert cmd[cmd.index("--rdzv-conf") + 1] == "is_host=1,join_timeout=45,read_timeout=45"
     waiting, refusal = job.job_rendezvous_wait(plan, 0, "gpu07:24242", "4242")
     assert waiting == "waiting for node 1 of 2 at gpu07:24242 (at most dist.timeout_s=45 s)"
     assert refusal.startswith("ddp-launch: refused: node 1 of 2 did not join at gpu07:24242 within dist.timeout_s=45 s")
