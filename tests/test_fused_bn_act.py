@@ -258,10 +258,12 @@ def test_the_plan_fuses_where_the_training_graphs_run_on_cuda():
         cfg = {"train": train, "optim": {}, "dist": {"sync_bn": sync_bn}}
         return rank_decisions(cfg, device=device, mode=mode)["fused_bn_act"]
 
-    assert fused("cuda") and fused("cuda", fused_bn_act=True)
-    assert not fused("cuda", fused_bn_act=False) and not fused("cpu") and not fused("cuda", mode="dp")
-    assert not fused("cuda", cuda_graphs=False) and not fused("cuda", compile=True)
-    assert not fused("cuda", sync_bn=True)  # SyncBatchNorm keeps its own forward
+    assert fused("cuda", fused_bn_act="auto") and fused("cuda", fused_bn_act=True)
+    assert not fused("cuda") and not fused("cuda", fused_bn_act=False)  # off unless asked for (the shipped default)
+    on = {"fused_bn_act": "auto"}
+    assert not fused("cpu", **on) and not fused("cuda", mode="dp", **on)
+    assert not fused("cuda", cuda_graphs=False, **on) and not fused("cuda", compile=True, **on)
+    assert not fused("cuda", sync_bn=True, **on)  # SyncBatchNorm keeps its own forward
 
 
 def test_the_rank_hands_the_graphs_the_part_where_the_plan_fuses_and_the_kernels_compiled():

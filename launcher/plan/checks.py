@@ -227,7 +227,7 @@ def step_problems(train: dict, optim: dict, *, device: str, mode: str, hw: Hardw
                                 "for the GPU at every step's end; 1: it queues the next step while the GPU runs this one)"))
     one_of(train.get("cuda_graphs", "auto"), GRAPHS_VALUES, "train.cuda_graphs", problems, "auto, true or false")
     one_of(train.get("graph_scope", "auto"), ("auto", "network"), "train.graph_scope", problems, "auto or network")
-    if one_of(train.get("fused_bn_act", "auto"), FUSED_VALUES, "train.fused_bn_act", problems, "auto, true or false") \
+    if one_of(train.get("fused_bn_act", False), FUSED_VALUES, "train.fused_bn_act", problems, "auto, true or false") \
             and train.get("fused_bn_act") is True and not uses_cuda_graphs(train, device=device, mode=mode):
         problems.append(Problem("train.fused_bn_act=true runs inside the training CUDA graphs, which this run does not "
                                 "capture (train.cuda_graphs, the CPU, mode=dp or train.compile): set it to auto or false"))

@@ -23,7 +23,7 @@ def rank_decisions(cfg: dict, *, device: str, mode: str, task: str = "detect") -
         "graph_scope": "step" if graphs and train.get("graph_scope", "auto") == "auto" and has_fast_paths(task)
         else "network",
         # dist.sync_bn's SyncBatchNorm is never fused: its statistics are the ranks'
-        "fused_bn_act": (graphs and device == "cuda" and train.get("fused_bn_act", "auto") in ("auto", True)
+        "fused_bn_act": (graphs and device == "cuda" and train.get("fused_bn_act", False) in ("auto", True)
                          and not (cfg.get("dist") or {}).get("sync_bn", False)),
         "val_engine": checks.val_engine(val, train) if has_fast_paths(task) else "ultralytics",
         "task": task,
