@@ -153,7 +153,7 @@ def test_the_synthetic_shapes_carry_polygons_keypoints_or_corners_that_ultralyti
 
 
 def test_a_synthetic_task_it_does_not_know_is_refused():
-    assert any("data.synthetic.task='classify'" in m for m in shapes.ShapesSpec(task="classify").problems())
+    assert any("data.synthetic.task='depth'" in m for m in shapes.ShapesSpec(task="depth").problems())
 
 
 # --- the loss: Ultralytics' values, its box terms from the run's detection loss ------------------------------------

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import yaml
 
-from launcher.inputs import labels, shapes, ultralytics_files
+from launcher.inputs import class_folders, labels, shapes, ultralytics_files
 from launcher.problems import Problem
 
 
@@ -60,6 +60,8 @@ def _from_yaml(
         raw = yaml.safe_load(yaml_path.read_text())
     except yaml.YAMLError as e:
         return None, [Problem(f"{source}: not valid YAML ({e})")]
+    if isinstance(raw, dict) and class_folders.is_class_folders(raw):  # a classification run's own data.yaml
+        return _from_folders(name, Path(str(raw.get("path") or yaml_path.parent)))
     problems = [Problem(m) for m in _check_yaml(raw, source)]
     if problems:
         return None, problems
@@ -112,6 +114,14 @@ def _from_yaml(
     return info, [Problem(m, environment=True) for m in _split_problems(name, spec, checks)]
 
 
+def _from_folders(name: str, root: Path) -> tuple[DatasetInfo | None, list[Problem]]:
+    """A classification dataset: class folders under `root` (class_folders.py)."""
+    spec, checks, problems = class_folders.read(name, root)
+    if problems:
+        return None, [Problem(m, environment=True) for m in problems]
+    return DatasetInfo(name, str(root), spec, checks["train"]["usable"], checks["val"]["usable"], checks=checks), []
+
+
 def _split_problems(name: str, spec: dict, checks: dict[str, labels.SplitCheck]) -> list[str]:
     """A split Ultralytics would stop on: no image at all, none it can use, or (training) no label file at all."""
     problems = []
@@ -137,7 +147,8 @@ def resolve_data(data_cfg: dict, base_dir: Path, *, generate: bool = True, cache
     never writes the synthetic dataset nor the checks' cache; `cache_dir` (paths.cache) holds that cache. A data
     YAML named without a folder that is not a file here but one Ultralytics ships (data=coco8.yaml) is read from
     Ultralytics, its dataset under `datasets_dir` (paths.datasets) as Ultralytics' datasets_dir would hold it. The
-    synthetic dataset's `task: auto` labels it for `model_task` (the model's, inputs/model_task.py)."""
+    synthetic dataset's `task: auto` labels it for `model_task` (the model's, inputs/model_task.py). A folder
+    (data.path=path/to/folder, as Ultralytics' data=path/to/folder) is a classification dataset (class_folders.py)."""
     scan = {"cache_dir": Path(cache_dir) / "labels" if cache_dir else None, "write_cache": generate}
     name = str(data_cfg.get("name", "data"))
     kind = data_cfg.get("kind", "yaml")
@@ -162,6 +173,10 @@ def resolve_data(data_cfg: dict, base_dir: Path, *, generate: bool = True, cache
         elif (folder / shapes.MARKER).is_file():
             yaml_path = folder / shapes.MARKER
         else:
+            if spec.task == "classify":
+                pending = shapes.class_folders_spec(folder)
+                return DatasetInfo(name, f"synthetic {spec}", pending, spec.train_images, spec.val_images,
+                                   note="generated at the first real run"), []
             names = dict(enumerate(shapes.CLASSES))
             keypoints = {"kpt_shape": shapes.KPT_SHAPE, "flip_idx": shapes.FLIP_IDX} if spec.task == "pose" else {}
             pending = {"path": str(folder), "train": str(folder / "images/train"), "val": str(folder / "images/val"),
@@ -189,6 +204,9 @@ def resolve_data(data_cfg: dict, base_dir: Path, *, generate: bool = True, cache
         raw = yaml.safe_load(shipped.read_text()) or {}
         root = data_cfg.get("root") or str(Path(datasets_dir).expanduser() / str(raw.get("path") or shipped.stem))
         return _from_yaml(name, shipped, root, allow, scan)
+    if yaml_path.is_dir():  # Ultralytics' data=path/to/folder: a classification dataset's class folders
+        return _from_folders(name, yaml_path)
     if not yaml_path.is_file():
-        return None, [Problem(f"data.path={path!r}: no such file ({yaml_path})", environment=True)]
+        return None, [Problem(f"data.path={path!r}: no such file or folder ({yaml_path}); a data YAML, or a "
+                              f"classification dataset's folder ({class_folders.LAYOUT})", environment=True)]
     return _from_yaml(name, yaml_path, data_cfg.get("root"), allow, scan, user_yaml=True)

@@ -1,5 +1,5 @@
-"""The task a run trains (detect, segment, pose, obb; classify not built yet), decided from the model and the
-dataset before any process starts.
+"""The task a run trains (detect, segment, pose, obb, classify), decided from the model and the dataset before any
+process starts.
 
 The model's task is read as Ultralytics' guess_model_task reads it: from the architecture YAML's last head module,
 or from the file name (-seg, -pose, -obb, -cls) where no YAML can be read. The dataset must fit it: a data YAML with
@@ -7,7 +7,9 @@ or from the file name (-seg, -pose, -obb, -cls) where no YAML can be read. The d
 polygons, which the data YAML does not say: the model decides. Rotated boxes (obb) are rows of a class and four
 corners, which the label check counts (labels.py, `forms`): an obb model refuses box rows (class x y w h), which
 have no corners, and a detection model refuses labels that are all corners (it would train the upright boxes
-around them).
+around them). A classification model trains on class folders (inputs/class_folders.py: data=path/to/folder, as
+Ultralytics' data= for classify) and only on them: a data YAML of labels is refused for it, and class folders for
+any other model. Semantic segmentation and depth models are refused: ddp-launch does not train those tasks.
 """
 
 from __future__ import annotations
@@ -16,15 +18,16 @@ from pathlib import Path
 
 import yaml
 
-from launcher.inputs import labels, ultralytics_files
+from launcher.inputs import class_folders, labels, ultralytics_files
 
 DETECT = "detect"
-TRAINED = ("detect", "segment", "pose", "obb")  # the tasks ddp-launch trains (rank/ultralytics/tasks.py builds each)
+TRAINED = ("detect", "segment", "pose", "obb", "classify")  # the tasks ddp-launch trains (rank/ultralytics/tasks.py builds each)
 NAME_TASKS = (("-seg", "segment"), ("-pose", "pose"), ("-obb", "obb"), ("-cls", "classify"))
 WORDS = {"segment": "segmentation", "semantic": "semantic segmentation", "pose": "pose", "obb": "rotated-box (obb)",
          "classify": "classification", "depth": "depth"}
 # the validation metrics a task adds to the boxes' (B): Ultralytics' suffix, and summary.json's name for them
 TASK_METRICS = {"segment": ("M", "mask"), "pose": ("P", "pose")}
+TOP1, TOP5 = "metrics/accuracy_top1", "metrics/accuracy_top5"  # a classifier's validation metrics (ClassifyMetrics)
 
 
 def head_task(head: str) -> str | None:
@@ -61,27 +64,31 @@ def model_task(arch: str | None) -> str | None:
 
 
 def task_problem(arch: str | None, key: str) -> str | None:
-    """One line refusing a model of a task ddp-launch does not train yet (`key`: the setting that named it); None
-    for detection, segmentation, pose and obb models, and where the task cannot be told."""
+    """One line refusing a model of a task ddp-launch does not train (semantic segmentation, depth; `key`: the
+    setting that named it); None for detection, segmentation, pose, obb and classification models, and where the
+    task cannot be told."""
     task = model_task(arch)
     if task is None or task in TRAINED:
         return None
     name, word = Path(str(arch)).name, WORDS.get(task, task)
-    return (f"{key}: {name} is a {word} model; ddp-launch trains detection, segmentation, pose and obb models "
-            f"({word} is not built yet: its data, loss and validator are not wired into the ranks). Use one of those "
-            f"(model=yolo11n.pt, model=yolov8n-seg.yaml), or Ultralytics' own trainer for this one: yolo {task} train "
-            "model=... data=... device=0,1")
+    return (f"{key}: {name} is a {word} model; ddp-launch trains detection, segmentation, pose, obb and "
+            f"classification models ({word} is not among them: its data, loss and validator are not wired into the "
+            "ranks). Use one of those (model=yolo11n.pt, model=yolov8n-seg.yaml, model=yolo11n-cls.yaml), or "
+            f"Ultralytics' own trainer for this one: yolo {task} train model=... data=... device=0,1")
 
 
 def run_task(arch: str | None, data_spec: dict | None, key: str,
              checks: dict | None = None) -> tuple[str, list[str]]:
     """(the task the run trains, problems): the model's task (detect where it cannot be told), refused where the
-    dataset does not fit it (`data_spec`: the data YAML as the ranks get it; `checks`: its splits' label checks,
+    dataset does not fit it (class folders for classify alone, _folders) (`data_spec`: the data YAML as the ranks get it; `checks`: its splits' label checks,
     labels.SplitCheck.to_dict; `key`: the setting that named the model)."""
     task = model_task(arch) or DETECT
     if task not in TRAINED:
         return task, []  # task_problem words it
     name = Path(str(arch)).name
+    folders = _folders(task, name, key, data_spec)
+    if folders or task == "classify":
+        return task, folders
     forms = _forms(task, name, key, checks or {})
     if forms:
         return task, forms
@@ -97,6 +104,22 @@ def run_task(arch: str | None, data_spec: dict | None, key: str,
                       f"model trains on, and {name} is a {WORDS.get(task, task)} model: use a pose model "
                       "(model=yolov8n-pose.yaml, model=yolo11n-pose.pt), or remove kpt_shape to train boxes only"]
     return task, []
+
+
+def _folders(task: str, name: str, key: str, data_spec: dict | None) -> list[str]:
+    """A classification model on a data YAML of labels, or another model on class folders: one line."""
+    if data_spec is None:
+        return []
+    folders = class_folders.is_class_folders(data_spec)
+    if task == "classify" and not folders:
+        return [f"{key}: {name} is a classification model, and the data is a data YAML of labels (boxes, polygons or "
+                f"keypoints): give it a folder of class folders (data=path/to/folder holding {class_folders.LAYOUT}), "
+                "or train a detection model on this data (model=yolo11n.pt)"]
+    if task != "classify" and folders:
+        return [f"{key}: {name} is a {WORDS.get(task, task)} model, and the data ({data_spec.get('path')}) is class "
+                "folders (a classification dataset, no labels): use a classification model (model=yolo11n-cls.yaml, "
+                "model=yolov8n-cls.pt), or give a data YAML with labels (data=my.yaml)"]
+    return []
 
 
 def _forms(task: str, name: str, key: str, checks: dict) -> list[str]:

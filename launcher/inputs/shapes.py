@@ -2,6 +2,8 @@
 for the task the model trains (`task`): boxes, polygons (segment), four keypoints per shape (pose: its top, right,
 bottom and left points, kpt_shape [4, 3], flip_idx swapping right and left) or rotated boxes (obb: each shape
 stretched and turned, an ellipse, a rectangle or a triangle filling a rotated rectangle, labelled by its corners).
+For classification (classify) each image holds one large shape, its class the shape's and its colour the class's
+hue, in class folders: <root>/shapes-<digest>/{train,val}/<class>/*.jpg (inputs/class_folders.py).
 
 Generated once per distinct setting into `<root>/shapes-<digest>/` in Ultralytics' layout (images/{train,val},
 labels/{train,val}, data.yaml), fully determined by the settings and the seed, and shared by every later run.
@@ -22,9 +24,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
+import yaml
+
+from launcher.inputs import class_folders
 
 CLASSES = ("circle", "square", "triangle")
-TASKS = ("detect", "segment", "pose", "obb")
+TASKS = ("detect", "segment", "pose", "obb", "classify")
+CLASS_COLOURS = ((60, 60, 210), (60, 190, 60), (210, 90, 40))  # classify: each class's BGR hue (red, green, blue)
 KPT_SHAPE, FLIP_IDX = [4, 3], [0, 3, 2, 1]  # top, right, bottom, left: a horizontal flip swaps right and left
 CIRCLE_VERTICES = 24  # a circle's polygon
 MARKER = "data.yaml"  # written last: its presence means the folder is complete
@@ -106,11 +112,12 @@ def _draw_image(spec: ShapesSpec, split: str, index: int) -> tuple[np.ndarray, l
     img = _background(rng, h, w, spec.texture)
     labels = []
     placed: list[tuple[int, int, int, int]] = []
-    n = int(rng.integers(spec.min_objects, spec.max_objects + 1))
+    classify = spec.task == "classify"  # one large shape of the class `index` picks, in its class's colour
+    n = 1 if classify else int(rng.integers(spec.min_objects, spec.max_objects + 1))
     short = min(h, w)
     for _ in range(n):
         for _attempt in range(20):  # avoid heavy overlap so every label stays visible
-            size = int(rng.uniform(0.15, 0.35) * short)
+            size = int(rng.uniform(*((0.45, 0.8) if classify else (0.15, 0.35))) * short)
             x0 = int(rng.integers(0, w - size))
             y0 = int(rng.integers(0, h - size))
             box = (x0, y0, x0 + size, y0 + size)
@@ -119,8 +126,9 @@ def _draw_image(spec: ShapesSpec, split: str, index: int) -> tuple[np.ndarray, l
         else:
             continue
         placed.append(box)
-        cls = int(rng.integers(0, len(CLASSES)))
-        color = tuple(int(c) for c in rng.integers(0, 256, size=3))
+        cls = index % len(CLASSES) if classify else int(rng.integers(0, len(CLASSES)))
+        color = tuple(int(c) for c in (np.clip(np.array(CLASS_COLOURS[cls]) + rng.integers(-40, 41, size=3), 0, 255)
+                                       if classify else rng.integers(0, 256, size=3)))
         x0, y0, x1, y1 = box
         if spec.task == "obb":
             corners = _rotated_shape(img, CLASSES[cls], (x0 + x1) / 2, (y0 + y1) / 2, size, rng, color)
@@ -142,7 +150,9 @@ def _draw_image(spec: ShapesSpec, split: str, index: int) -> tuple[np.ndarray, l
             polygon = pts.astype(np.float64)
             points = [(cx, y0), (x1 - 1, y1 - 1), (cx, y1 - 1), (x0, y1 - 1)]
         box_row = ((x0 + x1) / 2 / w, (y0 + y1) / 2 / h, size / w, size / h)
-        if spec.task == "segment":
+        if classify:
+            labels.append((cls,))
+        elif spec.task == "segment":
             xy = np.clip(polygon / (w, h), 0, 1)
             labels.append((cls, *xy.ravel().tolist()))
         elif spec.task == "pose":
@@ -195,6 +205,9 @@ def _write_chunk(args: tuple[ShapesSpec, str, str, range]) -> None:
         ok, buf = cv2.imencode(".jpg", img, [cv2.IMWRITE_JPEG_QUALITY, spec.quality])
         if not ok:
             raise RuntimeError(f"JPEG encoding failed for {split} image {i}")
+        if spec.task == "classify":  # the class folder is the label
+            (folder / split / CLASSES[labels[0][0]] / f"{i:06d}.jpg").write_bytes(buf.tobytes())
+            continue
         (folder / "images" / split / f"{i:06d}.jpg").write_bytes(buf.tobytes())
         (folder / "labels" / split / f"{i:06d}.txt").write_text(
             "".join(f"{row[0]} " + " ".join(f"{v:.6f}" if isinstance(v, float) else str(v) for v in row[1:]) + "\n"
@@ -202,7 +215,15 @@ def _write_chunk(args: tuple[ShapesSpec, str, str, range]) -> None:
         )
 
 
+def class_folders_spec(folder: Path) -> dict:
+    """The classify dataset's data YAML (class_folders.py's form): its splits are class folders."""
+    return {"path": str(folder), "train": str(folder / "train"), "val": str(folder / "val"),
+            "names": dict(enumerate(CLASSES)), "nc": len(CLASSES), "channels": 3, class_folders.MARK: True}
+
+
 def data_yaml_text(folder: Path, task: str = "detect") -> str:
+    if task == "classify":
+        return yaml.safe_dump(class_folders_spec(folder), sort_keys=False)
     names = "\n".join(f"  {i}: {n}" for i, n in enumerate(CLASSES))
     keypoints = f"kpt_shape: {KPT_SHAPE}\nflip_idx: {FLIP_IDX}\n" if task == "pose" else ""
     return f"path: {folder}\ntrain: images/train\nval: images/val\n{keypoints}names:\n{names}\n"
@@ -217,8 +238,9 @@ def ensure_dataset(root: Path, spec: ShapesSpec, workers: int | None = None, log
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=root))
     try:
         for split in ("train", "val"):
-            (tmp / "images" / split).mkdir(parents=True)
-            (tmp / "labels" / split).mkdir(parents=True)
+            for sub in ([f"{split}/{c}" for c in CLASSES] if spec.task == "classify"
+                        else [f"images/{split}", f"labels/{split}"]):
+                (tmp / sub).mkdir(parents=True)
         total = spec.train_images + spec.val_images
         log(f"Generating the synthetic shapes dataset ({total} images, {spec.width}x{spec.height}) in {final}")
         jobs = []

@@ -44,9 +44,12 @@ def report(folder: RunFolder, code: int, signum: int | None, node_rank: int) -> 
         f"lr0 {s['lr0']:.6g}, {_speed_text(s)}"
     )
     rotated = " (rotated boxes)" if s.get("task") == "obb" else ""  # an obb run's box metrics are its rotated boxes'
-    say(f"mAP50 {s['map50']:.4f}  mAP50-95 {s['map50_95']:.4f}{rotated}" + "".join(
-        f"  {name} mAP50 {s[f'map50_{name}']:.4f}  mAP50-95 {s[f'map50_95_{name}']:.4f}"
-        for _, name in TASK_METRICS.values() if f"map50_{name}" in s))
+    if "top1" in s:  # a classifier's accuracy in place of box metrics
+        say(f"top-1 {s['top1']:.4f}  top-5 {s['top5']:.4f}")
+    else:
+        say(f"mAP50 {s['map50']:.4f}  mAP50-95 {s['map50_95']:.4f}{rotated}" + "".join(
+            f"  {name} mAP50 {s[f'map50_{name}']:.4f}  mAP50-95 {s[f'map50_95_{name}']:.4f}"
+            for _, name in TASK_METRICS.values() if f"map50_{name}" in s))
     for split, check in (s.get("images") or {}).items():
         for line in labels.describe(split, check):
             say(f"data        {line}")

@@ -10,7 +10,7 @@ from launcher.inputs.models import ModelSpec
 from launcher.plan import lr
 from launcher.plan.batch import held_fraction
 from launcher.plan.plan import LaunchPlan
-from launcher.plan.task_rules import has_fast_paths, task_text
+from launcher.plan.task_rules import has_fast_paths, has_mosaic, task_text
 
 
 def _rendezvous_text(plan: LaunchPlan) -> str:
@@ -37,7 +37,7 @@ def describe(plan: LaunchPlan, model: ModelSpec | None, data: DatasetInfo | None
         lines.append(f"model           {_model_text(model)}")
     lines.append(f"task            {task_text(plan.task, plan.task_from)}")
     if cfg is not None:
-        lines.append(f"training        {_training_text(cfg)}")
+        lines.append(f"training        {_training_text(cfg, plan.task)}")
     lines += [
         f"mode            {plan.mode}" + (f" ({plan.backend})" if plan.backend else ""),
         f"topology        {plan.nnodes} node(s) x {plan.nproc_per_node} rank(s) = world size {plan.world_size}"
@@ -79,9 +79,10 @@ def _model_text(model: ModelSpec) -> str:
     return f"{arch}, {model.init_text()}"
 
 
-def _training_text(cfg: dict) -> str:
+def _training_text(cfg: dict, task: str = "detect") -> str:
     train, optim = cfg["train"], cfg["optim"]
-    mosaic = (f"mosaic off for the last {train['close_mosaic']}" if train.get("close_mosaic")
+    mosaic = ("no mosaic (Ultralytics' classification augmentations)" if not has_mosaic(task)
+              else f"mosaic off for the last {train['close_mosaic']}" if train.get("close_mosaic")
               else "mosaic to the end")
     interval = train.get("val_interval", 1)
     val = ("validated every epoch" if interval == 1 else "validated after the last epoch only" if interval == 0

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from launcher.inputs import ultralytics_files
+from launcher.inputs.model_task import TRAINED
 from launcher.plan.keys import conf_dir, known_keys
 from launcher.problems import Problem
 
@@ -185,10 +186,10 @@ def _ultralytics_key(arg: str, key: str, value: str, out: Translation) -> list[s
             return _shown(out, arg, [f"model.pretrained={'true' if low in TRUE else 'false'}"])
         return _shown(out, arg, [f"model.weights={_quoted(value)}"])
     if key == "task":
-        if low == "detect":
-            return _shown(out, arg, [], "ddp-launch trains detectors")
-        out.problems.append(Problem(f"task={value}: ddp-launch trains detection models (task=detect); {value} is not "
-                                    "supported yet"))
+        if low in TRAINED:
+            return _shown(out, arg, [], "the task follows from the model (its YAML's head or its name)")
+        out.problems.append(Problem(f"task={value}: ddp-launch trains {', '.join(TRAINED)} models, the task following "
+                                    "from the model; drop task="))
         return []
     return _shown(out, arg, [f"++train.extra.{key}={value}"])  # passed to Ultralytics' trainer as typed
 

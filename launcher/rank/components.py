@@ -35,6 +35,7 @@ import torch
 from launcher.machine.environment_report import report as environment_report
 from launcher.plan.plan import LaunchPlan
 from launcher.plan.settings import Settings
+from launcher.plan.task_rules import has_mosaic
 from launcher.rank.build_steps import batch_probe, model_build, step_build, training_input, validation_build
 from launcher.rank.data.pipeline import to_device
 from launcher.rank.data.sampler import mosaic_closes_at, sample_seed
@@ -119,7 +120,7 @@ class Rank:
             self.optimizer = model_build.optimizer(self.net, settings.optim, plan.lr0, plan.fused_optimizer,
                                                  self.device)
             self.schedule = lr_schedule(self.optimizer, settings, plan)
-            build.class_weights(self.net, self.hyp, self.train_dataset.labels, self.data["nc"])
+            build.class_weights(self.net, self.hyp, getattr(self.train_dataset, "labels", None), self.data["nc"])
             self.ema = model_build.ema_and_loss(self.net, bool(settings.train.sync_free_loss), log=self.log)
         self._join_warm_ups()
         # 6. what the step calls: the whole step captured (one GPU), or the network graphed inside DDP
@@ -134,7 +135,8 @@ class Rank:
         loop's batches; the GPU input's kernels compiled after the graphs' on the same thread."""
         settings, plan = self.settings, self.plan
         self.cores = training_input.bind_cores(settings, plan, self.device, self.local_rank, self.detail)
-        self.close_at = mosaic_closes_at(int(settings.train.epochs), int(settings.train.close_mosaic))
+        self.close_at = (mosaic_closes_at(int(settings.train.epochs), int(settings.train.close_mosaic))
+                         if has_mosaic(plan.task) else None)  # a classifier's set has no mosaic to close
         self.train_dataset, self.gpu_input = training_input.training_set(
             settings, plan, self.hyp, self.data, self.device, caches=self.caches, stride=self.stride,
             close_at=self.close_at, input_dtype=self.input_dtype, log=self.log, detail=self.detail)

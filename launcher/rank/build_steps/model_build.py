@@ -57,8 +57,8 @@ def ema_and_loss(net: nn.Module, sync_free: bool, log=None):
     net.criterion, over_ranks = training_criterion(net, sync_free=sync_free)
     if not over_ranks and log is not None:
         log(f"WARNING: {type(net.criterion).__name__}: Ultralytics' own loss, normalised per rank and not sync-free "
-            "(over the ranks: the YOLOv8/YOLO11 detection, segmentation, pose and obb losses, and YOLO26's detection "
-            "loss)")
+            "(over the ranks: the YOLOv8/YOLO11 detection, segmentation, pose and obb losses, YOLO26's detection "
+            "loss, and the classification loss)")
     return ema
 
 

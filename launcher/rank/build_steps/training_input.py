@@ -16,6 +16,7 @@ import torch
 
 from launcher.plan.plan import LaunchPlan
 from launcher.plan.settings import Settings
+from launcher.plan.task_rules import has_mosaic
 from launcher.rank.data import affinity, image_cache, image_cache_folders
 from launcher.rank.data.encoded import EncodedImages, EncodedTrainDataset
 from launcher.rank.data.gpu_augment import GpuAugment
@@ -83,7 +84,7 @@ def training_set(settings: Settings, plan: LaunchPlan, hyp, data: dict, device: 
     dataset = datasets.train_dataset(hyp, data, plan.batch_per_rank, stride)
     if "train" in caches:
         datasets.attach_cache(dataset, caches["train"])
-    if not settings.loader.mosaic_buffer:
+    if not settings.loader.mosaic_buffer and has_mosaic(plan.task):
         datasets.set_mosaic_buffer(dataset, False)
     return dataset, None
 
@@ -103,7 +104,7 @@ def train_loader(settings: Settings, plan: LaunchPlan, dataset, sampler: EpochBa
         batch_sampler=sampler,
         num_workers=workers,
         pin_memory=bool(settings.loader.pin_memory) and device.type == "cuda",
-        collate_fn=dataset.collate_fn,
+        collate_fn=getattr(dataset, "collate_fn", None),  # a classifier's {img, cls}: torch's default
         worker_init_fn=on_worker_cores(cores, worker_init),
         prefetch_factor=int(settings.loader.prefetch_factor) if workers else None,
     )

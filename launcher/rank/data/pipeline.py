@@ -57,7 +57,8 @@ def to_device(batch: dict, device: torch.device, *, imgsz: int, stride: int, mul
     """Ultralytics' DetectionTrainer.preprocess_batch: tensors to the device, images to [0, 1], and with
     multi_scale a random square size between (1 -+ multi_scale) x imgsz, a multiple of the stride."""
     if TARGETS_PER_IMAGE not in batch:  # counted while the labels are on the CPU: where micro-batches split
-        batch[TARGETS_PER_IMAGE] = targets_per_image(batch["batch_idx"], len(batch["img"]))
+        batch[TARGETS_PER_IMAGE] = (targets_per_image(batch["batch_idx"], len(batch["img"])) if "batch_idx" in batch
+                                    else [1] * len(batch["img"]))  # a classifier's batch: one class per image
     if MAX_TARGETS not in batch:  # the sync-free loss pads every image's targets to it
         counts = batch[TARGETS_PER_IMAGE]
         batch[MAX_TARGETS] = None if counts is None else max(counts, default=0)

@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from launcher.inputs.model_task import TASK_METRICS
+from launcher.inputs.model_task import TASK_METRICS, TOP1, TOP5
 
 
 def params_digest(net: torch.nn.Module) -> str:
@@ -74,7 +74,10 @@ def rank_report(*, rank: int, device, meter, monitor, net, loss_items: dict | No
 
 
 def task_metrics(task: str, metrics: dict) -> dict:
-    """A segmentation or pose run's own mAP beside the boxes': {"map50_mask": ..., "map50_95_mask": ...}."""
+    """A segmentation or pose run's own mAP beside the boxes': {"map50_mask": ..., "map50_95_mask": ...}; a
+    classification run's top-1 and top-5 accuracy: {"top1": ..., "top5": ...} (its mAP fields stay 0)."""
+    if task == "classify":
+        return {"top1": float(metrics.get(TOP1, 0.0)), "top5": float(metrics.get(TOP5, 0.0))}
     if task not in TASK_METRICS:
         return {}
     suffix, name = TASK_METRICS[task]

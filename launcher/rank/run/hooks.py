@@ -233,11 +233,12 @@ class Plots(Hook):
     draws it with the final validation's plots (runs._validate); the run ends once they are written, after the final
     weights (this hook comes after Checkpoint), or before, when an integration uploads them (Tracking)."""
 
-    def __init__(self, plotter, results_csv: Path, labels: list[dict], names: dict):
+    def __init__(self, plotter, results_csv: Path, labels: list[dict] | None, names: dict):
         self.plotter, self.results_csv, self.labels, self.names = plotter, results_csv, labels, names
 
     def before_train(self, loop: TrainLoop) -> None:
-        self.plotter.labels(self.labels, self.names)
+        if self.labels is not None:  # a classifier's data has no boxes to plot (None)
+            self.plotter.labels(self.labels, self.names)
 
     def after_epoch(self, loop: TrainLoop) -> None:
         if loop.ending:

@@ -8,6 +8,7 @@ import time
 
 import torch
 
+from launcher.inputs.model_task import TOP1, TOP5
 from launcher.plan.describe import input_bound_advice, input_thread_bound
 from launcher.rank.data.pipeline import per_batch_ms
 from launcher.rank.loop.loop import Hook, TrainLoop
@@ -54,7 +55,8 @@ class Progress(Hook):
         state = loop.state
         ips, wait = self.meter.recent()
         loss = {k: float(v) for k, v in (state.tloss or {}).items()}  # read once: on a GPU, it waits for the step
-        losses = " ".join(f"{k.replace('_loss', '')} {v:.4g}" for k, v in loss.items())
+        losses = " ".join(f"{k.replace('_loss', '')} {v:.4g}" if k != "loss" else f"{v:.4g}"  # a classifier's: one
+                          for k, v in loss.items())
         # the meter's rate leaves out the run's first steps (and each epoch's first): until then it has none
         speed = f"{ips:.1f} img/s, data wait {100 * wait:.0f}%" if ips else "img/s measuring..."
         lr = f"lr {self.optimizer.param_groups[0]['lr']:.5g}"
@@ -75,7 +77,10 @@ class Progress(Hook):
             line += " | WARNING: the loss is not finite"
         if end_of_epoch and state.validated and self.rank == 0 and state.metrics:
             m = state.metrics
-            line += f" | mAP50 {m.get('metrics/mAP50(B)', 0):.4f} mAP50-95 {m.get('metrics/mAP50-95(B)', 0):.4f}"
+            if TOP1 in m:  # a classifier's: Ultralytics' top-1 and top-5 accuracy
+                line += f" | top-1 {m[TOP1]:.4f} top-5 {m.get(TOP5, 0):.4f}"
+            else:
+                line += f" | mAP50 {m.get('metrics/mAP50(B)', 0):.4f} mAP50-95 {m.get('metrics/mAP50-95(B)', 0):.4f}"
         self.log(line)
 
 

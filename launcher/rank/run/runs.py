@@ -119,7 +119,7 @@ def train(cfg: dict, plan: LaunchPlan, folder: RunFolder, stamps: dict | None = 
             # rank 0: last.pt / best.pt / epochN.pt written in a thread while the next epoch trains; the final weights
             save,
             # rank 0 (train.plots): results.png after the last epoch, drawn in the plotter's thread
-            _rank0_plots(plotter, folder.path, r.train_dataset.labels, r.data["names"]) if plotter else None,
+            _rank0_plots(plotter, folder.path, getattr(r.train_dataset, "labels", None), r.data["names"]) if plotter else None,
             # every log.interval_steps steps, and the epoch's line with Evaluate's mAP
             progress.Progress(meter, r.optimizer, r.device, r.rank, int(settings.log.interval_steps),
                               r.log, monitor, warmup_steps=plan.warmup_iterations or 0),

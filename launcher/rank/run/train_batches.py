@@ -40,7 +40,9 @@ def host_copy(batch: dict, images: int = MAX_IMAGES) -> tuple[dict, torch.cuda.E
     """What plotting `batch` needs, on the host: its first `images` images and every label (plot_images leaves out
     those of other images). From a GPU, queued on the current stream (the returned event completes with the copy);
     on the CPU, copied at once (the step's buffers may be reused)."""
-    tensors = {"img": batch["img"][:images], **{k: batch[k] for k in LABEL_KEYS}}
+    per_image = "batch_idx" not in batch  # a classifier's batch: a class per image, the first `images` of them
+    tensors = {"img": batch["img"][:images], **{k: batch[k][:images] if per_image else batch[k]
+                                                for k in LABEL_KEYS if k in batch}}
     cuda = tensors["img"].is_cuda
     out = {"im_file": list(batch["im_file"][:images])}
     for k, t in tensors.items():

@@ -106,8 +106,13 @@ def save_args(hyp, run_dir: Path) -> None:
 
 def dataset_info(hyp) -> dict:
     """The data YAML as Ultralytics reads it (names, nc, channels, split paths). The launcher wrote it with absolute
-    paths and no download script, so nothing is fetched."""
-    return check_det_dataset(hyp.data)
+    paths and no download script, so nothing is fetched. A classification run's names its class folders
+    (inputs/class_folders.py): its classes are the ones the launcher read, check_cls_dataset's."""
+    if not task_of(hyp.task).folders:
+        return check_det_dataset(hyp.data)
+    data = YAML.load(hyp.data)
+    names = {int(k): str(v) for k, v in data["names"].items()}
+    return {**data, "names": names, "nc": len(names), "channels": int(data.get("channels", 3))}
 
 
 def network(hyp, data: dict, weights: str | None) -> tuple[DetectionModel, list[str]]:
@@ -116,7 +121,7 @@ def network(hyp, data: dict, weights: str | None) -> tuple[DetectionModel, list[
     stride, and its frozen layers. Returns (model, frozen name parts)."""
     start = load_checkpoint(weights)[0] if weights else None
     arch = hyp.model if str(hyp.model).endswith((".yaml", ".yml")) else start.yaml
-    model = task_of(hyp.task).network(arch, data)
+    model = task_of(hyp.task).network(arch, data, dropout=hyp.dropout)
     if hyp.cls_remap and data.get("names"):
         model.names = data["names"]  # a pretrained class head is remapped by class name (set_model_names_for_load)
     if start is not None:
@@ -143,11 +148,12 @@ def ema(net: nn.Module) -> ModelEMA:
     return ModelEMA(net)
 
 
-def class_weights(net: nn.Module, hyp, labels: list[dict], nc: int) -> None:
-    """Ultralytics' inverse-frequency class weights (cls_pw > 0), set on the network before its loss is built."""
+def class_weights(net: nn.Module, hyp, labels: list[dict] | None, nc: int) -> None:
+    """Ultralytics' inverse-frequency class weights (cls_pw > 0), set on the network before its loss is built; none
+    without box labels (`labels` None: a classifier's cross-entropy takes none, as Ultralytics')."""
     if not 0 <= hyp.cls_pw <= 1:
         raise ValueError(f"train.extra.cls_pw={hyp.cls_pw}: must be in [0, 1]")
-    if hyp.cls_pw == 0:
+    if hyp.cls_pw == 0 or labels is None:
         return
     classes = np.concatenate([lb["cls"].flatten() for lb in labels], 0).astype(int)
     counts = np.bincount(classes, minlength=nc).astype(np.float32)
@@ -161,7 +167,9 @@ def class_weights(net: nn.Module, hyp, labels: list[dict], nc: int) -> None:
 
 def align_max_det(net: nn.Module, hyp, train_dataset, val_dataset) -> None:
     """Ultralytics raises the default max_det to the most objects an image of the data holds, so validation does
-    not cap recall (DetectionValidator._check_max_det; DetectionTrainer does the same)."""
+    not cap recall (DetectionValidator._check_max_det; DetectionTrainer does the same). A classifier has none."""
+    if task_of(hyp.task).folders:
+        return
     DetectionValidator._check_max_det(hyp, {"train": train_dataset, "val": val_dataset})
     net.set_head_attr(max_det=hyp.max_det)
 

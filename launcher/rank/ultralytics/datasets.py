@@ -1,6 +1,6 @@
 """Ultralytics' datasets as a rank uses them: the augmenting training set, the unaugmented one whose files and labels
-the GPU input pipeline reads (loader.augment_on=gpu), the
-validation loader, and the node-shared image cache served through a dataset's own image lists."""
+the GPU input pipeline reads (loader.augment_on=gpu), the validation loader, a classifier's class folders
+(ClassificationDataset, both splits), and the node-shared image cache served through a dataset's own image lists."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from ultralytics.data import build_dataloader, build_yolo_dataset
 from ultralytics.data.build import seed_worker
 from ultralytics.data.augment import Mosaic
 from ultralytics.data.base import BaseDataset
-from ultralytics.data.dataset import YOLODataset
+from ultralytics.data.dataset import ClassificationDataset, YOLODataset
 from ultralytics.data.utils import get_split_fraction
 from ultralytics.utils import LOCAL_RANK, LOGGER
 from ultralytics.utils.patches import imread
@@ -24,6 +24,7 @@ from ultralytics.utils.torch_utils import torch_distributed_zero_first
 from launcher.inputs import labels
 from launcher.rank.data import image_cache
 from launcher.rank.group.signals import ignore_termination_in_worker
+from launcher.rank.ultralytics.tasks import task_of
 
 CACHE_RULE = f"ultralytics {ULTRALYTICS_VERSION} load_image"  # what the cached pixels reproduce
 # A file Pillow cannot identify makes Ultralytics try the HEIF plugin, so its scan reports the missing plugin
@@ -40,9 +41,26 @@ def _plain_drop_reasons(record) -> bool:
 LOGGER.addFilter(_plain_drop_reasons)
 
 
+class ClassFolders(ClassificationDataset):
+    """Ultralytics' ClassificationDataset (class folders: its augmentations at imgsz, or its centre crop unaugmented)
+    whose items also name their file, `im_file`, as a YOLODataset's do: the loop counts a batch's images by it."""
+
+    def __getitem__(self, i: int) -> dict:
+        return {**super().__getitem__(i), "im_file": self.samples[i][0]}
+
+
+def class_folders(hyp, data: dict, split: str) -> ClassFolders:
+    """A classifier's `split` (train: augmented), its classes aligned to the data's names by folder name
+    (ClassificationTrainer.build_dataset); local rank 0 writes the split's *.cache first."""
+    with torch_distributed_zero_first(LOCAL_RANK):
+        return ClassFolders(data[split], hyp, augment=split == "train", prefix=split, names=data["names"])
+
+
 def train_dataset(hyp, data: dict, batch: int, stride: int):
-    """The training set with Ultralytics' augmentation (mosaic, RandomPerspective, HSV, flips); local rank 0 writes
-    the labels' *.cache first."""
+    """The training set with Ultralytics' augmentation (mosaic, RandomPerspective, HSV, flips; a classifier's:
+    class_folders); local rank 0 writes the labels' *.cache first."""
+    if task_of(hyp.task).folders:
+        return class_folders(hyp, data, "train")
     with torch_distributed_zero_first(LOCAL_RANK):
         return build_yolo_dataset(hyp, data["train"], batch, data, mode="train", rect=False, stride=stride)
 
@@ -67,8 +85,11 @@ def val_loader(hyp, data: dict, batch: int, stride: int, workers: int, device, b
     `bind(init)` wraps its workers' init (core binding). `pin_memory=False` for a split read once (the fast
     validator's): pinning allocates page-locked memory batch by batch, a driver call that stalls the training
     steps beside it (slowing them while the split is read ahead)."""
-    with torch_distributed_zero_first(LOCAL_RANK):
-        dataset = build_yolo_dataset(hyp, data["val"], batch, data, mode="val", rect=True, stride=stride)
+    if task_of(hyp.task).folders:
+        dataset = class_folders(hyp, data, "val")
+    else:
+        with torch_distributed_zero_first(LOCAL_RANK):
+            dataset = build_yolo_dataset(hyp, data["val"], batch, data, mode="val", rect=True, stride=stride)
     loader = build_dataloader(dataset, batch=batch, workers=workers, shuffle=False, rank=LOCAL_RANK, device=device,
                               pin_memory=pin_memory)
     loader.worker_init_fn = bind(_val_worker_init)  # workers start at the first iteration, with this

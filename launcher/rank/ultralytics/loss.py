@@ -49,7 +49,8 @@ from functools import partial
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from ultralytics.utils.loss import BboxLoss, E2ELoss, v8DetectionLoss, v8OBBLoss, v8PoseLoss, v8SegmentationLoss
+from ultralytics.utils.loss import (BboxLoss, E2ELoss, v8ClassificationLoss, v8DetectionLoss, v8OBBLoss, v8PoseLoss,
+                                   v8SegmentationLoss)
 from ultralytics.utils.metrics import bbox_iou
 from ultralytics.utils.ops import xywh2xyxy, xyxy2xywh
 from ultralytics.utils.tal import TaskAlignedAssigner, bbox2dist, make_anchors
@@ -77,9 +78,11 @@ def training_criterion(model, sync_free: bool = True):
     """(the criterion the training step uses, whether it is normalised over the ranks), for the loss Ultralytics
     would build for `model` (init_criterion): a v8DetectionLoss, or YOLO26's E2ELoss of two, becomes DetectionLoss;
     v8SegmentationLoss and v8PoseLoss take their box, class and DFL terms from one (TaskLoss), v8OBBLoss its
-    normaliser (OBBLoss). Any other loss (YOLO26's segmentation, pose and obb) is Ultralytics' own, normalised per
-    rank."""
+    normaliser (OBBLoss); v8ClassificationLoss, a mean, is summed over the images (ClassificationLoss). Any other loss
+    (YOLO26's segmentation, pose and obb) is Ultralytics' own, normalised per rank."""
     default = model.init_criterion()
+    if type(default) is v8ClassificationLoss:
+        return ClassificationLoss(), True
     loss = partial(DetectionLoss, sync_free=sync_free)
     if type(default) is v8DetectionLoss:
         return loss(model, tal_topk=default.assigner.topk, tal_topk2=default.assigner.topk2), True
@@ -89,6 +92,17 @@ def training_criterion(model, sync_free: bool = True):
         return TASK_LOSSES[type(default)](model, tal_topk=default.assigner.topk, tal_topk2=default.assigner.topk2,
                                           sync_free=sync_free), True
     return default, False
+
+
+class ClassificationLoss(v8ClassificationLoss):
+    """Ultralytics' cross-entropy (a mean over the batch) as the step takes every loss: summed over the rank's images
+    (the mean times their number); the step's loss scale divides it by the rank's batch (plan/task_rules.py
+    loss_base), and DDP's gradient average over equal batches is then the mean over the global batch, the gradient
+    one process takes on the whole of it. Nothing is shared between the ranks. Its item stays Ultralytics' mean."""
+
+    def __call__(self, preds, batch: dict) -> tuple:
+        loss, items = super().__call__(preds, batch)
+        return loss * len(batch["cls"]), items
 
 
 class DetectionLoss(v8DetectionLoss):

@@ -99,10 +99,13 @@ def _plot_results(csv: Path, run_dir: Path) -> None:
 
 
 def _plot_train_batch(batch: dict, file: Path, copied) -> None:
+    import torch
     from ultralytics.utils.plotting import plot_images
 
     if copied is not None:
         copied.synchronize()
-    labels = {k: batch[k] for k in ("cls", "bboxes", "batch_idx")}
+    labels = {k: batch[k] for k in ("cls", "bboxes", "batch_idx") if k in batch}
+    if "batch_idx" not in labels:  # a classifier's batch: each image's class (ClassificationTrainer's plot)
+        labels["batch_idx"] = torch.arange(len(batch["cls"]))
     labels["img"] = batch["img"].float()  # the network's input: [0, 1], perhaps half precision
     plot_images(labels=labels, paths=batch["im_file"], fname=file, threaded=False)

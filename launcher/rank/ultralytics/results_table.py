@@ -24,8 +24,9 @@ def print_table(v: DetectionValidator, *, per_class: bool) -> None:
     LOGGER.info(v.get_desc())
     training, verbose = v.training, v.args.verbose
     v.training, v.args.verbose = not per_class, True  # print_results writes the classes outside training only
+    own = next(c for c in type(v).__mro__ if "print_results" in vars(c) and c is not _Table)  # Ultralytics' own
     try:
-        DetectionValidator.print_results(v)
+        own.print_results(v)
     finally:
         v.training, v.args.verbose = training, verbose
 
@@ -42,10 +43,9 @@ class _Table:
 
 @cache
 def table_validator(validator: type) -> type:
-    """Ultralytics' `validator` (val.engine=ultralytics: DetectionValidator, SegmentationValidator, PoseValidator)
-    writing print_table's table."""
+    """Ultralytics' `validator` (val.engine=ultralytics: DetectionValidator, its segmentation, pose and obb
+    subclasses, ClassificationValidator: top-1 and top-5 on the `all` row) writing print_table's table."""
     return type(f"Table{validator.__name__}", (_Table, validator), {})
-
 
 
 

@@ -5,7 +5,13 @@ A task gives the network's class (ultralytics.nn.tasks), the arguments its const
 switches, set once: the hyperparameters' `task` (build.hyperparameters) makes build_yolo_dataset load polygons
 (use_segments), keypoints (use_keypoints) or rotated boxes (use_obb: the corners' rows turned into x, y, w, h,
 angle) and YOLODataset.collate_fn batch the masks or keypoints; the network's init_criterion gives the loss
-(v8SegmentationLoss, v8PoseLoss, v8OBBLoss), which loss.training_criterion normalises over the ranks; the checkpoint holds the network of that class with `task` in its arguments, so YOLO("best.pt").task is it.
+(v8SegmentationLoss, v8PoseLoss, v8OBBLoss), which loss.training_criterion normalises over the ranks; the checkpoint
+holds the network of that class with `task` in its arguments, so YOLO("best.pt").task is it.
+
+Classification (`folders`) reads class folders, not labels: Ultralytics' ClassificationDataset (its augmentations at
+imgsz, the default collation of {img, cls}) for both splits (datasets.py), the ClassificationModel with the
+hyperparameters' dropout on its head, v8ClassificationLoss (a mean over the batch: loss.ClassificationLoss) and the
+ClassificationValidator's top-1 and top-5. It has no mosaic, no max_det and no per-box class weights.
 
 Which tasks the plan lets through, and what they change there, is decided in plan/task_rules.py.
 """
@@ -14,24 +20,33 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from torch import nn
+from ultralytics.models.yolo.classify import ClassificationValidator
 from ultralytics.models.yolo.detect import DetectionValidator
 from ultralytics.models.yolo.obb import OBBValidator
 from ultralytics.models.yolo.pose import PoseValidator
 from ultralytics.models.yolo.segment import SegmentationValidator
-from ultralytics.nn.tasks import DetectionModel, OBBModel, PoseModel, SegmentationModel
+from ultralytics.nn.tasks import ClassificationModel, DetectionModel, OBBModel, PoseModel, SegmentationModel
 
 
 @dataclass(frozen=True)
 class Task:
-    name: str  # Ultralytics' task name: detect | segment | pose | obb
+    name: str  # Ultralytics' task name: detect | segment | pose | obb | classify
     model: type  # the network's class
     validator: type  # Ultralytics' validator for it (val.engine=ultralytics)
     data_keys: tuple[tuple[str, str], ...] = ()  # (data YAML key, the network constructor's argument)
+    folders: bool = False  # class folders (ClassificationDataset), not images and label files (YOLODataset)
 
-    def network(self, arch, data: dict):
-        """The network of this task for the architecture `arch` (a YAML path or dict) and the dataset `data`."""
+    def network(self, arch, data: dict, dropout: float = 0.0):
+        """The network of this task for the architecture `arch` (a YAML path or dict) and the dataset `data`; a
+        classifier's Dropout at `dropout` where it is set (ClassificationTrainer.get_model)."""
         extra = {arg: data[key] for key, arg in self.data_keys if data.get(key)}
-        return self.model(arch, nc=data["nc"], ch=data["channels"], verbose=False, **extra)
+        net = self.model(arch, nc=data["nc"], ch=data["channels"], verbose=False, **extra)
+        if self.folders and dropout:
+            for m in net.modules():
+                if isinstance(m, nn.Dropout):
+                    m.p = dropout
+        return net
 
 
 TASKS = {
@@ -39,6 +54,7 @@ TASKS = {
     "segment": Task("segment", SegmentationModel, SegmentationValidator),
     "pose": Task("pose", PoseModel, PoseValidator, data_keys=(("kpt_shape", "data_kpt_shape"),)),
     "obb": Task("obb", OBBModel, OBBValidator),  # its box metrics (B) are the rotated boxes'
+    "classify": Task("classify", ClassificationModel, ClassificationValidator, folders=True),
 }
 
 
