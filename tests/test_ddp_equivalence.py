@@ -63,7 +63,7 @@ def with_training_loss(model, sync_free: bool = True):
     return model
 
 
-def one_step(model, batch, local_batch, accumulate: int = 1):
+def one_step(model, batch, local_batch, accumulate: int = 1, base_batch: int = BASE_BATCH):
     from launcher.rank.step.train_step import train_step
 
     with_training_loss(model)
@@ -73,7 +73,7 @@ def one_step(model, batch, local_batch, accumulate: int = 1):
             m.eval()  # frozen statistics: the same normalisation whatever the split
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, nesterov=True, weight_decay=5e-4)
     scaler = torch.amp.GradScaler("cuda", enabled=False)
-    train_step(model, batch, loss_scale=lr.loss_scale(BASE_BATCH, local_batch), optimizer=opt, scaler=scaler,
+    train_step(model, batch, loss_scale=lr.loss_scale(base_batch, local_batch), optimizer=opt, scaler=scaler,
                grad_clip=10.0, accumulate=accumulate)
 
 

@@ -113,6 +113,7 @@ RUN_ELSEWHERE = {
     "ddp-launch gpus=0 nproc=2 model=yolov8n-seg.yaml train.epochs=2": "tests/test_e2e_tasks.py",
     "ddp-launch gpus=0 nproc=2 model=yolov8n-pose.yaml train.epochs=2": "tests/test_e2e_tasks.py",
     "ddp-launch gpus=0 nproc=2 model=yolov8n-obb.yaml train.epochs=2": "tests/test_e2e_tasks.py",
+    "ddp-launch gpus=0 nproc=2 model=yolov8n-cls.yaml": "tests/test_e2e_tasks.py",
 }
 
 
