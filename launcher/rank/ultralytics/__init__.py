@@ -1,15 +1,16 @@
-"""The only package of ddp-launch that imports Ultralytics. Ranks train Ultralytics' detection, segmentation, pose
-and obb models with its own model, datasets, augmentation, loss and validator (what differs per task: tasks.py);
+"""The only package of ddp-launch that imports Ultralytics. Ranks train Ultralytics' detection, segmentation, pose,
+obb and classification models with its own model, datasets, augmentation, loss and validator (what differs per task: tasks.py);
 ddp-launch owns the process group, the loop, the loader and the update.
 
-Public seams used as documented: get_cfg, check_det_dataset, DetectionModel, SegmentationModel, PoseModel, OBBModel (and .load,
-.loss, .init_criterion), load_checkpoint, guess_model_task, YOLODataset / build_yolo_dataset / build_dataloader,
-ModelEMA, strip_optimizer, E2ELoss(model, loss_fn), DetectionValidator, SegmentationValidator, PoseValidator, OBBValidator,
-callbacks.get_default_callbacks, YOLO (the baseline).
+Public seams used as documented: get_cfg, check_det_dataset, DetectionModel, SegmentationModel, PoseModel, OBBModel,
+ClassificationModel (and .load, .loss, .init_criterion), load_checkpoint, guess_model_task, YOLODataset /
+build_yolo_dataset / build_dataloader, ClassificationDataset, ModelEMA, strip_optimizer, E2ELoss(model, loss_fn),
+DetectionValidator, SegmentationValidator, PoseValidator, OBBValidator, ClassificationValidator,
+callbacks.get_default_callbacks, YAML, YOLO (the baseline).
 
 Reaches into internals, each in one place:
 - validation.py: the trainer attributes DetectionValidator reads in training mode (a stand-in trainer).
-- results_table.py: DetectionValidator.print_results called with `training` and `args.verbose` switched (the rows
+- results_table.py: the validator's own print_results (DetectionValidator's, ClassificationValidator's) called with `training` and `args.verbose` switched (the rows
   per class outside final_eval), and the TQDM that BaseValidator.__call__ reads from its module swapped for a
   disabled one while Ultralytics' engine validates.
 - fast_validation.py: a DetectionValidator that runs no batch: init_metrics, its metrics.stats, confusion_matrix,
@@ -24,11 +25,13 @@ Reaches into internals, each in one place:
   v8SegmentationLoss's and v8PoseLoss's get_assigned_targets_and_loss (their box terms, which their .loss calls
   first) handed to that detection loss, and their calculate_segmentation_loss / calculate_keypoints_loss rescaled
   to the ranks' foreground; v8OBBLoss's assigner wrapped (its target weight read) and its .loss rescaled to the
-  ranks' mean target weight.
+  ranks' mean target weight; v8ClassificationLoss's mean multiplied by the batch's images.
 - datasets.py: BaseDataset.get_img_files on a stand-in (the files of a split); the image lists and mosaic buffer of
   BaseDataset and Mosaic.buffer_enabled (the node-shared cache, loader.mosaic_buffer); imread and load_image's
   resize rule (the cache's pixels); InfiniteDataLoader.iterator set from torch's DataLoader._get_iterator (the
-  validation loader's workers started before its first iteration, start_workers).
+  validation loader's workers started before its first iteration, start_workers); ClassificationDataset.__getitem__
+  extended with its sample's file (im_file).
+- tasks.py: ClassificationTrainer.get_model's dropout rule re-stated (the head's Dropout at hyp.dropout).
 - build.py: BaseTrainer.build_optimizer's parameter groups, DetectionTrainer's class weights and model attributes,
   the frozen-layer rule of BaseTrainer._setup_train and init_seeds' switches, each re-stated;
   DetectionValidator._check_max_det called.
