@@ -46,11 +46,16 @@ def read(name: str, root: Path) -> tuple[dict | None, dict, list[str]]:
     per problem, saying what to change."""
     root = Path(root).expanduser().resolve()
     where = f"dataset '{name}' ({root})"
+    if not root.is_dir():
+        return None, {}, [f"{where}: no such folder; put the class folders there ({LAYOUT}) or point data.path at "
+                          "the folder that holds them"]
     train = root / "train"
     if not train.is_dir():
-        found = ", ".join(sorted(p.name for p in root.iterdir() if p.is_dir())[:5]) or "no folders"
-        return None, {}, [f"{where}: no train/ folder (it holds {found}); a classification dataset is {LAYOUT}, one "
-                          "folder per class"]
+        found = sorted(p.name for p in root.iterdir() if p.is_dir())
+        labelled = " (images/ beside labels/ is a detection layout: give its data YAML, data=path/to/data.yaml)" \
+            if {"images", "labels"} <= set(found) else ""
+        return None, {}, [f"{where}: no train/ folder (it holds {', '.join(found[:5]) or 'no folders'}); a "
+                          f"classification dataset is {LAYOUT}, one folder per class{labelled}"]
     val = next((root / v for v in VAL_FOLDERS if (root / v).is_dir()), None)
     if val is None:
         return None, {}, [f"{where}: no val/ folder (nor validation/, valid/ or test/); put the validation images in "

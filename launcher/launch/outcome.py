@@ -67,5 +67,6 @@ def _speed_text(s: dict) -> str:
 
 def say_finished(folder: RunFolder) -> None:
     s = folder.summary() or {}
-    say(f"{folder} already finished: {s.get('epochs_completed')} epoch(s), mAP50 {s.get('map50', 0.0):.4f}; nothing to resume")
+    metric = f"top-1 {s['top1']:.4f}" if "top1" in s else f"mAP50 {s.get('map50', 0.0):.4f}"  # a classifier's
+    say(f"{folder} already finished: {s.get('epochs_completed')} epoch(s), {metric}; nothing to resume")
     say(f"weights     {s.get('weights')}")

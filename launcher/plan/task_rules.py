@@ -56,6 +56,9 @@ def task_problems(cfg: dict, task: str, *, device: str) -> list[Problem]:
                                 "datasets' images; use train.cache=ram or disk (Ultralytics' ClassificationDataset "
                                 "caches), or false"))
     extra = train.get("extra") or {}
+    if task == "classify" and extra.get("multi_scale"):
+        problems.append(Problem("train.extra.multi_scale with a classify model: Ultralytics' classification trainer "
+                                "trains at imgsz alone (its crops are imgsz square); leave multi_scale off"))
     accumulate = train.get("accumulate", 1)
     if task == "segment" and extra.get("overlap_mask") is False and isinstance(accumulate, int) and accumulate > 1:
         problems.append(Problem("train.extra.overlap_mask=false with train.accumulate > 1: the micro-batches split "
