@@ -124,12 +124,6 @@ def test_the_plan_names_the_task_and_refuses_a_model_that_does_not_fit_the_data(
         assert "Traceback" not in r.stdout + r.stderr and not (cwd / "runs").exists()
 
 
-def test_ddp_bench_refuses_a_model_of_another_task_than_detection(tmp_path, cache_dir):
-    r = ddp_launch(["model=yolov8n-seg.yaml", "gpus=0", "dry_run=true"], cwd=tmp_path, tool="ddp-bench")
-    assert r.returncode != 0 and "ddp-bench measures detection models" in r.stdout + r.stderr, r.stdout + r.stderr
-    assert "Traceback" not in r.stdout + r.stderr
-
-
 # --- the synthetic shapes, labelled for the task -----------------------------------------------------------------
 @pytest.mark.parametrize("task", ["segment", "pose", "obb"])
 def test_the_synthetic_shapes_carry_polygons_keypoints_or_corners_that_ultralytics_checks_pass(task, tmp_path):
