@@ -141,3 +141,25 @@ def test_detection_and_obb_races_are_judged_on_the_box_map(task, words):
     sides = [side("ultralytics", 0, 100.0, 0.5, 0.3), side("ddp_launch", 0, 50.0, 0.5, 0.02)]
     v = ttr.summarize(sides, task=task)["verdict"]
     assert f"{words} (within 0.01)" in v["text"] and "box mAP50-95 +" not in v["text"].replace(words, "")
+
+
+def test_the_label_scan_before_the_timed_sides_writes_the_cache_a_pose_side_reads(tmp_path):
+    """The scan reads keypoints for a pose model: the cache it writes is the one the pose sides load, not one they
+    would write again (its hash holds whether keypoints were read) inside their timed start-up."""
+    import numpy as np
+    from ultralytics.data import YOLODataset
+    from ultralytics.data.utils import check_det_dataset
+
+    from launcher.inputs import shapes
+    from launcher.rank.ultralytics.time_to_model_ultralytics import scan
+
+    spec = shapes.ShapesSpec(train_images=4, val_images=2, width=64, height=64, task="pose")
+    data_yaml = shapes.ensure_dataset(tmp_path, spec, workers=1, log=lambda _: None)
+    scan(str(data_yaml), "pose")
+    cache = next(tmp_path.rglob("labels/train.cache"))
+    written = cache.stat().st_mtime_ns
+    labels = np.load(cache, allow_pickle=True).item()["labels"]
+    assert len(labels) == 4 and all(lb["keypoints"].shape[1:] == (4, 3) for lb in labels)
+    data = check_det_dataset(str(data_yaml))
+    YOLODataset(img_path=data["train"], data=data, task="pose", augment=False)  # as the pose side opens it
+    assert cache.stat().st_mtime_ns == written
