@@ -87,7 +87,7 @@ def test_a_segmentation_cell_on_the_cpu_reports_images_per_s_and_a_ceiling_on_it
             "loader.workers=1", f"hydra.run.dir={out}"]
     result = ddp_launch(args, cwd=tmp_path, timeout=300, tool="ddp-bench")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "ddp-bench: 1 cell(s) of a segment model on" in result.stdout
+    assert "ddp-bench: 1 cell(s), task segment, on" in result.stdout
     data = json.loads((out / "bench.json").read_text())
     assert data["task"] == "segment"
     [c] = data["cells"]
@@ -105,7 +105,7 @@ def test_the_time_to_model_dry_run_of_a_pose_model_races_ultralytics_pose_traine
                         "gpus=0", "dry_run=true", "bench.seeds=[0]"])
     assert run_bench(cfg, tmp_path / "run", tmp_path, "ddp-bench") == 0
     out = capsys.readouterr().out
-    assert "2 run(s) of a pose model on the CPU" in out
+    assert "2 run(s), task pose, on the CPU" in out
     assert "Ultralytics' side is its PoseTrainer, each side's quality its pose mAP50-95" in out
     line = next(x for x in out.splitlines() if x.strip().startswith("ultralytics seed 0:"))
     assert "Ultralytics' PoseTrainer: YOLO('yolov8n-pose.yaml', task='pose').train(" in line and "'task': 'pose'" in line

@@ -107,7 +107,7 @@ def run_bench(cfg: dict, run_dir: Path, base_dir: Path, command: str) -> int:
         return time_to_model.run(cfg, run_dir, model, data, on_gpu, command, dry_run, base_dir, task.name)
 
     to_run = [c for c in cells if not c.skip]
-    say(f"ddp-bench: {len(to_run)} cell(s) of a {task.name} model on "
+    say(f"ddp-bench: {len(to_run)} cell(s), task {task.name}, on "
         f"{hw.describe_gpus() if on_gpu else f'{hw.cpu_count} CPU core(s)'}")
     for c in cells:
         say(f"  {c.name:<14} {'skipped: ' + c.skip if c.skip else 'to run'}")

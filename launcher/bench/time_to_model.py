@@ -231,7 +231,7 @@ def run(cfg: dict, run_dir: Path, model, data, on_gpu: bool, command: str, dry_r
     order = run_order(seeds, side_names(variants), first=sum(len(r["settings"]["seeds"]) for r in earlier))
     cache = Path(cfg["paths"]["cache"]).expanduser()
     data_yaml = run_dir / "data.yaml"
-    say(f"ddp-bench time_to_model: {len(order)} run(s) of a {task} model on {'one GPU' if on_gpu else 'the CPU'}, "
+    say(f"ddp-bench time_to_model: {len(order)} run(s), task {task}, on {'one GPU' if on_gpu else 'the CPU'}, "
         f"seeds {seeds}; Ultralytics' side is its {trainer(task)}, each side's quality its {quality(task)[1]}")
     for r in earlier:
         say(f"reported with the sides of seeds {r['settings']['seeds']} from {r['path']}")
