@@ -44,7 +44,7 @@ import yaml
 from launcher.bench import report, time_to_model_earlier
 from launcher.bench.bench_tasks import quality, trainer
 from launcher.bench.variants import shape_problems
-from launcher.bench.time_to_model_report import PARTS, SIDES, markdown, side_names, summarize, write
+from launcher.bench.time_to_model_report import PARTS, SIDES, markdown, own_metric, side_names, summarize, write
 from launcher.inputs.labels import list_images
 from launcher.launch.logs import say
 from launcher.launch.ultralytics_home import prepare_ultralytics_home
@@ -213,9 +213,9 @@ def _value(v) -> str:
 
 def ultralytics_settings(cfg: dict, model, data_yaml: Path, seed: int, on_gpu: bool, task: str = "detect") -> dict:
     t = cfg["train"]
-    return {"task": task, "model": model.cfg or model.weights, "data": str(data_yaml), "imgsz": t["imgsz"], "epochs": t["epochs"],
-            "batch": t["batch_per_device"], "lr0": cfg["optim"]["base_lr"], "close_mosaic": t["close_mosaic"],
-            "seed": seed, "workers": int(cfg["bench"]["baseline_workers"]), "device": 0 if on_gpu else "cpu"}
+    return {"task": task, "model": model.cfg or model.weights, "data": str(data_yaml), "imgsz": t["imgsz"],
+            "epochs": t["epochs"], "batch": t["batch_per_device"], "lr0": cfg["optim"]["base_lr"],
+            "close_mosaic": t["close_mosaic"], "seed": seed, "workers": int(cfg["bench"]["baseline_workers"]), "device": 0 if on_gpu else "cpu"}
 
 
 def run(cfg: dict, run_dir: Path, model, data, on_gpu: bool, command: str, dry_run: bool, base_dir: Path,
@@ -267,8 +267,10 @@ def run(cfg: dict, run_dir: Path, model, data, on_gpu: bool, command: str, dry_r
         if "error" in record:
             say(f"    {side} seed {seed}: failed ({record['error']})")
         else:
-            own = f", {quality(task)[1]} {record['quality']:.4f}" if quality(task)[0] != "map50_95" else ""
-            say(f"    {side} seed {seed}: {record['wall_s']:.1f} s to the weights, mAP50-95 {record['map50_95']:.4f}{own}, "
+            words, mine = own_metric(task), record["quality"]
+            own = f", {words} {mine:.4f}" if words and mine is not None else ""  # a segmentation or pose side's
+            say(f"    {side} seed {seed}: {record['wall_s']:.1f} s to the weights, mAP50-95 {record['map50_95']:.4f}"
+                f"{own}, "
                 + ", ".join(f"{k} {v:.1f} s" for k, v in record["breakdown"].items() if k != "other"))
     sides, settings, sources = time_to_model_earlier.combined(earlier, sides, settings)
     out = summarize(sides, settings["variants"], task)
