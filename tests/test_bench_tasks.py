@@ -58,15 +58,9 @@ def test_a_setting_the_task_lacks_is_refused_before_any_cell_runs(tmp_path, cach
 
 
 def test_a_model_that_does_not_fit_the_data_is_refused_as_ddp_launch_refuses_it(tmp_path, cache_dir):
-    import yaml
+    from tests.test_data_check import box_dataset
 
-    from tests.test_data_check import GOOD, NAMES, _jpeg, _write
-
-    for split in ("train", "val"):
-        _write(tmp_path / "ds", split, "a.jpg", _jpeg(), GOOD)
-    data = tmp_path / "ds" / "data.yaml"
-    data.write_text(yaml.safe_dump({"path": str(data.parent), "train": "images/train", "val": "images/val",
-                                    "names": NAMES}))
+    data = box_dataset(tmp_path / "ds")
     cfg = bench_config(["model=custom", "model.cfg=yolov8n-pose.yaml", "data=custom", f"data.path={data}", "gpus=0",
                         "+experiment=time_to_model", "dry_run=true"])
     with pytest.raises(PlanError, match="yolov8n-pose.yaml is a pose model, and the data YAML has no kpt_shape"):
