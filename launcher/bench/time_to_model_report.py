@@ -137,7 +137,7 @@ def markdown(out: dict) -> str:
         f"({_fmt(st['data']['mean_train_file_kb'], '.0f', suffix=' kB')} per train file), {st['imgsz']} px, "
         f"{st['epochs']} epochs, batch {st['batch']}, SGD lr0 {st['lr0']}, close_mosaic {st['close_mosaic']}, "
         f"validation after every epoch, {st['device']}; seeds {st['seeds']}."
-        + ("" if task == "detect" else f" A {task} model: Ultralytics' side runs its {trainer(task)}, and the sides "
+        + ("" if task == "detect" else f" Task {task}: Ultralytics' side runs its {trainer(task)}, and the sides "
            f"are compared on the {quality(task)[1]}" + (", the box one beside it." if own else ".")),
         "",
         "| side | seed | wall s | startup | training | validation | boundaries | end | other | mAP50 | mAP50-95 | "
