@@ -225,6 +225,7 @@ def plot(out: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     ran = sorted((s for s in out["sides"] if "error" not in s), key=lambda s: (s["name"], s["seed"]))
+    own = own_metric(out.get("task") or "detect")
     fig, ax = plt.subplots(figsize=(10, 2.2 + 0.5 * max(len(ran), 1)))
     for y, s in enumerate(ran):
         left = 0.0
@@ -232,7 +233,6 @@ def plot(out: dict, path: Path) -> None:
             width = max(s["breakdown"][part], 0.0)
             ax.barh(y, width, left=left, color=COLOURS[part], label=part if y == 0 else None)
             left += width
-        own = own_metric(out.get("task") or "detect")
         mask = f", {own} {_quality(s):.3f}" if own and _quality(s) is not None else ""
         ax.text(left, y, f" {s['wall_s']:.1f} s, mAP50-95 {s['map50_95']:.3f}{mask}", va="center", fontsize=8)
     ax.set_yticks(range(len(ran)), [f"{s['name']} seed {s['seed']}" for s in ran])
