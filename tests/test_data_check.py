@@ -44,6 +44,15 @@ def _write(root: Path, split: str, name: str, image: bytes, label: str | None) -
         (root / "labels" / split / name).with_suffix(".txt").write_text(label)
 
 
+def box_dataset(root: Path) -> Path:
+    """One image with box rows (class x y w h) in each split, and the data YAML naming them."""
+    for split in ("train", "val"):
+        _write(root, split, "a.jpg", _jpeg(), GOOD)
+    data = root / "data.yaml"
+    data.write_text(yaml.safe_dump({"path": str(root), "train": "images/train", "val": "images/val", "names": NAMES}))
+    return data
+
+
 def issue_dataset(root: Path) -> Path:
     """The issue's mix among good images: 24 train, 8 val."""
     for i in range(14):

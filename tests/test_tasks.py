@@ -61,13 +61,9 @@ def test_an_obb_model_needs_corner_rows_and_corner_rows_need_an_obb_model():
 def test_an_obb_model_on_box_labels_is_refused_by_the_plan(tmp_path, cache_dir):
     from launcher.launch.start import start
     from launcher.problems import PlanError
-    from tests.test_data_check import GOOD, NAMES, _jpeg, _write
+    from tests.test_data_check import box_dataset
 
-    for split in ("train", "val"):
-        _write(tmp_path / "ds", split, "a.jpg", _jpeg(), GOOD)
-    data = tmp_path / "ds" / "data.yaml"
-    data.write_text(yaml.safe_dump({"path": str(data.parent), "train": "images/train", "val": "images/val",
-                                    "names": NAMES}))
+    data = box_dataset(tmp_path / "ds")
     cfg = compose_config(["data=custom", f"data.path={data}", "model=custom", "model.cfg=yolov8n-obb.yaml", "gpus=0"])
     with pytest.raises(PlanError, match="is an obb model, and 1 train image"):
         start(cfg, tmp_path / "run", tmp_path)
@@ -122,12 +118,6 @@ def test_the_plan_names_the_task_and_refuses_a_model_that_does_not_fit_the_data(
         r = ddp_launch([*args, "gpus=0", "dry_run=true"], cwd=cwd)
         assert r.returncode != 0 and says in r.stdout + r.stderr, r.stdout[-2000:] + r.stderr[-2000:]
         assert "Traceback" not in r.stdout + r.stderr and not (cwd / "runs").exists()
-
-
-def test_ddp_bench_refuses_a_model_of_another_task_than_detection(tmp_path, cache_dir):
-    r = ddp_launch(["model=yolov8n-seg.yaml", "gpus=0", "dry_run=true"], cwd=tmp_path, tool="ddp-bench")
-    assert r.returncode != 0 and "ddp-bench measures detection models" in r.stdout + r.stderr, r.stdout + r.stderr
-    assert "Traceback" not in r.stdout + r.stderr
 
 
 # --- the synthetic shapes, labelled for the task -----------------------------------------------------------------

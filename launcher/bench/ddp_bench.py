@@ -3,7 +3,9 @@ one after another in this invocation, and write bench.json, bench.md and bench.p
 (`bench.kind=throughput`, the default; `bench.kind=time_to_model` is the command-to-weights race, time_to_model.py).
 
 Each cell is a real launch (torchrun, the ranks, ddp-launch's trainer) that trains `bench.warmup_steps +
-bench.steps` steps and then times the same step on batches already on the device (the data-free ceiling).
+bench.steps` steps and then times the same step on batches already on the device (the data-free ceiling). The model
+is of any task bench_tasks.py lets in (detect, segment, pose, obb): its task is decided, and checked against the data
+and the settings, as ddp-launch decides it, before any cell runs; the step and the ceiling's batches are the task's.
 """
 
 from __future__ import annotations
@@ -12,17 +14,18 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from launcher.bench import report, time_to_model, trust, variants
+from launcher.bench import bench_tasks, report, time_to_model, trust, variants
 from launcher.bench.cells import Cell, plan_cells
 from launcher.entry import (GROUPS, Jobs, RunFolderGuard, conf_dir, interrupted, print_help_if_asked,
                             translated_or_exit)
 from launcher.inputs.data import resolve_data
-from launcher.inputs.model_task import model_task
+from launcher.inputs.model_task import model_task, run_task, task_source
 from launcher.inputs.models import resolve_model
 from launcher.launch import torchrun
 from launcher.launch.start import weight_dirs
@@ -33,10 +36,18 @@ from launcher.plan.checks import check_plan
 from launcher.plan.describe import describe
 from launcher.plan.environment import offline_environment
 from launcher.plan.plan import make_plan
+from launcher.plan.task_rules import task_problems
 from launcher.problems import PlanError, Problem, config_problems
 from launcher.run_folder import RunFolder
 
 BASELINE_MODULE = "launcher.rank.ultralytics.baseline"
+
+
+class Task(NamedTuple):
+    """The task the cells train, and the file it was read from (the plan's task line)."""
+
+    name: str
+    source: str | None
 
 
 def progress_line(line: str) -> bool:
@@ -70,29 +81,34 @@ def run_bench(cfg: dict, run_dir: Path, base_dir: Path, command: str) -> int:
         cells, problems = [], time_to_model.problems(b, cfg["train"])
     else:
         cells, problems = [], [f"bench.kind={kind!r}: expected throughput or time_to_model"]
-    model, model_msgs = resolve_model(cfg["model"], base_dir, weight_dirs(cfg))
-    task = model_task(model.cfg or model.weights) if model is not None else None
-    if task not in (None, "detect"):  # its cells' synthetic batches and ceilings are detection's
-        model_msgs.append(f"model: ddp-bench measures detection models, and {Path(str(model.cfg or model.weights)).name} "
-                          f"is a {task} model; train it with ddp-launch, or benchmark a detection model "
-                          "(model=yolov8s)")
+    refused = bench_tasks.refusal(bench_tasks.arch_of(cfg["model"]))  # a task ddp-bench does not measure
+    model, model_msgs = (None, [refused]) if refused else resolve_model(cfg["model"], base_dir, weight_dirs(cfg))
     if problems or model_msgs:
         raise PlanError(config_problems(problems + model_msgs))
     dry_run = bool(cfg.get("dry_run"))
+    arch = model.cfg or model.weights
     data, data_problems = resolve_data(cfg["data"], base_dir, generate=not dry_run,
                                       cache_dir=Path(cfg["paths"]["cache"]).expanduser(),
-                                      datasets_dir=Path(cfg["paths"]["datasets"]))
+                                      datasets_dir=Path(cfg["paths"]["datasets"]), model_task=model_task(arch))
+    task = Task("detect", None)
+    if data is not None:  # the model's task, refused where the data does not fit it (as ddp-launch refuses it)
+        name, mismatch = run_task(arch, data.spec, f"model={Path(str(arch)).name}", data.checks)
+        task = Task(name, task_source(arch))
+        data_problems += [Problem(m) for m in mismatch]
+    # a path the task lacks (detection's fast paths), and a bad variant: refused before any cell or side runs
+    data_problems += task_problems(cfg, task.name, device="cuda" if on_gpu else "cpu")
     errors, warnings = check_plan(data_problems, dry_run=dry_run)
-    errors += variants.plan_problems(cfg, hw, data, on_gpu)  # a bad variant is refused before any cell or side runs
+    errors += variants.plan_problems(cfg, hw, data, on_gpu, task.name)
     if errors:
         raise PlanError(errors)
     if kind == "time_to_model":
         for w in warnings if dry_run else []:
             say(f"WARNING: {w.message} (a real run would refuse)")
-        return time_to_model.run(cfg, run_dir, model, data, on_gpu, command, dry_run, base_dir)
+        return time_to_model.run(cfg, run_dir, model, data, on_gpu, command, dry_run, base_dir, task.name)
 
     to_run = [c for c in cells if not c.skip]
-    say(f"ddp-bench: {len(to_run)} cell(s) on {hw.describe_gpus() if on_gpu else f'{hw.cpu_count} CPU core(s)'}")
+    say(f"ddp-bench: {len(to_run)} cell(s), task {task.name}, on "
+        f"{hw.describe_gpus() if on_gpu else f'{hw.cpu_count} CPU core(s)'}")
     for c in cells:
         say(f"  {c.name:<14} {'skipped: ' + c.skip if c.skip else 'to run'}")
     say(f"run folder      {run_dir}\n")
@@ -100,7 +116,8 @@ def run_bench(cfg: dict, run_dir: Path, base_dir: Path, command: str) -> int:
         for w in warnings:
             say(f"WARNING: {w.message} (a real run would refuse)")
         for cell in to_run:
-            plan, plan_problems = make_plan(variants.apply({**cfg, **cell.overrides(on_gpu)}, list(cell.overrides_)), hw, data)
+            plan, plan_problems = make_plan(variants.apply({**cfg, **cell.overrides(on_gpu)}, list(cell.overrides_)), hw,
+                                            data, task=task.name, task_from=task.source)
             say(f"--- cell {cell.name} ---\n{describe(plan, model, data)}")
             for p in plan_problems:
                 say(f"WARNING: {p.message}")
@@ -114,7 +131,7 @@ def run_bench(cfg: dict, run_dir: Path, base_dir: Path, command: str) -> int:
         for cell in to_run:
             say(f"--- cell {cell.name}" + (f", run {repeat + 1} of {repeats}" if repeats > 1 else "") + " ---")
             name = cell.name + (f".repeat{repeat + 1}" if repeat else "")
-            outcome = run_cell(cell, cfg, run_dir / "cells" / name, hw, model, data, on_gpu)
+            outcome = run_cell(cell, cfg, run_dir / "cells" / name, hw, model, data, on_gpu, task)
             if isinstance(outcome, int):
                 return outcome  # stopped by a signal: keep what was measured so far in the cell folders
             runs[cell.name].append(outcome)
@@ -143,6 +160,7 @@ def run_bench(cfg: dict, run_dir: Path, base_dir: Path, command: str) -> int:
             "steps_in_flight": cfg["train"].get("steps_in_flight", 1),
         },
         "model": model.cfg or model.weights,
+        "task": task.name,
         "data": {"name": data.name, "train_images": data.train_images, "path": data.spec["path"]},
         "imgsz": cfg["train"]["imgsz"],
         "batch_per_device": cfg["train"]["batch_per_device"],
@@ -160,13 +178,14 @@ def run_bench(cfg: dict, run_dir: Path, base_dir: Path, command: str) -> int:
     return 0 if all("error" not in c for c in results) else 1
 
 
-def run_cell(cell: Cell, cfg: dict, cell_dir: Path, hw, model, data, on_gpu: bool) -> dict | int:
+def run_cell(cell: Cell, cfg: dict, cell_dir: Path, hw, model, data, on_gpu: bool,
+             task: Task = Task("detect", None)) -> dict | int:
     ccfg = variants.apply(cfg, list(cell.overrides_))
     ccfg.update(cell.overrides(on_gpu))
     ccfg["bench"]["cell"] = cell.name
     if cell.mode == "ultralytics":
         ccfg.update(Cell("single", 1).overrides(on_gpu))
-    plan, problems = make_plan(ccfg, hw, data)
+    plan, problems = make_plan(ccfg, hw, data, task=task.name, task_from=task.source)
     errors, _ = check_plan(problems, dry_run=False)
     if errors:
         return {"mode": cell.mode, "size": cell.size, "error": "; ".join(p.message for p in errors)}

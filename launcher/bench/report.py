@@ -37,6 +37,7 @@ def aggregate(mode: str, size: int, ranks: list[dict]) -> dict:
         "gpu_util_per_gpu": [round(g["util_mean"], 1) for g in gpus],
         "memory_peak_gib": max((g["memory_peak_gib"] for g in gpus), default=None),
         "ceiling_images_per_s": ceiling,
+        "ceiling_labels": ranks[0].get("ceiling_labels"),  # what the ceiling's batches carry: the task's targets
         "pipeline_efficiency": ips / ceiling if ceiling else None,
         "host_cpu": sum(r.get("host_cpu", 0.0) for r in ranks) / len(ranks),
         "step_ms": sum(r["step_ms"] for r in ranks) / len(ranks),
@@ -180,12 +181,23 @@ def _mean(values: list) -> float | None:
     return sum(values) / len(values) if values else None
 
 
+def _task_lines(report: dict) -> list[str]:
+    """The task the cells trained and what their ceiling's batches held (none for a report without a task)."""
+    task = report.get("task")
+    if not task:
+        return []
+    held = next((c["ceiling_labels"] for c in report["cells"] if c.get("ceiling_labels")), None)
+    return [f"Task: {task}; each cell times its training step (its loss on its own batches)"
+            + (f", and the data-free ceiling's batches hold its {', '.join(held)}" if held else "") + ".", ""]
+
+
 def markdown(report: dict) -> str:
     lines = [
         "# ddp-bench",
         "",
         f"Command: `{report['command']}`",
         "",
+        *_task_lines(report),
         "| cell | images/s | speedup | efficiency | vs Ultralytics | GPU busy | data wait | input GPU ms/img | ceiling images/s | of ceiling | peak GPU mem | host CPU | spread | verdict |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
     ]

@@ -4,8 +4,9 @@ trainer against ddp-launch's defaults, and where each side's time went.
 Both sides run one after the other in this invocation, per seed of `bench.seeds` (the side that goes first alternates
 from seed to seed), on the same data YAML, model, image size, epochs, batch, optimizer (SGD), lr0 (optim.base_lr),
 close_mosaic and seed, validating after every epoch; every other setting is each side's own default:
-- ultralytics: `YOLO(model).train(...)` in a fresh process (rank/ultralytics/time_to_model_ultralytics.py), bench.baseline_workers
-  workers, no cache, AMP, its rectangular validation;
+- ultralytics: `YOLO(model, task=TASK).train(...)` in a fresh process (rank/ultralytics/time_to_model_ultralytics.py):
+  Ultralytics' trainer of the model's task (bench_tasks.TRAINERS), bench.baseline_workers workers, no cache, AMP, its
+  rectangular validation;
 - ddp_launch: the `ddp-launch` command itself, on one GPU (or one CPU process with gpus=0), train.val_interval=1;
 - ddp_launch-NAME, for each of `bench.variants` ({NAME: [key=value, ...]}): the same command with those overrides
   (a lever's gain, or train.val_interval's, measured beside the defaults and reported apart from the verdict, which
@@ -22,6 +23,7 @@ breakdown, from the side's timeline (rank 0's summary.json `timeline`; the Ultra
   are counted apart, in `boundary_parts`;
 - end: the last epoch's end to the final weights (the final validation, stripping the checkpoints);
 - other: the wall clock the stamps do not attribute (zero when the timeline is complete and in order).
+Each side's quality is the box mAP50-95 and the task's own (mask or pose mAP50-95; the box one for detection and obb).
 Before the first timed side, the dataset's labels are scanned once (Ultralytics' labels.cache, which both sides read),
 so that no side pays the first scan of a dataset. The means, the ratio, the verdict and the report's files are
 time_to_model_report.py's; the sides of earlier invocations on this machine join them with `bench.earlier`
@@ -40,8 +42,9 @@ from pathlib import Path
 import yaml
 
 from launcher.bench import report, time_to_model_earlier
+from launcher.bench.bench_tasks import quality, trainer
 from launcher.bench.variants import shape_problems
-from launcher.bench.time_to_model_report import PARTS, SIDES, markdown, side_names, summarize, write
+from launcher.bench.time_to_model_report import PARTS, SIDES, markdown, own_metric, side_names, summarize, write
 from launcher.inputs.labels import list_images
 from launcher.launch.logs import say
 from launcher.launch.ultralytics_home import prepare_ultralytics_home
@@ -208,17 +211,18 @@ def _value(v) -> str:
     return "null" if v is None else str(v)
 
 
-def ultralytics_settings(cfg: dict, model, data_yaml: Path, seed: int, on_gpu: bool) -> dict:
+def ultralytics_settings(cfg: dict, model, data_yaml: Path, seed: int, on_gpu: bool, task: str = "detect") -> dict:
     t = cfg["train"]
-    return {"model": model.cfg or model.weights, "data": str(data_yaml), "imgsz": t["imgsz"], "epochs": t["epochs"],
-            "batch": t["batch_per_device"], "lr0": cfg["optim"]["base_lr"], "close_mosaic": t["close_mosaic"],
-            "seed": seed, "workers": int(cfg["bench"]["baseline_workers"]), "device": 0 if on_gpu else "cpu"}
+    return {"task": task, "model": model.cfg or model.weights, "data": str(data_yaml), "imgsz": t["imgsz"],
+            "epochs": t["epochs"], "batch": t["batch_per_device"], "lr0": cfg["optim"]["base_lr"],
+            "close_mosaic": t["close_mosaic"], "seed": seed, "workers": int(cfg["bench"]["baseline_workers"]), "device": 0 if on_gpu else "cpu"}
 
 
-def run(cfg: dict, run_dir: Path, model, data, on_gpu: bool, command: str, dry_run: bool, base_dir: Path) -> int:
+def run(cfg: dict, run_dir: Path, model, data, on_gpu: bool, command: str, dry_run: bool, base_dir: Path,
+        task: str = "detect") -> int:
     seeds = list(cfg["bench"].get("seeds") or [cfg["seed"]])
     variants = dict(cfg["bench"].get("variants") or {})
-    settings, environment = _settings(cfg, model, data, seeds, on_gpu, variants), report.environment()
+    settings, environment = _settings(cfg, model, data, seeds, on_gpu, variants, task), report.environment()
     earlier, problems = time_to_model_earlier.read(cfg["bench"].get("earlier"), base_dir, run_dir)
     problems += time_to_model_earlier.problems(earlier, settings, environment)
     if problems:
@@ -227,7 +231,8 @@ def run(cfg: dict, run_dir: Path, model, data, on_gpu: bool, command: str, dry_r
     order = run_order(seeds, side_names(variants), first=sum(len(r["settings"]["seeds"]) for r in earlier))
     cache = Path(cfg["paths"]["cache"]).expanduser()
     data_yaml = run_dir / "data.yaml"
-    say(f"ddp-bench time_to_model: {len(order)} run(s) on {'one GPU' if on_gpu else 'the CPU'}, seeds {seeds}")
+    say(f"ddp-bench time_to_model: {len(order)} run(s), task {task}, on {'one GPU' if on_gpu else 'the CPU'}, "
+        f"seeds {seeds}; Ultralytics' side is its {trainer(task)}, each side's quality its {quality(task)[1]}")
     for r in earlier:
         say(f"reported with the sides of seeds {r['settings']['seeds']} from {r['path']}")
     say(f"run folder      {run_dir}\n")
@@ -238,14 +243,16 @@ def run(cfg: dict, run_dir: Path, model, data, on_gpu: bool, command: str, dry_r
                                                   _overrides(side, variants))
                 say(f"  {side} seed {seed}: {' '.join(command_line)}")
             else:
-                say(f"  {side} seed {seed}: YOLO(...).train(**{ultralytics_settings(cfg, model, data_yaml, seed, on_gpu)})")
+                shared = ultralytics_settings(cfg, model, data_yaml, seed, on_gpu, task)
+                say(f"  {side} seed {seed}: Ultralytics' {trainer(task)}: YOLO({shared['model']!r}, task={task!r})"
+                    f".train(**{shared})")
         say("\ndry run: nothing started")
         return 0
     run_dir.mkdir(parents=True, exist_ok=True)
     data_yaml.write_text(yaml.safe_dump(data.spec, sort_keys=False))
     prepare_ultralytics_home(cache)
     env = {**os.environ, **offline_environment(cache), "PYTHONUNBUFFERED": "1"}
-    scan = subprocess.run([sys.executable, "-m", ULTRALYTICS_MODULE, "--scan", str(data_yaml)], env=env,
+    scan = subprocess.run([sys.executable, "-m", ULTRALYTICS_MODULE, "--scan", str(data_yaml), task], env=env,
                           capture_output=True, text=True)
     if scan.returncode != 0:
         say(f"ddp-bench: scanning the dataset's labels failed:\n{scan.stdout[-2000:]}{scan.stderr[-2000:]}")
@@ -254,16 +261,19 @@ def run(cfg: dict, run_dir: Path, model, data, on_gpu: bool, command: str, dry_r
     for i, (side, seed) in enumerate(order):
         side_dir = run_dir / f"{side}-seed{seed}"
         say(f"--- {side} seed {seed} ---")
-        record = run_side(side, seed, side_dir, cfg, model, data_yaml, on_gpu, env, _overrides(side, variants))
+        record = run_side(side, seed, side_dir, cfg, model, data_yaml, on_gpu, env, _overrides(side, variants), task)
         record["order"] = i
         sides.append(record)
         if "error" in record:
             say(f"    {side} seed {seed}: failed ({record['error']})")
         else:
-            say(f"    {side} seed {seed}: {record['wall_s']:.1f} s to the weights, mAP50-95 {record['map50_95']:.4f}, "
+            words, mine = own_metric(task), record["quality"]
+            own = f", {words} {mine:.4f}" if words and mine is not None else ""  # a segmentation or pose side's
+            say(f"    {side} seed {seed}: {record['wall_s']:.1f} s to the weights, mAP50-95 {record['map50_95']:.4f}"
+                f"{own}, "
                 + ", ".join(f"{k} {v:.1f} s" for k, v in record["breakdown"].items() if k != "other"))
     sides, settings, sources = time_to_model_earlier.combined(earlier, sides, settings)
-    out = summarize(sides, settings["variants"])
+    out = summarize(sides, settings["variants"], task)
     out.update(kind="time_to_model", command=command, settings=settings, environment=environment, earlier=sources)
     write(out, run_dir)
     say("\n" + markdown(out))
@@ -276,10 +286,10 @@ def _overrides(side: str, variants: dict) -> list[str]:
 
 
 def run_side(side: str, seed: int, side_dir: Path, cfg: dict, model, data_yaml: Path, on_gpu: bool, env: dict,
-             overrides: list[str] = ()) -> dict:
+             overrides: list[str] = (), task: str = "detect") -> dict:
     side_dir.mkdir(parents=True, exist_ok=True)
     if side == "ultralytics":
-        (side_dir / "side.json").write_text(json.dumps(ultralytics_settings(cfg, model, data_yaml, seed, on_gpu)))
+        (side_dir / "side.json").write_text(json.dumps(ultralytics_settings(cfg, model, data_yaml, seed, on_gpu, task)))
         cmd = [sys.executable, "-m", ULTRALYTICS_MODULE, str(side_dir)]
     else:
         cmd = ddp_launch_command(cfg, data_yaml, seed, on_gpu, side_dir / "run", overrides)
@@ -296,7 +306,8 @@ def run_side(side: str, seed: int, side_dir: Path, cfg: dict, model, data_yaml: 
     timeline = measured["timeline"]
     stamps = timeline["stamps"]
     record.update(
-        map50=measured["map50"], map50_95=measured["map50_95"], data_wait=measured.get("data_wait"),
+        map50=measured["map50"], map50_95=measured["map50_95"], quality=measured.get(quality(task)[0]),
+        trainer=measured.get("trainer"), data_wait=measured.get("data_wait"),
         host_wait=measured.get("host_wait"), gpu_util=measured.get("gpu_util"),
         images_per_s=measured.get("images_per_s"),
         input_threads=(measured.get("ranks") or [{}])[0].get("input_threads"),  # ddp-launch's GPU input, rank 0
@@ -316,7 +327,8 @@ def run_side(side: str, seed: int, side_dir: Path, cfg: dict, model, data_yaml: 
     return record
 
 
-def _settings(cfg: dict, model, data, seeds: list[int], on_gpu: bool, variants: dict | None = None) -> dict:
+def _settings(cfg: dict, model, data, seeds: list[int], on_gpu: bool, variants: dict | None = None,
+              task: str = "detect") -> dict:
     spec = data.spec
     root = Path(str(spec.get("path") or "."))
     train = spec["train"] if isinstance(spec["train"], list) else [spec["train"]]
@@ -325,6 +337,7 @@ def _settings(cfg: dict, model, data, seeds: list[int], on_gpu: bool, variants: 
     t = cfg["train"]
     return {
         "model": model.cfg or model.weights,
+        "task": task,
         "data": {"name": data.name, "path": str(spec.get("path")), "train_images": data.train_images,
                  "val_images": data.val_images, "mean_train_file_kb": sum(sizes) / len(sizes) / 1000 if sizes else None},
         "imgsz": t["imgsz"], "epochs": t["epochs"], "batch": t["batch_per_device"], "optimizer": "SGD",

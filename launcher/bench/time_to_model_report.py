@@ -1,7 +1,8 @@
 """The report of `ddp-bench bench.kind=time_to_model` (time_to_model.py runs the sides): each side's means over the
 seeds, the ratio of the wall clocks (Ultralytics / ddp-launch) and the verdict against the issue's target, each
 variant's wall clock against the defaults' and Ultralytics' apart from the verdict; bench.json, bench.md and bench.png
-(a bar per run of where its time went).
+(a bar per run of where its time went). The sides' quality is compared on the task's own mAP50-95 (a segmentation
+run's masks, a pose run's keypoints; the boxes' for detection and obb), with the box one beside it.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import math
 from pathlib import Path
 
 from launcher.bench import report
+from launcher.bench.bench_tasks import quality, trainer
 
 SIDES = ("ultralytics", "ddp_launch")  # the verdict's two; variants add ddp_launch-NAME sides
 PARTS = ("startup", "training", "validation", "boundaries", "end", "other")
@@ -27,9 +29,21 @@ def _mean(values: list) -> float | None:
     return sum(values) / len(values) if values else None
 
 
-def summarize(sides: list[dict], variants: dict | None = None) -> dict:
-    """Means per side over the seeds, the ratio of the walls (Ultralytics / ddp-launch) and the verdict; each
-    variant's mean wall clock against the defaults' and Ultralytics' (`variants`), apart from the verdict."""
+def _quality(side: dict) -> float | None:
+    """A side's quality: the task's own mAP50-95 (a side recorded without one: its box mAP50-95)."""
+    return side["quality"] if side.get("quality") is not None else side.get("map50_95")
+
+
+def own_metric(task: str) -> str | None:
+    """The words of the task's own mAP50-95 where it is not the box one (segment, pose); None otherwise."""
+    key, words = quality(task)
+    return None if key == "map50_95" else words
+
+
+def summarize(sides: list[dict], variants: dict | None = None, task: str = "detect") -> dict:
+    """Means per side over the seeds, the ratio of the walls (Ultralytics / ddp-launch) and the verdict on the
+    `task`'s own mAP50-95; each variant's mean wall clock against the defaults' and Ultralytics' (`variants`), apart
+    from the verdict."""
     ran = [s for s in sides if "error" not in s]
     means = {}
     for name in side_names(variants):
@@ -38,6 +52,7 @@ def summarize(sides: list[dict], variants: dict | None = None) -> dict:
             means[name] = {
                 "runs": len(mine),
                 **{k: _mean([s.get(k) for s in mine]) for k in ("wall_s", "map50", "map50_95", "data_wait", "gpu_util")},
+                "quality": _mean([_quality(s) for s in mine]),
                 "breakdown": {p: _mean([s["breakdown"][p] for s in mine]) for p in PARTS},
             }
     per_seed = {}
@@ -48,15 +63,17 @@ def summarize(sides: list[dict], variants: dict | None = None) -> dict:
     both = all(name in means for name in SIDES)
     ratio = means["ultralytics"]["wall_s"] / means["ddp_launch"]["wall_s"] if both else None
     map_diff = means["ddp_launch"]["map50_95"] - means["ultralytics"]["map50_95"] if both else None
+    quality_diff = means["ddp_launch"]["quality"] - means["ultralytics"]["quality"] if both else None
     compared = {}
     for name, overrides in (variants or {}).items():
         mine = means.get(f"ddp_launch-{name}")
         compared[name] = {"overrides": list(overrides), "wall_s": mine and mine["wall_s"],
-                          "map50_95": mine and mine["map50_95"],
+                          "map50_95": mine and mine["map50_95"], "quality": mine and mine["quality"],
                           "vs_defaults": _ratio(means.get("ddp_launch"), mine),
                           "vs_ultralytics": _ratio(means.get("ultralytics"), mine)}
     return {"sides": sides, "means": means, "ratio": ratio, "ratio_per_seed": per_seed, "map50_95_diff": map_diff,
-            "verdict": verdict(means, ratio, map_diff), "variants": compared}
+            "quality_diff": quality_diff, "task": task, "verdict": verdict(means, ratio, map_diff, quality_diff, task),
+            "variants": compared}
 
 
 def _ratio(slower: dict | None, faster: dict | None) -> float | None:
@@ -64,17 +81,25 @@ def _ratio(slower: dict | None, faster: dict | None) -> float | None:
     return slower["wall_s"] / faster["wall_s"] if slower and faster else None
 
 
-def verdict(means: dict, ratio: float | None, map_diff: float | None) -> dict:
+def verdict(means: dict, ratio: float | None, map_diff: float | None, quality_diff: float | None = None,
+            task: str = "detect") -> dict:
+    """The ratio against the target, where Ultralytics is input-bound, with the same quality: the task's own
+    mAP50-95 (`quality_diff`, ddp-launch's minus Ultralytics'; the box one's `map_diff` where None) within
+    MAP_TOLERANCE."""
     if ratio is None:
         return {"target": TARGET, "met": None, "input_bound": None, "text": "incomplete: a side failed (see its log)"}
     wait = means["ultralytics"]["data_wait"]
     input_bound = None if wait is None else wait >= INPUT_BOUND
-    same_map = abs(map_diff) <= MAP_TOLERANCE
+    own = own_metric(task)
+    judged = quality_diff if own and quality_diff is not None else map_diff
+    same_map = abs(judged) <= MAP_TOLERANCE
+    words = own or ("mAP50-95" if task == "detect" else quality(task)[1])  # obb: the rotated boxes'
+    maps = f"{words} {judged:+.4f} ({'within' if same_map else 'outside'} {MAP_TOLERANCE})" + (
+        f", box mAP50-95 {map_diff:+.4f}" if own else "")
     d = means["ddp_launch"]["breakdown"]
     bound = max((p for p in PARTS if p != "other"), key=lambda p: d[p])
     head = f"ddp-launch reached the weights {ratio:.2f}x sooner (Ultralytics {means['ultralytics']['wall_s']:.1f} s, " \
-           f"ddp-launch {means['ddp_launch']['wall_s']:.1f} s); mAP50-95 {map_diff:+.4f} " \
-           f"({'within' if same_map else 'outside'} {MAP_TOLERANCE})"
+           f"ddp-launch {means['ddp_launch']['wall_s']:.1f} s); {maps}"
     if input_bound is None:
         where = "Ultralytics' data wait was not measured (the run was shorter than the meter's warm-up)"
         met = None
@@ -98,6 +123,8 @@ def _fmt(v, spec: str, scale: float = 1.0, suffix: str = "") -> str:
 
 def markdown(out: dict) -> str:
     st = out["settings"]
+    task = out.get("task") or st.get("task") or "detect"
+    own = own_metric(task)  # a column of its own beside the box mAP50-95 (segment, pose)
     lines = [
         "# ddp-bench: time to a trained model",
         "",
@@ -109,25 +136,31 @@ def markdown(out: dict) -> str:
         f"{st['model']}, {st['data']['train_images']} train / {st['data']['val_images']} val images "
         f"({_fmt(st['data']['mean_train_file_kb'], '.0f', suffix=' kB')} per train file), {st['imgsz']} px, "
         f"{st['epochs']} epochs, batch {st['batch']}, SGD lr0 {st['lr0']}, close_mosaic {st['close_mosaic']}, "
-        f"validation after every epoch, {st['device']}; seeds {st['seeds']}.",
+        f"validation after every epoch, {st['device']}; seeds {st['seeds']}."
+        + ("" if task == "detect" else f" Task {task}: Ultralytics' side runs its {trainer(task)}, and the sides "
+           f"are compared on the {quality(task)[1]}" + (", the box one beside it." if own else ".")),
         "",
-        "| side | seed | wall s | startup | training | validation | boundaries | end | other | mAP50 | mAP50-95 | data wait | after the weights |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| side | seed | wall s | startup | training | validation | boundaries | end | other | mAP50 | mAP50-95 | "
+        + (f"{own} | " if own else "") + "data wait | after the weights |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
+        + (" ---: |" if own else ""),
     ]
     for s in sorted(out["sides"], key=lambda s: (s["name"], s["seed"])):
         if "error" in s:
-            lines.append(f"| {s['name']} | {s['seed']} | failed: {s['error']} |" + " |" * 10)
+            lines.append(f"| {s['name']} | {s['seed']} | failed: {s['error']} |" + " |" * (11 if own else 10))
             continue
         b, a = s["breakdown"], s["after_weights"]
         lines.append("| " + " | ".join([s["name"], str(s["seed"]), _fmt(s["wall_s"], ".1f"),
                                         *(_fmt(b[p], ".1f") for p in PARTS), _fmt(s["map50"], ".4f"),
-                                        _fmt(s["map50_95"], ".4f"), _fmt(s["data_wait"], ".1f", 100, " %"),
+                                        _fmt(s["map50_95"], ".4f"), *([_fmt(_quality(s), ".4f")] if own else []),
+                                        _fmt(s["data_wait"], ".1f", 100, " %"),
                                         _fmt(a["plots_s"] + a["exit_s"], ".1f")]) + " |")
     for name, m in out["means"].items():
         b = m["breakdown"]
         lines.append("| " + " | ".join([f"**{name} mean**", f"{m['runs']} run(s)", _fmt(m["wall_s"], ".1f"),
                                         *(_fmt(b[p], ".1f") for p in PARTS), _fmt(m["map50"], ".4f"),
-                                        _fmt(m["map50_95"], ".4f"), _fmt(m["data_wait"], ".1f", 100, " %"), ""]) + " |")
+                                        _fmt(m["map50_95"], ".4f"), *([_fmt(m["quality"], ".4f")] if own else []),
+                                        _fmt(m["data_wait"], ".1f", 100, " %"), ""]) + " |")
     per_seed = ", ".join(f"seed {k}: {v:.2f}x" for k, v in out["ratio_per_seed"].items())
     lines += [
         "",
@@ -137,7 +170,7 @@ def markdown(out: dict) -> str:
         "",
         f"Verdict: {out['verdict']['text']}.",
         "",
-        *_variant_lines(out.get("variants") or {}),
+        *_variant_lines(out.get("variants") or {}, own),
         "Seconds. The wall clock runs from the side's command to its final weights on disk with the final validation "
         "done; startup: to the first training step; training: the epochs' steps (the first epoch from its first step); "
         "validation: after each epoch; boundaries: the rest between epochs (checkpoints, the loader between epochs); "
@@ -166,14 +199,15 @@ def markdown(out: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _variant_lines(variants: dict) -> list[str]:
+def _variant_lines(variants: dict, own: str | None = None) -> list[str]:
     if not variants:
         return []
     lines = ["Variants (ddp-launch's command with these overrides, in the same invocation; not in the verdict):"]
     for name, v in variants.items():
         lines.append(f"- ddp_launch-{name} (`{' '.join(v['overrides'])}`): " + (
             "failed" if v["wall_s"] is None else
-            f"{v['wall_s']:.1f} s, mAP50-95 {v['map50_95']:.4f}; the defaults' wall clock / its: "
+            f"{v['wall_s']:.1f} s, mAP50-95 {v['map50_95']:.4f}"
+            + (f", {own} {_fmt(v.get('quality'), '.4f')}" if own else "") + "; the defaults' wall clock / its: "
             f"{_fmt(v['vs_defaults'], '.3f', suffix='x')}, Ultralytics' / its: "
             f"{_fmt(v['vs_ultralytics'], '.2f', suffix='x')}"))
     return lines + [""]
@@ -191,6 +225,7 @@ def plot(out: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     ran = sorted((s for s in out["sides"] if "error" not in s), key=lambda s: (s["name"], s["seed"]))
+    own = own_metric(out.get("task") or "detect")
     fig, ax = plt.subplots(figsize=(10, 2.2 + 0.5 * max(len(ran), 1)))
     for y, s in enumerate(ran):
         left = 0.0
@@ -198,7 +233,8 @@ def plot(out: dict, path: Path) -> None:
             width = max(s["breakdown"][part], 0.0)
             ax.barh(y, width, left=left, color=COLOURS[part], label=part if y == 0 else None)
             left += width
-        ax.text(left, y, f" {s['wall_s']:.1f} s, mAP50-95 {s['map50_95']:.3f}", va="center", fontsize=8)
+        mask = f", {own} {_quality(s):.3f}" if own and _quality(s) is not None else ""
+        ax.text(left, y, f" {s['wall_s']:.1f} s, mAP50-95 {s['map50_95']:.3f}{mask}", va="center", fontsize=8)
     ax.set_yticks(range(len(ran)), [f"{s['name']} seed {s['seed']}" for s in ran])
     ax.invert_yaxis()
     ax.set_xlabel("seconds from the command to the final weights")

@@ -35,11 +35,12 @@ def shape_problems(variants) -> list[str]:
     return out
 
 
-def plan_problems(cfg: dict, hw, data, on_gpu: bool) -> list[Problem]:
-    """What each variant adds to a one-device launch's plan problems: a bad value, or an unknown key with the closest
-    known one. The problems the shared config has already are the caller's, and not repeated per variant."""
+def plan_problems(cfg: dict, hw, data, on_gpu: bool, task: str = "detect") -> list[Problem]:
+    """What each variant adds to a one-device launch's plan problems for a `task` model: a bad value, an unknown key
+    with the closest known one, or a path the task lacks. The problems the shared config has already are the
+    caller's, and not repeated per variant."""
     side = {**cfg, "gpus": 1 if on_gpu else 0}
-    base = {p.message for p in make_plan(side, hw, data)[1]}
+    base = {p.message for p in make_plan(side, hw, data, task=task)[1]}
     out = []
     for name, overrides in (cfg["bench"].get("variants") or {}).items():
         try:  # not in struct mode: the plan names an unknown key, with the closest known one
@@ -48,7 +49,8 @@ def plan_problems(cfg: dict, hw, data, on_gpu: bool) -> list[Problem]:
             out.append(Problem(f"bench.variants.{name}: {e}"))
             continue
         out += [Problem(f"bench.variants.{name}: {p.message}")
-                for p in make_plan(OmegaConf.to_container(varied, resolve=True), hw, data)[1] if p.message not in base]
+                for p in make_plan(OmegaConf.to_container(varied, resolve=True), hw, data, task=task)[1]
+                if p.message not in base]
     return out
 
 

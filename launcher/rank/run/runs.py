@@ -162,7 +162,8 @@ def train(cfg: dict, plan: LaunchPlan, folder: RunFolder, stamps: dict | None = 
 def bench_cell(cfg: dict, plan: LaunchPlan, folder: RunFolder) -> dict | None:
     """One ddp-bench cell: the training run's step and input pipeline, `bench.warmup_steps + bench.steps` steps
     metered (the sampler runs on across epochs; no validation, no checkpoint), then the same step on batches held on
-    the device (the data-free ceiling). Rank 0 writes cell.json with every rank's figures."""
+    the device (the data-free ceiling: the task's own batches, its masks, keypoints or rotated boxes with them).
+    Rank 0 writes cell.json with every rank's figures, and the task."""
     r = Rank(cfg, plan, folder, validation=False)
     plan = r.plan
     try:
@@ -189,17 +190,19 @@ def bench_cell(cfg: dict, plan: LaunchPlan, folder: RunFolder) -> dict | None:
         loop = TrainLoop(r.step, r.inputs, r.state, [x for x in hooks if x is not None], epochs=1,
                          steps_per_epoch=skip + steps)
         loop.run()
-        ceiling = _ceiling(r, int(bench.ceiling_batches), max(steps // 2, 10), profile=bool(bench.profile))
+        ceiling, ceiling_labels = _ceiling(r, int(bench.ceiling_batches), max(steps // 2, 10),
+                                           profile=bool(bench.profile))
         rank_figures = {**run_summary.rank_report(rank=r.rank, device=r.device, meter=meter, monitor=monitor,
                                                   net=r.net, loss_items=r.step.loss_items, state=r.state,
                                                   input_gpu_ms=input_time.ms_per_image if input_time else None,
                                                   input_threads=input_time.threads if input_time else None),
-                        "ceiling_images_per_s": ceiling, "host_cpu": cpu.busy,
+                        "ceiling_images_per_s": ceiling, "ceiling_labels": ceiling_labels, "host_cpu": cpu.busy,
                         "whole_step_graph": isinstance(r.step, CapturedStep)}
         reports = r.comm.gather(rank_figures)
         if r.rank != 0:
             return None
-        cell = {"mode": plan.mode, "size": plan.world_size * plan.devices_per_rank, "ranks": reports}
+        cell = {"mode": plan.mode, "size": plan.world_size * plan.devices_per_rank, "task": plan.task,
+                "ranks": reports}
         folder.write_json("cell.json", cell)
         return cell
     finally:
@@ -320,9 +323,10 @@ class _BenchProgress(Hook):
             self.log(f"bench step {loop.ni}/{self.total}")
 
 
-def _ceiling(r: Rank, n_batches: int, steps: int, profile: bool) -> float:
-    """images/s of the same step on `n_batches` real batches already on the device, cycled. The loader's workers
-    stop first: still prefetching, they would compete with the step for the cores."""
+def _ceiling(r: Rank, n_batches: int, steps: int, profile: bool) -> tuple[float, list[str]]:
+    """images/s of the same step on `n_batches` real batches already on the device, cycled, and what their targets
+    hold (batch_labels). The loader's workers stop first: still prefetching, they would compete with the step for
+    the cores."""
 
     def sync():
         if r.device.type == "cuda":
@@ -340,7 +344,14 @@ def _ceiling(r: Rank, n_batches: int, steps: int, profile: bool) -> float:
     ips = images / (time.perf_counter() - t0)
     if profile and r.rank == 0:
         _profile(r, batches, sync)
-    return ips
+    return ips, batch_labels(batches[0])
+
+
+def batch_labels(batch: dict) -> list[str]:
+    """What a batch's targets hold, in words: boxes (rotated: with an angle), and masks or keypoints."""
+    boxes = batch.get("bboxes")
+    rotated = isinstance(boxes, torch.Tensor) and boxes.ndim == 2 and boxes.shape[1] == 5
+    return ["rotated boxes" if rotated else "boxes"] + [k for k in ("masks", "keypoints") if k in batch]
 
 
 def _profile(r: Rank, batches: list[dict], sync, steps: int = PROFILED_STEPS) -> None:

@@ -1,6 +1,7 @@
 """The baseline cell: Ultralytics' own trainer as users run it today, measured with ddp-launch's meter.
 
-`YOLO(model).train(...)` with Ultralytics' default workers and cache, one device, the same model, batch, image
+`YOLO(model, task=TASK).train(...)` (Ultralytics' trainer of the model's task: DetectionTrainer, SegmentationTrainer,
+PoseTrainer, OBBTrainer) with Ultralytics' default workers and cache, one device, the same model, batch, image
 size, data, optimizer and seed as the other cells. Callbacks stamp its steps exactly as ddp-launch's loop does
 (step ends stamped on the GPU, warm-up dropped, epoch-end work such as checkpoint writing cut out of the window), so the
 figures compare. Three changes from a user's run, all outside the measured work: no validation (val=False, as in
@@ -34,7 +35,8 @@ class _Done(Exception):
 
 
 def run(cell_dir: Path) -> dict:
-    settings = Settings.of(RunFolder(cell_dir).load()[0])
+    cfg, plan = RunFolder(cell_dir).load()
+    settings = Settings.of(cfg)
     bench, train, model = settings.bench, settings.train, settings.model
     warmup, steps = int(bench.warmup_steps), int(bench.steps)
 
@@ -69,7 +71,7 @@ def run(cell_dir: Path) -> dict:
     def epoch_end(trainer):
         meter.pause()  # checkpoint writing and scheduler work at the epoch boundary are not training steps
 
-    yolo = YOLO(model.cfg or model.weights)
+    yolo = YOLO(model.cfg or model.weights, task=plan.task)
     yolo.add_callback("on_train_epoch_start", ask)
     yolo.add_callback("on_train_batch_start", batch_start)
     yolo.add_callback("on_train_batch_end", batch_end)

@@ -1,11 +1,13 @@
 """The Ultralytics side of `ddp-bench bench.kind=time_to_model`: `YOLO(model).train(...)` as a user runs it, stamped.
 
 Run by ddp-bench in a fresh process: `python -m launcher.rank.ultralytics.time_to_model_ultralytics SIDE_DIR`. SIDE_DIR/side.json
-holds the shared settings (data, model, imgsz, epochs, batch, lr0, close_mosaic, seed, workers, device); everything
-else is Ultralytics' default (no cache, AMP, validation after every epoch with its rectangular batches, plots where
-polars is installed: without it Ultralytics' label and results plots fail, so they are off and the record says so).
-It writes SIDE_DIR/result.json: the final mAP, the data wait of the same run, and a timeline in the schema of
-ddp-launch's (rank/metrics/timeline.py).
+holds the shared settings (task, data, model, imgsz, epochs, batch, lr0, close_mosaic, seed, workers, device); the
+model trains with Ultralytics' trainer of its task (DetectionTrainer, SegmentationTrainer, PoseTrainer, OBBTrainer);
+everything else is Ultralytics' default (no cache, AMP, validation after every epoch with its rectangular batches,
+plots where polars is installed: without it Ultralytics' label and results plots fail, so they are off and the record
+says so). It writes SIDE_DIR/result.json: the final box mAP and the task's own (mask or pose mAP, under summary.json's
+names), the trainer that ran, the data wait of the same run, and a timeline in the schema of ddp-launch's
+(rank/metrics/timeline.py).
 
 The stamps, time.time(), from Ultralytics' callbacks (engine/trainer.py, engine/validator.py of 8.4.190):
 on_pretrain_routine_start/end, on_train_start, each on_train_epoch_start (the first epoch's training starts at its
@@ -38,6 +40,7 @@ from ultralytics import YOLO
 from launcher.rank.metrics import results
 from launcher.rank.metrics.gpu_monitor import GpuMonitor
 from launcher.rank.metrics.meter import StepMeter
+from launcher.rank.metrics.run_summary import task_metrics
 
 METER_SKIP_STEPS = 10  # as a ddp-launch training run's meter (runs.METER_SKIP_STEPS)
 
@@ -141,7 +144,8 @@ def run(side_dir: Path) -> dict:
     ul_trainer.strip_optimizer = stamps.strip(ul_trainer.strip_optimizer)
     ul_trainer.BaseTrainer.save_model = stamps.save(ul_trainer.BaseTrainer.save_model)
 
-    yolo = YOLO(side["model"])
+    task = side.get("task", "detect")
+    yolo = YOLO(side["model"], task=task)
     for event, callback in stamps.callbacks().items():
         yolo.add_callback(event, callback)
     metrics = yolo.train(
@@ -166,8 +170,11 @@ def run(side_dir: Path) -> dict:
     if monitor:
         monitor.close()
     record = {
+        "task": task,
+        "trainer": type(yolo.trainer).__name__,
         "map50": float(metrics.box.map50),
         "map50_95": float(metrics.box.map),
+        **task_metrics(task, metrics.results_dict),  # the task's own: mask or keypoint mAP
         "data_wait": m.data_wait if m.steps_measured else None,
         "host_wait": m.host_wait if m.steps_measured else None,
         "images_per_s": m.images_per_s if m.steps_measured else None,
@@ -183,19 +190,19 @@ def run(side_dir: Path) -> dict:
     return record
 
 
-def scan(data_yaml: str) -> None:
-    """Ultralytics' labels.cache of each split written, as its dataset writes it on a first run: both sides read it,
-    so the benchmark scans once, before the first timed side."""
+def scan(data_yaml: str, task: str = "detect") -> None:
+    """Ultralytics' labels.cache of each split written for `task`, as its dataset writes it on a first run: both sides
+    read it (its hash holds whether keypoints were read), so the benchmark scans once, before the first timed side."""
     from ultralytics.data import YOLODataset
     from ultralytics.data.utils import check_det_dataset
 
     data = check_det_dataset(data_yaml)
     for split in ("train", "val"):
-        YOLODataset(img_path=data[split], data=data, task="detect", augment=False)
+        YOLODataset(img_path=data[split], data=data, task=task, augment=False)
 
 
 if __name__ == "__main__":
     if sys.argv[1] == "--scan":
-        scan(sys.argv[2])
+        scan(*sys.argv[2:4])
     else:
         run(Path(sys.argv[1]).resolve())
