@@ -83,7 +83,7 @@ def start_and_wait_for(run_dir: Path, epochs: int, line: str, env: dict | None =
 
 def what_happened(run_dir: Path, out: str = "") -> str:
     """For a failed assertion: the launcher's last lines, each rank log's, summary.json, and what is still running
-    (the launcher-signal tests failed now and then in 2026-12-01..03, and their output was not kept)."""
+    (a launcher-signal test that fails now and then must leave what it saw)."""
     parts = [f"launcher:\n{out[-2500:]}"] if out else []
     for log in sorted((run_dir / "logs").glob("rank*.log")):
         parts.append(f"{log.name}:\n{log.read_text(errors='replace')[-2500:]}")

@@ -154,13 +154,16 @@ def test_python_takes_ultralytics_keywords(tmp_path, cache_dir, monkeypatch, cap
 
 @pytest.mark.slow
 def test_a_run_typed_with_ultralytics_keys_trains_into_project_name(tmp_path, cache_dir):
+    """Ultralytics' keys as typed, val=False among them: validated after the last epoch only."""
     tiny = [o for o in TINY if not o.startswith(("train.imgsz", "train.batch_per_device", "train.close_mosaic"))]
     r = ddp_launch(["epochs=2", "imgsz=64", "batch=16", "close_mosaic=1", "lr0=0.02", "workers=0", "mosaic=0.5",
-                    "gpus=0", "nproc=2", "project=work", "name=exp", *tiny], cwd=tmp_path)
+                    "val=False", "gpus=0", "nproc=2", "project=work", "name=exp", *tiny], cwd=tmp_path)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     run = run_dir_of(r)
     assert run == tmp_path / "work" / "exp"
-    assert json.loads((run / "summary.json").read_text())["epochs_completed"] == 2
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["epochs_completed"] == 2 and summary["validated_epochs"] == [2]
+    assert "validated after the last epoch only" in r.stdout
     cfg = yaml.safe_load((run / "config.yaml").read_text())
     assert (cfg["train"]["epochs"], cfg["train"]["imgsz"], cfg["optim"]["base_lr"]) == (2, 64, 0.02)
     assert cfg["train"]["extra"]["mosaic"] == 0.5

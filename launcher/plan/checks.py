@@ -66,7 +66,7 @@ def train_problems(train: dict) -> list[Problem]:
     problems: list[Problem] = []
     one_of(train.get("amp"), AMP_VALUES, "train.amp", problems, "true, false or bf16")
     one_of(train.get("cache"), CACHE_VALUES, "train.cache", problems, "false, ram, disk or shared")
-    as_int(train.get("val_interval"), "train.val_interval", problems, 1)
+    as_int(train.get("val_interval"), "train.val_interval", problems, 0)  # 0: after the last epoch only
     imgsz = as_int(train.get("imgsz"), "train.imgsz", problems, 32)
     if imgsz and imgsz % 32:
         problems.append(Problem(f"train.imgsz={imgsz}: must be a multiple of 32 (the model's largest stride)"))

@@ -181,7 +181,7 @@ class ReadAhead(Hook):
 
 
 class Evaluate(Hook):
-    """Validation every `interval` epochs and after the last, decided the same way on every rank; at the end of a
+    """Validation every `interval` epochs (0: none before the last) and after the last, decided the same way on every rank; at the end of a
     completed run, best.pt validated again when the last epoch was not the best (its metrics are the run's), its
     table with a row per class; else rank 0's `final_table()` writes the last validation's so."""
 
@@ -193,7 +193,7 @@ class Evaluate(Hook):
 
     def after_epoch(self, loop: TrainLoop) -> None:
         state = loop.state
-        if loop.final_epoch or (state.epoch + 1) % self.interval == 0:
+        if loop.final_epoch or (self.interval and (state.epoch + 1) % self.interval == 0):
             clear_memory(self.device, 0.5)
             metrics, fitness = self.validate(loop)
             state.validated_epochs.append(state.epoch + 1)
