@@ -65,16 +65,20 @@ def gone_within(run_dir: Path, seconds: float) -> list[str]:
     return leftovers(run_dir)
 
 
-def start_and_wait_for(run_dir: Path, epochs: int, line: str, env: dict | None = None) -> subprocess.Popen:
-    """The real `ddp-launch` in the background, once rank 0 has logged `line` (the run is mid-epoch)."""
+def start_and_wait_for(run_dir: Path, epochs: int, line: str, env: dict | None = None,
+                       resume: bool = False) -> subprocess.Popen:
+    """The real `ddp-launch` in the background (`resume`: `resume=RUN_DIR`), once rank 0 has logged `line` after
+    what its log held at the launch (the run is mid-epoch)."""
     exe = Path(sys.executable).parent / "ddp-launch"  # this environment's, as conftest.ddp_launch runs it
+    args = [f"resume={run_dir}"] if resume else [*BASE, f"train.epochs={epochs}", f"hydra.run.dir={run_dir}"]
+    log = run_dir / "logs" / "rank0.log"
+    before = len(log.read_text()) if log.exists() else 0
     proc = subprocess.Popen(
-        [str(exe) if exe.exists() else "ddp-launch", *BASE, f"train.epochs={epochs}", f"hydra.run.dir={run_dir}"], cwd=run_dir.parent, stdout=subprocess.PIPE,
+        [str(exe) if exe.exists() else "ddp-launch", *args], cwd=run_dir.parent, stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, text=True, env={**os.environ, **(env or {})},
     )
-    log = run_dir / "logs" / "rank0.log"
     deadline = time.monotonic() + 300
-    while time.monotonic() < deadline and not (log.exists() and line in log.read_text()):
+    while time.monotonic() < deadline and not (log.exists() and line in log.read_text()[before:]):
         time.sleep(0.1)
     assert log.exists(), "the run did not start"
     FAMILIES[run_dir] = psutil.Process(proc.pid).children(recursive=True)
@@ -185,20 +189,10 @@ def test_a_truncated_last_checkpoint_is_reported_and_the_previous_one_used(tmp_p
     assert summary(run)["epochs_completed"] == EPOCHS and same_weights(run, uninterrupted)
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
-def test_a_signal_to_the_launcher_checkpoints_exits_128_plus_it_and_the_run_resumes(tmp_path, cache_dir, signum):
-    """SIGTERM (a scheduler, kill) and SIGINT (Ctrl-C) take the same path: every rank finishes its step, rank 0
-    saves where the run stands, ddp-launch exits 128 + the signal, no process is left, and the run resumes to its
-    end: on the same ranks (SIGTERM), or on one rank (SIGINT, `resume=RUN_DIR nproc=1`), where the plan is made again
-    and the interrupted epoch starts again. The stop reads as one: no torchrun traceback, and torchrun's scratch
-    folders (an empty /tmp/torchelastic_* per launch, by default) are gone."""
-    run, epochs, tmp = tmp_path / "run", 4, tmp_path / "tmp"
-    tmp.mkdir()
-    proc = start_and_wait_for(run, epochs, f"epoch 2/{epochs} step 2/4", env={"TMPDIR": str(tmp)})
-    log = run / "logs" / "rank0.log"
-    assert (run / "run.lock").is_file()  # one trainer in the folder, while it trains
-    proc.send_signal(signum)
-    out, _ = proc.communicate(timeout=120)
+def stopped_by(signum: int, proc: subprocess.Popen, out: str, run: Path, tmp: Path) -> tuple[int, int]:
+    """What a stop by `signum` leaves, checked: exit 128 + it, the folder's lock let go, one line saying how to go
+    on and no traceback, torchrun's scratch folders gone, summary.json "stopped", no process left, and last.pt saved
+    after the step rank 0 logged; its (epoch, step)."""
     assert proc.returncode == 128 + signum, what_happened(run, out)
     assert not (run / "run.lock").exists()  # the stop lets the folder go
     assert f"got {signal.Signals(signum).name}" in out and f"Continue with: ddp-launch resume={run}" in out, out[-3000:]
@@ -209,17 +203,45 @@ def test_a_signal_to_the_launcher_checkpoints_exits_128_plus_it_and_the_run_resu
     assert not leftovers(run) and not temporaries(run), what_happened(run, out)
     state = torch.load(run / "weights" / "last.pt", map_location="cpu", weights_only=False)["ddp_launch_state"]
     epoch, step = state["train"]["position"]  # after the step that was logged (or, past the epoch's end, in the next)
-    assert (epoch, step) > (1, 2) and step >= 1  # a stop is agreed after a step, never at an epoch's end
-    assert f"checkpoint saved at epoch {epoch + 1} step {step + 1}" in log.read_text()
-    if signum == signal.SIGTERM:
-        r = ddp_launch([f"resume={run}"], cwd=tmp_path, timeout=900)
-        assert r.returncode == 0, r.stdout[-3000:]
-        assert summary(run)["epochs_completed"] == epochs
-        return
+    assert step >= 1  # a stop is agreed after a step, never at an epoch's end
+    assert f"checkpoint saved at epoch {epoch + 1} step {step + 1}" in (run / "logs" / "rank0.log").read_text()
+    return epoch, step
+
+
+def test_sigterm_sighup_and_sigint_each_checkpoint_exit_128_plus_it_and_the_run_resumes_to_its_end(tmp_path, cache_dir):
+    """SIGTERM (a scheduler, kill), SIGHUP (the terminal closes, nothing left to print to) and SIGINT (Ctrl-C) take
+    the same path, one after another on one run: every rank finishes its step, rank 0 saves where the run stands,
+    ddp-launch exits 128 + the signal, no process is left, the stop reads as one (no torchrun traceback; torchrun's
+    scratch folders, an empty /tmp/torchelastic_* per launch by default, gone), and the run resumes: on the same
+    ranks after SIGTERM and SIGHUP, on one rank after SIGINT (`resume=RUN_DIR nproc=1`: the plan made again, the
+    interrupted epoch started again), each epoch counted once."""
+    run, epochs, tmp = tmp_path / "run", 4, tmp_path / "tmp"
+    tmp.mkdir()
+    env = {"TMPDIR": str(tmp)}
+    proc = start_and_wait_for(run, epochs, f"epoch 2/{epochs} step 2/4", env=env)
+    assert (run / "run.lock").is_file()  # one trainer in the folder, while it trains
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    assert stopped_by(signal.SIGTERM, proc, out, run, tmp) > (1, 2)
+
+    proc = start_and_wait_for(run, epochs, f"epoch 3/{epochs} step 2/4", env=env, resume=True)
+    proc.send_signal(signal.SIGHUP)
+    proc.stdout.close()  # the terminal is gone: every later line the launcher and torchrun print fails
+    assert proc.wait(timeout=120) == 129, what_happened(run)
+    s = summary(run)
+    assert s["status"] == "stopped" and "stopped by SIGHUP" in s["detail"], what_happened(run)
+    assert not gone_within(run, 30), what_happened(run)
+
+    proc = start_and_wait_for(run, epochs, f"epoch 4/{epochs} step 2/4", env=env, resume=True)
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=120)
+    epoch, step = stopped_by(signal.SIGINT, proc, out, run, tmp)
+    assert (epoch, step) > (3, 2)
+
     r = ddp_launch([f"resume={run}", "nproc=1"], cwd=tmp_path, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "world size 1, global batch 8" in r.stdout
-    log = log.read_text()
+    log = (run / "logs" / "rank0.log").read_text()
     assert f"world size changed (2 -> 1): restarting epoch {epoch + 1}" in log and f"at epoch {epoch + 1}, step 1" in log
     s = summary(run)
     assert (s["world_size"], s["global_batch"], s["epochs_completed"]) == (1, 8, epochs)
@@ -228,26 +250,6 @@ def test_a_signal_to_the_launcher_checkpoints_exits_128_plus_it_and_the_run_resu
     assert [int(float(row.split(",")[0])) for row in rows] == list(range(1, epochs + 1))
     refused = ddp_launch([f"resume={run}", "train.epochs=9"], cwd=tmp_path, timeout=120)
     assert refused.returncode == 2 and "train.epochs cannot change" in refused.stderr
-
-
-def test_a_closed_terminal_sighup_stops_like_sigterm_and_the_run_resumes_counting_each_epoch_once(tmp_path, cache_dir):
-    """The terminal closes (or the ssh session drops): SIGHUP, and nothing left to print to. The ranks finish their
-    step, rank 0 saves, ddp-launch exits 129 and writes summary.json; no process of the run is left; the resumed run
-    ends with each epoch once."""
-    run, epochs = tmp_path / "run", 2
-    proc = start_and_wait_for(run, epochs, f"epoch 1/{epochs} step 2/4")
-    proc.send_signal(signal.SIGHUP)
-    proc.stdout.close()  # the terminal is gone: every later line the launcher and torchrun print fails
-    assert proc.wait(timeout=120) == 129, what_happened(run)
-    s = summary(run)
-    assert s["status"] == "stopped" and "stopped by SIGHUP" in s["detail"], what_happened(run)
-    assert not gone_within(run, 30), what_happened(run)
-    assert "checkpoint saved at epoch" in (run / "logs" / "rank0.log").read_text(), what_happened(run)
-    r = ddp_launch([f"resume={run}"], cwd=tmp_path, timeout=600)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert summary(run)["epochs_completed"] == epochs
-    rows = (run / "results.csv").read_text().strip().splitlines()[1:]
-    assert [int(float(row.split(",")[0])) for row in rows] == [1, 2]
 
 
 def test_a_launcher_killed_outright_stops_the_ranks_together_with_a_checkpoint(tmp_path, cache_dir):
