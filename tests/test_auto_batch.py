@@ -169,7 +169,7 @@ def test_the_training_arguments_follow_the_measured_batch(tmp_path):
     from tests.conftest import compose_config
     from tests.test_plan import shapes
 
-    cfg = compose_config(["gpus=1", "train.batch_per_device=auto", "data.path=/x/data.yaml"])
+    cfg = compose_config(["gpus=1", "train.batch_per_device=auto", "data.path=/x/data.yaml", "optim.lr_scaling=linear"])
     hw = Hardware(gpus=(Gpu(0, "NVIDIA H200", 141.0),), cpu_count=16, nccl_available=True)
     pending, _ = make_plan(cfg, hw, shapes(4096))
     hyp = build.hyperparameters(Settings.of(cfg), pending, tmp_path, 0)

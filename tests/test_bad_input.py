@@ -192,7 +192,8 @@ def test_lr0_scaled_above_ultralytics_limit_at_a_large_planned_batch_is_refused_
     The plan says which rule made it and what to use; sqrt scaling or a cap plans it."""
     from tests.test_plan import messages, plan_for
 
-    world = ["gpus=8", "nnodes=16", "dist.master_addr=10.0.0.1", "dist.master_port=29400", "train.batch_per_device=64"]
+    world = ["gpus=8", "nnodes=16", "dist.master_addr=10.0.0.1", "dist.master_port=29400", "train.batch_per_device=64",
+             "optim.lr_scaling=linear"]  # the shipped rule (the demo data trains unscaled)
     plan, problems = plan_for(world)
     assert plan.global_batch == 8192 and plan.lr0 == pytest.approx(1.28)
     assert ("lr0 1.28 = base_lr 0.01 x 8192/64 by optim.lr_scaling=linear: Ultralytics refuses an lr0 above 1"
@@ -208,6 +209,6 @@ def test_lr0_scaled_above_ultralytics_limit_at_a_large_planned_batch_is_refused_
 
 
 def test_ultralytics_lr0_above_one_is_refused_on_the_command_line(tmp_path, cache_dir):
-    r = ddp_launch(["lr0=5", "batch=64", "gpus=0"], cwd=tmp_path, timeout=120)
+    r = ddp_launch(["lr0=5", "batch=64", "gpus=0", "optim.lr_scaling=linear"], cwd=tmp_path, timeout=120)
     assert r.returncode == 2 and "lr0 5 = base_lr 5 x 64/64 by optim.lr_scaling=linear" in r.stderr, r.stderr
     assert "Traceback" not in r.stderr and not (tmp_path / "runs").exists()

@@ -252,7 +252,7 @@ def test_cuda_graphs_are_on_by_default_wherever_they_can_be_and_off_where_they_c
 
 # --- gradient accumulation -------------------------------------------------------------------------------------
 def test_accumulation_multiplies_the_global_batch_and_lr_and_warmup_follow_it():
-    cpu = ["gpus=0", "nproc=2", "train.batch_per_device=8"]
+    cpu = ["gpus=0", "nproc=2", "train.batch_per_device=8", "optim.lr_scaling=linear"]
     plain, _ = plan_for(cpu, data=shapes(1024))
     acc, problems = plan_for([*cpu, "train.accumulate=4"], data=shapes(1024))
     assert not problems and (acc.accumulate, acc.micro_batch, acc.batch_per_rank, acc.global_batch) == (4, 8, 32, 64)
@@ -276,7 +276,7 @@ def test_an_accumulation_that_cannot_be_is_refused_with_what_can(overrides, mess
 
 # --- train.batch_per_device=auto -------------------------------------------------------------------------------
 def test_auto_batch_is_left_to_the_gpus_and_the_plan_says_by_which_rule():
-    plan, problems = plan_for(["gpus=1", "train.batch_per_device=auto"], data=shapes(4096))
+    plan, problems = plan_for(["gpus=1", "train.batch_per_device=auto", "optim.lr_scaling=linear"], data=shapes(4096))
     assert not problems and plan.batch_pending
     assert (plan.batch_per_device, plan.global_batch, plan.lr0, plan.warmup_iterations) == (None, None, None, None)
     assert plan.auto_batch == {"fraction": 0.6, "multiple": 8, "divides": None, "most": 4096, "eager": False}

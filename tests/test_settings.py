@@ -58,7 +58,7 @@ def test_the_settings_hold_the_composed_config():
     settings = s.Settings.of(cfg)
     assert (settings.train.patience, settings.optim.grad_clip, settings.loader.pin_memory, settings.seed) == (
         7, 3.0, False, 5)
-    assert (settings.train.epochs, settings.train.imgsz, settings.model.cfg) == (30, 160, "yolov8n.yaml")  # shapes'
+    assert (settings.train.epochs, settings.train.imgsz, settings.model.cfg) == (20, 160, "yolov8n.yaml")  # shapes'
     assert settings.bench is None
     cell = s.Settings.of({**cfg, "bench": {"cell": "ddp-2", "steps": 4}})
     assert cell.bench == s.BenchSettings(cell="ddp-2", steps=4)
