@@ -18,7 +18,9 @@ from launcher.entry import conf_dir
 REPO = Path(__file__).resolve().parent.parent
 CONF = Path(conf_dir())
 
-# Small, fast settings for end-to-end runs on two CPU cores (the dataset is generated once per test session).
+# Small, fast settings for end-to-end runs on two CPU cores (the dataset is generated once per test session): no
+# plots (about 4 s of a run here; the tests of plots turn them on), and lr0 scaled linearly with the global batch, as
+# on a user's own data (the demo data trains unscaled).
 TINY = [
     "data.synthetic.train_images=64",
     "data.synthetic.val_images=16",
@@ -28,6 +30,8 @@ TINY = [
     "train.batch_per_device=8",
     "train.close_mosaic=1",
     "log.interval_steps=2",
+    "train.plots=false",
+    "optim.lr_scaling=linear",
 ]
 
 

@@ -28,7 +28,7 @@ def run(tmp_path_factory, cache_dir):
     args = [f"train.epochs={EPOCHS}", f"train.val_interval={VAL_INTERVAL}", f"train.save_period={SAVE_PERIOD}",
             "debug.record_samples=true"]
     # a short run that still learns: a brisk lr, one epoch of warmup, mosaic throughout (no distribution change)
-    learn = ["optim.base_lr=0.04", "optim.warmup_epochs=1", "train.close_mosaic=0"]
+    learn = ["optim.base_lr=0.04", "optim.warmup_epochs=1", "train.close_mosaic=0", "train.plots=true"]
     result = ddp_launch([*shlex.split(README_COMMAND)[1:], *args, *TINY, *learn], cwd=cwd)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     return result, run_dir_of(result)
