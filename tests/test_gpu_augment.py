@@ -752,7 +752,7 @@ def test_a_run_trains_with_device_augmentation_on_the_cpu(tmp_path, cache_dir):
 
     from tests.conftest import TINY, ddp_launch, run_dir_of, validation_tables
 
-    r = ddp_launch([*TINY, "train.epochs=2", "loader.augment_on=gpu", "train.cache=shared",
+    r = ddp_launch([*TINY, "train.plots=true", "train.epochs=2", "loader.augment_on=gpu", "train.cache=shared",
                     "+train.extra.mixup=0.5", "+train.extra.cutmix=0.5", "val.engine=ultralytics"], cwd=tmp_path)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     summary = json.loads((run_dir_of(r) / "summary.json").read_text())
