@@ -21,7 +21,8 @@ import yaml
 from launcher.inputs import class_folders, labels, ultralytics_files
 
 DETECT = "detect"
-TRAINED = ("detect", "segment", "pose", "obb", "classify")  # the tasks ddp-launch trains (rank/ultralytics/tasks.py builds each)
+# the tasks ddp-launch trains (rank/ultralytics/tasks.py builds each)
+TRAINED = ("detect", "segment", "pose", "obb", "classify")
 NAME_TASKS = (("-seg", "segment"), ("-pose", "pose"), ("-obb", "obb"), ("-cls", "classify"))
 WORDS = {"segment": "segmentation", "semantic": "semantic segmentation", "pose": "pose", "obb": "rotated-box (obb)",
          "classify": "classification", "depth": "depth"}
@@ -80,8 +81,9 @@ def task_problem(arch: str | None, key: str) -> str | None:
 def run_task(arch: str | None, data_spec: dict | None, key: str,
              checks: dict | None = None) -> tuple[str, list[str]]:
     """(the task the run trains, problems): the model's task (detect where it cannot be told), refused where the
-    dataset does not fit it (class folders for classify alone, _folders) (`data_spec`: the data YAML as the ranks get it; `checks`: its splits' label checks,
-    labels.SplitCheck.to_dict; `key`: the setting that named the model)."""
+    dataset does not fit it (class folders for a classifier and for it alone: _folders; `data_spec`: the data YAML as
+    the ranks get it; `checks`: its splits' label checks, labels.SplitCheck.to_dict; `key`: the setting that named
+    the model)."""
     task = model_task(arch) or DETECT
     if task not in TRAINED:
         return task, []  # task_problem words it

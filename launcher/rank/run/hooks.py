@@ -181,9 +181,9 @@ class ReadAhead(Hook):
 
 
 class Evaluate(Hook):
-    """Validation every `interval` epochs (0: none before the last) and after the last, decided the same way on every rank; at the end of a
-    completed run, best.pt validated again when the last epoch was not the best (its metrics are the run's), its
-    table with a row per class; else rank 0's `final_table()` writes the last validation's so."""
+    """Validation every `interval` epochs (0: none before the last) and after the last, decided the same way on every
+    rank; at the end of a completed run, best.pt validated again when the last epoch was not the best (its metrics
+    are the run's), its table with a row per class; else rank 0's `final_table()` writes the last validation's so."""
 
     def __init__(self, validate, validate_weights, best_weights, *, interval: int, comm: Comm, device, log,
                  final_table=None):
