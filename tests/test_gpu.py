@@ -605,8 +605,8 @@ files = write_images(cache.parent, ["jpg"] * 8, size=(96, 72))
 ds = EncodedTrainDataset(images_of(files), decode_all=False)
 hyp = {"mixup": 0.5} if form == "mixed" else {}
 dtype = torch.float16 if form == "fp16" else None  # the AMP step's channels_last input, or Ultralytics' uint8 batch
-gi = GpuInput(GpuAugment(64, hyp, out_dtype=dtype), Decoder(torch.device("cuda"), files), capacity=16,
-              device=torch.device("cuda"))
+cuda = torch.device("cuda", 0)  # as the rank's device: an index (torch's stream calls refuse "cuda" alone)
+gi = GpuInput(GpuAugment(64, hyp, out_dtype=dtype), Decoder(cuda, files), capacity=16, device=cuda)
 if warm:
     gi.warm_up()
 before = len(list(cache.rglob("*.cubin")))
