@@ -160,12 +160,12 @@ def test_the_classification_loss_is_ultralytics_mean_summed_over_the_images():
 def _step(model, batch: dict, local_batch: int, accumulate: int = 1) -> None:
     """One ddp-launch step as the run takes it (frozen BatchNorm statistics): the classification loss scaled by its
     loss base (task_rules), a class per image."""
-    from launcher.plan.task_rules import loss_base
+    from launcher.plan.task_rules import rules
     from launcher.rank.data.pipeline import TARGETS_PER_IMAGE
     from tests.test_ddp_equivalence import BASE_BATCH, one_step
 
     one_step(model, {**batch, TARGETS_PER_IMAGE: [1] * len(batch["img"])}, local_batch, accumulate,
-             base_batch=loss_base("classify", BASE_BATCH))
+             base_batch=rules("classify").loss_base(BASE_BATCH))
 
 
 def _rank(rank: int, world: int, init_file: str, out: str):

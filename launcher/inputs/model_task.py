@@ -26,9 +26,6 @@ TRAINED = ("detect", "segment", "pose", "obb", "classify")
 NAME_TASKS = (("-seg", "segment"), ("-pose", "pose"), ("-obb", "obb"), ("-cls", "classify"))
 WORDS = {"segment": "segmentation", "semantic": "semantic segmentation", "pose": "pose", "obb": "rotated-box (obb)",
          "classify": "classification", "depth": "depth"}
-# the validation metrics a task adds to the boxes' (B): Ultralytics' suffix, and summary.json's name for them
-TASK_METRICS = {"segment": ("M", "mask"), "pose": ("P", "pose")}
-TOP1, TOP5 = "metrics/accuracy_top1", "metrics/accuracy_top5"  # a classifier's validation metrics (ClassifyMetrics)
 
 
 def head_task(head: str) -> str | None:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import signal
 
 from launcher.inputs import labels
-from launcher.inputs.model_task import TASK_METRICS
 from launcher.launch.logs import say
+from launcher.plan.task_rules import rules
 from launcher.run_folder import RunFolder
 
 
@@ -43,13 +43,7 @@ def report(folder: RunFolder, code: int, signum: int | None, node_rank: int) -> 
         f"\ndone: {s['epochs_completed']} epoch(s) on {s['world_size']} rank(s), global batch {s['global_batch']}, "
         f"lr0 {s['lr0']:.6g}, {_speed_text(s)}"
     )
-    rotated = " (rotated boxes)" if s.get("task") == "obb" else ""  # an obb run's box metrics are its rotated boxes'
-    if "top1" in s:  # a classifier's accuracy in place of box metrics
-        say(f"top-1 {s['top1']:.4f}  top-5 {s['top5']:.4f}")
-    else:
-        say(f"mAP50 {s['map50']:.4f}  mAP50-95 {s['map50_95']:.4f}{rotated}" + "".join(
-            f"  {name} mAP50 {s[f'map50_{name}']:.4f}  mAP50-95 {s[f'map50_95_{name}']:.4f}"
-            for _, name in TASK_METRICS.values() if f"map50_{name}" in s))
+    say(rules(s.get("task")).result_line(s))  # its metrics: the boxes' and the task's own, or a classifier's accuracy
     for split, check in (s.get("images") or {}).items():
         for line in labels.describe(split, check):
             say(f"data        {line}")
@@ -67,6 +61,8 @@ def _speed_text(s: dict) -> str:
 
 def say_finished(folder: RunFolder) -> None:
     s = folder.summary() or {}
-    metric = f"top-1 {s['top1']:.4f}" if "top1" in s else f"mAP50 {s.get('map50', 0.0):.4f}"  # a classifier's
-    say(f"{folder} already finished: {s.get('epochs_completed')} epoch(s), {metric}; nothing to resume")
+    task = rules(s.get("task"))
+    headline = next((m for m in task.results if m.key == s.get("headline")), task.headline)  # summary.json names it
+    say(f"{folder} already finished: {s.get('epochs_completed')} epoch(s), {headline.words} "
+        f"{s.get(headline.key, 0.0):.4f}; nothing to resume")
     say(f"weights     {s.get('weights')}")

@@ -13,7 +13,7 @@ from pathlib import Path
 from launcher.inputs import ultralytics_files
 from launcher.machine.hardware import Hardware
 from launcher.plan.environment import BYTECODE_OFF, CUDA_CONNECTIONS, NCCL_DEBUG_LEVELS, TORCH_DEBUG_LEVELS
-from launcher.plan.task_rules import has_fast_paths
+from launcher.plan.task_rules import rules
 from launcher.plan.ultralytics_values import extra_problems
 from launcher.problems import Problem
 
@@ -108,7 +108,7 @@ def augment_on(loader: dict, train: dict, device: str, cores_per_rank: int, *,
     value = loader.get("augment_on", "auto")
     if value in ("cpu", "gpu"):
         return value, None
-    if not has_fast_paths(task):
+    if not rules(task).fast_paths:
         return "cpu", None
     few_cores = cores_per_rank < GPU_INPUT_BELOW_CORES
     large = isinstance(train.get("imgsz"), int) and train["imgsz"] >= GPU_INPUT_FROM_IMGSZ  # a bad one: train_problems

@@ -5,7 +5,7 @@ SiLU among it), the validation engine, batch and graphs."""
 from __future__ import annotations
 
 from launcher.plan import checks
-from launcher.plan.task_rules import has_fast_paths
+from launcher.plan.task_rules import rules
 
 
 def rank_decisions(cfg: dict, *, device: str, mode: str, task: str = "detect") -> dict:
@@ -20,12 +20,12 @@ def rank_decisions(cfg: dict, *, device: str, mode: str, task: str = "detect") -
         "cudnn_benchmark": device == "cuda" and bool(train.get("cudnn_benchmark", False)),
         "cuda_graphs": graphs,
         "cuda_graphs_required": train.get("cuda_graphs", "auto") is True,
-        "graph_scope": "step" if graphs and train.get("graph_scope", "auto") == "auto" and has_fast_paths(task)
+        "graph_scope": "step" if graphs and train.get("graph_scope", "auto") == "auto" and rules(task).fast_paths
         else "network",
         # dist.sync_bn's SyncBatchNorm is never fused: its statistics are the ranks'
         "fused_bn_act": (graphs and device == "cuda" and train.get("fused_bn_act", False) in ("auto", True)
                          and not (cfg.get("dist") or {}).get("sync_bn", False)),
-        "val_engine": checks.val_engine(val, train) if has_fast_paths(task) else "ultralytics",
+        "val_engine": checks.val_engine(val, train) if rules(task).fast_paths else "ultralytics",
         "task": task,
         "val_batch_fixed": _whole(val.get("batch", "auto")),
         "val_cuda_graphs": device == "cuda" and val.get("cuda_graphs", "auto") in ("auto", True),

@@ -10,7 +10,7 @@ from launcher.inputs.models import ModelSpec
 from launcher.plan import lr
 from launcher.plan.batch import held_fraction
 from launcher.plan.plan import LaunchPlan
-from launcher.plan.task_rules import has_fast_paths, has_mosaic, task_text
+from launcher.plan.task_rules import rules
 
 
 def _rendezvous_text(plan: LaunchPlan) -> str:
@@ -35,7 +35,7 @@ def describe(plan: LaunchPlan, model: ModelSpec | None, data: DatasetInfo | None
     lines = [f"{'translated' if i == 0 else '':<16}{t}" for i, t in enumerate(translated)]
     if model is not None:
         lines.append(f"model           {_model_text(model)}")
-    lines.append(f"task            {task_text(plan.task, plan.task_from)}")
+    lines.append(f"task            {rules(plan.task).text(plan.task_from)}")
     if cfg is not None:
         lines.append(f"training        {_training_text(cfg, plan.task)}")
     lines += [
@@ -68,7 +68,7 @@ def _step_text(plan: LaunchPlan) -> str:
     if not plan.cuda_graphs:
         return "CUDA graphs off (train.cuda_graphs)"
     fused = "; BatchNorm and SiLU fused in them (train.fused_bn_act)" if plan.fused_bn_act else ""
-    if has_fast_paths(plan.task):
+    if rules(plan.task).fast_paths:
         return f"CUDA graphs on (train.cuda_graphs){fused}"
     return (f"CUDA graphs on, the network's forward and backward only (train.cuda_graphs): the {plan.task} loss runs "
             f"eagerly, its shapes follow the targets{fused}")
@@ -81,7 +81,7 @@ def _model_text(model: ModelSpec) -> str:
 
 def _training_text(cfg: dict, task: str = "detect") -> str:
     train, optim = cfg["train"], cfg["optim"]
-    mosaic = ("no mosaic (Ultralytics' classification augmentations)" if not has_mosaic(task)
+    mosaic = ("no mosaic (Ultralytics' classification augmentations)" if not rules(task).mosaic
               else f"mosaic off for the last {train['close_mosaic']}" if train.get("close_mosaic")
               else "mosaic to the end")
     interval = train.get("val_interval", 1)

@@ -6,7 +6,7 @@ The contract (README, "Batch size and learning rate"):
   ``base_batch`` (64 by default) that is exactly the gradient Ultralytics steps with (its loss is summed over the
   batch and accumulated up to nbs=64 images), so Ultralytics' lr0=0.01 keeps its meaning. A classifier's loss is a
   mean in Ultralytics (v8ClassificationLoss): its step back-propagates the mean over the global batch itself
-  (task_rules.loss_base), Ultralytics' classification step at a batch of nbs.
+  (task_rules.TaskRules.loss_base), Ultralytics' classification step at a batch of nbs.
 * Ultralytics' own implicit scaling (gradient accumulation up to nbs, weight decay multiplied by batch/nbs) is
   switched off: accumulation is 1 and weight decay is used as given.
 * The only batch-size rule is then ``lr0 = base_lr x f(global_batch / base_batch)``, with f linear, sqrt or none,

@@ -1,4 +1,5 @@
-"""What the task a run trains (inputs/model_task.py) changes in the plan.
+"""What the task a run trains (inputs/model_task.py) changes, as one record per task (TaskRules), looked up once by
+name with rules(task): the plan, the ranks, the final lines and ddp-bench ask it for a property.
 
 Detection has ddp-launch's fast paths: the input augmented on the GPU, the fast validation engine, the whole step
 captured as one CUDA graph, the auto batch's probe. Segmentation, pose and obb train through Ultralytics' own
@@ -12,68 +13,127 @@ buffer mean nothing there), its ClassificationValidator (top-1, top-5) and its c
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from launcher.problems import Problem
 
-FAST_PATHS = ("detect",)  # the tasks with the GPU input, the fast validator, the captured step and the auto batch
-MEAN_LOSS = ("classify",)  # the tasks whose Ultralytics loss is a mean over the batch, not a sum over its images
-WHAT = {"classify": "class folders (Ultralytics' ClassificationDataset)"}  # what a task's input is, where not boxes
+
+@dataclass(frozen=True)
+class Metric:
+    """A validation metric as summary.json names it (`key`), as Ultralytics' results_dict names it (`source`) and
+    as the final lines and reports say it (`words`)."""
+
+    key: str
+    source: str
+    words: str
 
 
-def has_fast_paths(task: str) -> bool:
-    return task in FAST_PATHS
+BOX = (Metric("map50", "metrics/mAP50(B)", "mAP50"), Metric("map50_95", "metrics/mAP50-95(B)", "mAP50-95"))
+TOP1, TOP5 = "metrics/accuracy_top1", "metrics/accuracy_top5"  # a classifier's validation metrics (ClassifyMetrics)
+EAGER = "the GPU input, the fast validator and the captured step are detection's"
 
 
-def has_mosaic(task: str) -> bool:
-    """Whether the task's training set has Ultralytics' mosaic (and so close_mosaic): classification's has not."""
-    return task != "classify"
+def _own(suffix: str, name: str) -> tuple[Metric, ...]:
+    """A task's own mAP beside the boxes': Ultralytics' `suffix` (M, P), summary.json's `name` (mask, pose)."""
+    return (Metric(f"map50_{name}", f"metrics/mAP50({suffix})", f"{name} mAP50"),
+            Metric(f"map50_95_{name}", f"metrics/mAP50-95({suffix})", f"{name} mAP50-95"))
 
 
-def loss_base(task: str, base_batch: int) -> int:
-    """The batch the step's loss scale aims at (plan/lr.py loss_scale): base_batch for the losses Ultralytics sums
-    over the batch's images (its lr0 meant at nbs images), 1 for a mean loss (classify: the step then takes the
-    gradient of the mean over the global batch, Ultralytics' classification step at a batch of nbs)."""
-    return 1 if task in MEAN_LOSS else base_batch
+@dataclass(frozen=True)
+class TaskRules:
+    """What one task changes: its paths, its input, its loss and the metrics its run reports."""
+
+    name: str  # Ultralytics' task name: detect | segment | pose | obb | classify
+    fast_paths: bool = False  # the GPU input, the fast validator, the captured step and the auto batch
+    folders: bool = False  # class folders (ClassificationDataset), not images and label files (YOLODataset)
+    mosaic: bool = True  # Ultralytics' mosaic (and so close_mosaic and the mosaic buffer)
+    mean_loss: bool = False  # Ultralytics' loss is a mean over the batch, not a sum over its images
+    takes: str = "not masks, keypoints or corners"  # what its input is, as the GPU input's refusal says it
+    masks: bool = False  # its targets hold masks (train.extra.overlap_mask applies)
+    shared_cache: bool = True  # train.cache=shared (the node's cache of detection datasets' images) applies
+    multi_scale: bool = True  # train.extra.multi_scale applies
+    boxes: bool = True  # box metrics (B): summary.json's map50, map50_95 (a classifier's stay 0)
+    own: tuple[Metric, ...] = ()  # the task's own metrics in summary.json, beside the boxes'
+    quality: Metric = Metric("map50_95", BOX[1].source, "box mAP50-95")  # what time_to_model compares the sides on
+    note: str = ""  # after the final line's metrics
+    pipeline: str = ""  # the plan's task line after the task and its source
+
+    @property
+    def results(self) -> tuple[Metric, ...]:
+        """The metrics a finished run reports, in the final line's order; the first is its headline."""
+        return (BOX if self.boxes else ()) + self.own
+
+    @property
+    def headline(self) -> Metric:
+        """The metric summary.json names as its headline ("headline"), as a resumed finished run prints it."""
+        return self.results[0]
+
+    def loss_base(self, base_batch: int) -> int:
+        """The batch the step's loss scale aims at (plan/lr.py loss_scale): base_batch for the losses Ultralytics
+        sums over the batch's images (its lr0 meant at nbs images), 1 for a mean loss (classify: the step then takes
+        the gradient of the mean over the global batch, Ultralytics' classification step at a batch of nbs)."""
+        return 1 if self.mean_loss else base_batch
+
+    def text(self, task_from: str | None) -> str:
+        """The plan's task line: the task, what it was read from, and the paths it takes."""
+        return f"{self.name}{f' (from {task_from})' if task_from else ''}{self.pipeline}"
+
+    def result_line(self, summary: dict) -> str:
+        """The final line of a finished run's metrics, from its summary.json."""
+        return "  ".join(f"{m.words} {summary[m.key]:.4f}" for m in self.results if m.key in summary) + self.note
+
+
+TASKS = {
+    "detect": TaskRules("detect", fast_paths=True),
+    "segment": TaskRules("segment", masks=True, own=_own("M", "mask"), quality=_own("M", "mask")[1],
+                         pipeline=f"; Ultralytics' CPU pipeline, validator and loss ({EAGER})"),
+    "pose": TaskRules("pose", own=_own("P", "pose"), quality=_own("P", "pose")[1],
+                      pipeline=f"; Ultralytics' CPU pipeline, validator and loss ({EAGER})"),
+    # its box metrics (B) are the rotated boxes'
+    "obb": TaskRules("obb", quality=Metric("map50_95", BOX[1].source, "box mAP50-95 (rotated boxes)"),
+                     note=" (rotated boxes)", pipeline=f"; Ultralytics' CPU pipeline, validator and loss ({EAGER})"),
+    "classify": TaskRules(
+        "classify", folders=True, mosaic=False, mean_loss=True,
+        takes="a classify model takes class folders (Ultralytics' ClassificationDataset)", shared_cache=False, multi_scale=False,
+        boxes=False, own=(Metric("top1", TOP1, "top-1"), Metric("top5", TOP5, "top-5")),
+        quality=Metric("top1", TOP1, "top-1 accuracy"),
+        pipeline="; Ultralytics' CPU pipeline (ClassificationDataset on class folders), ClassificationValidator "
+                 f"(top-1, top-5) and cross-entropy loss ({EAGER})"),
+}
+
+
+def rules(task: str | None) -> TaskRules:
+    """The record of the task named `task` (a plan's, a summary's; detect where none is named); KeyError for one
+    ddp-launch does not train."""
+    return TASKS[task or "detect"]
 
 
 def task_problems(cfg: dict, task: str, *, device: str) -> list[Problem]:
     """The settings that ask for a path `task` does not have, each with what to set instead."""
-    if has_fast_paths(task):
+    r = rules(task)
+    if r.fast_paths:
         return []
     train, loader, val = cfg["train"], cfg.get("loader") or {}, cfg.get("val") or {}
     problems = []
     if loader.get("augment_on") == "gpu":
-        takes = f"a {task} model takes {WHAT[task]}" if task in WHAT else "not masks, keypoints or corners"
         problems.append(Problem(f"loader.augment_on=gpu with a {task} model: the GPU input pipeline augments upright "
-                                f"boxes only ({takes}); use loader.augment_on=cpu (or auto)"))
+                                f"boxes only ({r.takes}); use loader.augment_on=cpu (or auto)"))
     if val.get("engine") == "fast":
         problems.append(Problem(f"val.engine=fast with a {task} model: the fast engine scores upright boxes only; use "
                                 "val.engine=ultralytics (or auto)"))
     if train.get("batch_per_device") == "auto" and device == "cuda":
         problems.append(Problem(f"train.batch_per_device=auto with a {task} model: the probe measures the detection "
                                 "step only; give train.batch_per_device as a number"))
-    if task == "classify" and train.get("cache") == "shared":
-        problems.append(Problem("train.cache=shared with a classify model: the node's shared cache holds the detection "
+    if not r.shared_cache and train.get("cache") == "shared":
+        problems.append(Problem(f"train.cache=shared with a {task} model: the node's shared cache holds the detection "
                                 "datasets' images; use train.cache=ram or disk (Ultralytics' ClassificationDataset "
                                 "caches), or false"))
     extra = train.get("extra") or {}
-    if task == "classify" and extra.get("multi_scale"):
-        problems.append(Problem("train.extra.multi_scale with a classify model: Ultralytics' classification trainer "
+    if not r.multi_scale and extra.get("multi_scale"):
+        problems.append(Problem(f"train.extra.multi_scale with a {task} model: Ultralytics' classification trainer "
                                 "trains at imgsz alone (its crops are imgsz square); leave multi_scale off"))
     accumulate = train.get("accumulate", 1)
-    if task == "segment" and extra.get("overlap_mask") is False and isinstance(accumulate, int) and accumulate > 1:
+    if r.masks and extra.get("overlap_mask") is False and isinstance(accumulate, int) and accumulate > 1:
         problems.append(Problem("train.extra.overlap_mask=false with train.accumulate > 1: the micro-batches split "
                                 "masks per image; leave overlap_mask at true, or train.accumulate=1"))
     return problems
-
-
-def task_text(task: str, task_from: str | None) -> str:
-    """The plan's task line: the task, what it was read from, and the paths it takes."""
-    source = f" (from {task_from})" if task_from else ""
-    if has_fast_paths(task):
-        return f"{task}{source}"
-    if task == "classify":
-        return (f"{task}{source}; Ultralytics' CPU pipeline (ClassificationDataset on class folders), "
-                "ClassificationValidator (top-1, top-5) and cross-entropy loss (the GPU input, the fast validator and "
-                "the captured step are detection's)")
-    return (f"{task}{source}; Ultralytics' CPU pipeline, validator and loss (the GPU input, the fast validator and "
-            "the captured step are detection's)")

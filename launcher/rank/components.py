@@ -35,7 +35,7 @@ import torch
 from launcher.machine.environment_report import report as environment_report
 from launcher.plan.plan import LaunchPlan
 from launcher.plan.settings import Settings
-from launcher.plan.task_rules import has_mosaic
+from launcher.plan.task_rules import rules
 from launcher.rank.build_steps import batch_probe, model_build, step_build, training_input, validation_build
 from launcher.rank.data.pipeline import to_device
 from launcher.rank.data.sampler import mosaic_closes_at, sample_seed
@@ -136,7 +136,7 @@ class Rank:
         settings, plan = self.settings, self.plan
         self.cores = training_input.bind_cores(settings, plan, self.device, self.local_rank, self.detail)
         self.close_at = (mosaic_closes_at(int(settings.train.epochs), int(settings.train.close_mosaic))
-                         if has_mosaic(plan.task) else None)  # a classifier's set has no mosaic to close
+                         if rules(plan.task).mosaic else None)  # a classifier's set has no mosaic to close
         self.train_dataset, self.gpu_input = training_input.training_set(
             settings, plan, self.hyp, self.data, self.device, caches=self.caches, stride=self.stride,
             close_at=self.close_at, input_dtype=self.input_dtype, log=self.log, detail=self.detail)

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from launcher.plan import lr as lrmod
-from launcher.plan.task_rules import loss_base
+from launcher.plan.task_rules import rules
 from launcher.rank.step import auto_batch
 from launcher.rank.step.captured_step import CapturedStep, most_targets, uses_captured_step
 from launcher.rank.step.graphed import GraphedDetector
@@ -28,7 +28,7 @@ def build_step(rank) -> tuple:
     model = wrap(rank.net, mode=plan.mode, device=rank.device, devices_per_rank=plan.devices_per_rank,
                  dist=settings.dist, compile_setting=settings.train.compile, graphed=graphed)
     step = TrainStep(model, rank.net, optimizer=rank.optimizer, scaler=rank.scaler, ema=rank.ema,
-                     loss_scale=lrmod.loss_scale(loss_base(plan.task, plan.base_batch), plan.batch_per_rank),
+                     loss_scale=lrmod.loss_scale(rules(plan.task).loss_base(plan.base_batch), plan.batch_per_rank),
                      grad_clip=float(settings.optim.grad_clip), amp_dtype=rank.amp_dtype,
                      accumulate=plan.accumulate)
     return step, model

@@ -16,7 +16,7 @@ import torch
 
 from launcher.plan.plan import LaunchPlan
 from launcher.plan.settings import Settings
-from launcher.plan.task_rules import has_mosaic
+from launcher.plan.task_rules import rules
 from launcher.rank.data import affinity, image_cache, image_cache_folders
 from launcher.rank.data.encoded import EncodedImages, EncodedTrainDataset
 from launcher.rank.data.gpu_augment import GpuAugment
@@ -84,7 +84,7 @@ def training_set(settings: Settings, plan: LaunchPlan, hyp, data: dict, device: 
     dataset = datasets.train_dataset(hyp, data, plan.batch_per_rank, stride)
     if "train" in caches:
         datasets.attach_cache(dataset, caches["train"])
-    if not settings.loader.mosaic_buffer and has_mosaic(plan.task):
+    if not settings.loader.mosaic_buffer and rules(plan.task).mosaic:
         datasets.set_mosaic_buffer(dataset, False)
     return dataset, None
 

@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from launcher.inputs.model_task import TASK_METRICS, TOP1, TOP5
+from launcher.plan.task_rules import rules
 
 
 def params_digest(net: torch.nn.Module) -> str:
@@ -74,15 +74,10 @@ def rank_report(*, rank: int, device, meter, monitor, net, loss_items: dict | No
 
 
 def task_metrics(task: str, metrics: dict) -> dict:
-    """A segmentation or pose run's own mAP beside the boxes': {"map50_mask": ..., "map50_95_mask": ...}; a
-    classification run's top-1 and top-5 accuracy: {"top1": ..., "top5": ...} (its mAP fields stay 0)."""
-    if task == "classify":
-        return {"top1": float(metrics.get(TOP1, 0.0)), "top5": float(metrics.get(TOP5, 0.0))}
-    if task not in TASK_METRICS:
-        return {}
-    suffix, name = TASK_METRICS[task]
-    return {f"map50_{name}": float(metrics.get(f"metrics/mAP50({suffix})", 0.0)),
-            f"map50_95_{name}": float(metrics.get(f"metrics/mAP50-95({suffix})", 0.0))}
+    """The task's own metrics (TaskRules.own) from Ultralytics' `metrics`, under summary.json's names: a segmentation
+    or pose run's mAP beside the boxes' ({"map50_mask": ..., "map50_95_mask": ...}), a classification run's top-1
+    and top-5 accuracy ({"top1": ..., "top5": ...}; its mAP fields stay 0)."""
+    return {m.key: float(metrics.get(m.source, 0.0)) for m in rules(task).own}
 
 
 def summary(*, plan, state, epochs: int, reports: list[dict], weights, last, run_dir, started: float) -> dict:
@@ -98,6 +93,7 @@ def summary(*, plan, state, epochs: int, reports: list[dict], weights, last, run
         "recall": float(metrics.get("metrics/recall(B)", 0.0)),
         "task": plan.task,
         **task_metrics(plan.task, metrics),
+        "headline": rules(plan.task).headline.key,  # the metric the final line leads with (map50; a classifier's top1)
         "epochs_completed": state.epoch + 1,
         "epochs": epochs,
         "validated_epochs": list(state.validated_epochs),

@@ -8,8 +8,8 @@ import time
 
 import torch
 
-from launcher.inputs.model_task import TOP1, TOP5
 from launcher.plan.describe import input_bound_advice, input_thread_bound
+from launcher.plan.task_rules import BOX, Metric
 from launcher.rank.data.pipeline import per_batch_ms
 from launcher.rank.loop.loop import Hook, TrainLoop
 
@@ -21,16 +21,18 @@ class Progress(Hook):
     """A line per rank every `every` steps and at each epoch end, and on rank 0 also after any step that ends
     `period_s` or more after its last line (a short epoch's bar moves too): losses, images/s, data wait, lr (and the
     learning-rate warmup's steps while it lasts), memory, the time left for the epoch and the run, and after a
-    validation mAP; GPU utilisation at the epoch end. Whether a line is due is read on the host clock alone: a line
+    validation its `metrics` (the task's first two: mAP50 and mAP50-95, a classifier's top-1 and top-5); GPU
+    utilisation at the epoch end. Whether a line is due is read on the host clock alone: a line
     reads the losses and the meter, which wait for the device, so only a due line costs a sync. The launcher shows
     rank 0's lines as a live bar on a terminal (launch/logs.py)."""
 
     def __init__(self, meter, optimizer, device: torch.device, rank: int, every: int, log, monitor=None, *,
-                 warmup_steps: int = 0, period_s: float | None = LINE_PERIOD_S, clock=time.monotonic):
+                 warmup_steps: int = 0, period_s: float | None = LINE_PERIOD_S, clock=time.monotonic,
+                 metrics: tuple[Metric, ...] = BOX):
         self.meter, self.optimizer, self.device, self.rank = meter, optimizer, device, rank
         self.every, self.log, self.monitor, self.warmup_steps = every, log, monitor, warmup_steps
         self.period_s = period_s if rank == 0 else None
-        self.clock = clock
+        self.clock, self.metrics = clock, metrics
         self.eta = Eta(clock)
         self._last_line = clock()
 
@@ -77,10 +79,7 @@ class Progress(Hook):
             line += " | WARNING: the loss is not finite"
         if end_of_epoch and state.validated and self.rank == 0 and state.metrics:
             m = state.metrics
-            if TOP1 in m:  # a classifier's: Ultralytics' top-1 and top-5 accuracy
-                line += f" | top-1 {m[TOP1]:.4f} top-5 {m.get(TOP5, 0):.4f}"
-            else:
-                line += f" | mAP50 {m.get('metrics/mAP50(B)', 0):.4f} mAP50-95 {m.get('metrics/mAP50-95(B)', 0):.4f}"
+            line += " | " + " ".join(f"{x.words} {m.get(x.source, 0):.4f}" for x in self.metrics)
         self.log(line)
 
 

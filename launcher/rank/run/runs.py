@@ -18,6 +18,7 @@ import torch
 from torch.profiler import profile
 
 from launcher.plan.plan import LaunchPlan
+from launcher.plan.task_rules import rules
 from launcher.rank.loop import checkpoint_io
 from launcher.rank.run import hooks as h
 from launcher.rank.run import progress
@@ -122,7 +123,8 @@ def train(cfg: dict, plan: LaunchPlan, folder: RunFolder, stamps: dict | None = 
             _rank0_plots(plotter, folder.path, getattr(r.train_dataset, "labels", None), r.data["names"]) if plotter else None,
             # every log.interval_steps steps, and the epoch's line with Evaluate's mAP
             progress.Progress(meter, r.optimizer, r.device, r.rank, int(settings.log.interval_steps),
-                              r.log, monitor, warmup_steps=plan.warmup_iterations or 0),
+                              r.log, monitor, warmup_steps=plan.warmup_iterations or 0,
+                              metrics=rules(plan.task).results[:2]),
             # once per run, from the meter's window so far
             progress.InputBoundWarning(meter, plan.workers_per_rank, r.log, monitor, gpu_input=r.gpu_input is not None,
                                        inputs=r.inputs),

@@ -21,6 +21,7 @@ from ultralytics.utils.torch_utils import ModelEMA
 
 from launcher.plan.plan import LaunchPlan
 from launcher.plan.settings import Settings
+from launcher.plan.task_rules import rules
 from launcher.rank.ultralytics.tasks import task_of
 
 OPTIMIZERS = {"sgd": torch.optim.SGD, "adamw": torch.optim.AdamW}
@@ -108,7 +109,7 @@ def dataset_info(hyp) -> dict:
     """The data YAML as Ultralytics reads it (names, nc, channels, split paths). The launcher wrote it with absolute
     paths and no download script, so nothing is fetched. A classification run's names its class folders
     (inputs/class_folders.py): its classes are the ones the launcher read, check_cls_dataset's."""
-    if not task_of(hyp.task).folders:
+    if not rules(hyp.task).folders:
         return check_det_dataset(hyp.data)
     data = YAML.load(hyp.data)
     names = {int(k): str(v) for k, v in data["names"].items()}
@@ -168,7 +169,7 @@ def class_weights(net: nn.Module, hyp, labels: list[dict] | None, nc: int) -> No
 def align_max_det(net: nn.Module, hyp, train_dataset, val_dataset) -> None:
     """Ultralytics raises the default max_det to the most objects an image of the data holds, so validation does
     not cap recall (DetectionValidator._check_max_det; DetectionTrainer does the same). A classifier has none."""
-    if task_of(hyp.task).folders:
+    if rules(hyp.task).folders:
         return
     DetectionValidator._check_max_det(hyp, {"train": train_dataset, "val": val_dataset})
     net.set_head_attr(max_det=hyp.max_det)

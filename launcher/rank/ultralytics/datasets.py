@@ -22,9 +22,9 @@ from ultralytics.utils.patches import imread
 from ultralytics.utils.torch_utils import torch_distributed_zero_first
 
 from launcher.inputs import labels
+from launcher.plan.task_rules import rules
 from launcher.rank.data import image_cache
 from launcher.rank.group.signals import ignore_termination_in_worker
-from launcher.rank.ultralytics.tasks import task_of
 
 CACHE_RULE = f"ultralytics {ULTRALYTICS_VERSION} load_image"  # what the cached pixels reproduce
 # A file Pillow cannot identify makes Ultralytics try the HEIF plugin, so its scan reports the missing plugin
@@ -59,7 +59,7 @@ def class_folders(hyp, data: dict, split: str) -> ClassFolders:
 def train_dataset(hyp, data: dict, batch: int, stride: int):
     """The training set with Ultralytics' augmentation (mosaic, RandomPerspective, HSV, flips; a classifier's:
     class_folders); local rank 0 writes the labels' *.cache first."""
-    if task_of(hyp.task).folders:
+    if rules(hyp.task).folders:
         return class_folders(hyp, data, "train")
     with torch_distributed_zero_first(LOCAL_RANK):
         return build_yolo_dataset(hyp, data["train"], batch, data, mode="train", rect=False, stride=stride)
@@ -85,7 +85,7 @@ def val_loader(hyp, data: dict, batch: int, stride: int, workers: int, device, b
     `bind(init)` wraps its workers' init (core binding). `pin_memory=False` for a split read once (the fast
     validator's): pinning allocates page-locked memory batch by batch, a driver call that stalls the training
     steps beside it (slowing them while the split is read ahead)."""
-    if task_of(hyp.task).folders:
+    if rules(hyp.task).folders:
         dataset = class_folders(hyp, data, "val")
     else:
         with torch_distributed_zero_first(LOCAL_RANK):

@@ -8,12 +8,13 @@ angle) and YOLODataset.collate_fn batch the masks or keypoints; the network's in
 (v8SegmentationLoss, v8PoseLoss, v8OBBLoss), which loss.training_criterion normalises over the ranks; the checkpoint
 holds the network of that class with `task` in its arguments, so YOLO("best.pt").task is it.
 
-Classification (`folders`) reads class folders, not labels: Ultralytics' ClassificationDataset (its augmentations at
-imgsz, the default collation of {img, cls}) for both splits (datasets.py), the ClassificationModel with the
-hyperparameters' dropout on its head, v8ClassificationLoss (a mean over the batch: loss.ClassificationLoss) and the
-ClassificationValidator's top-1 and top-5. It has no mosaic, no max_det and no per-box class weights.
+Classification (TaskRules.folders) reads class folders, not labels: Ultralytics' ClassificationDataset (its
+augmentations at imgsz, the default collation of {img, cls}) for both splits (datasets.py), the ClassificationModel
+with the hyperparameters' dropout on its head, v8ClassificationLoss (a mean over the batch: loss.ClassificationLoss)
+and the ClassificationValidator's top-1 and top-5. It has no mosaic, no max_det and no per-box class weights.
 
-Which tasks the plan lets through, and what they change there, is decided in plan/task_rules.py.
+Which tasks the plan lets through, and what they change (their paths, input, loss and metrics), is the plan's
+record of each task (plan/task_rules.py TaskRules, by the same name); this module holds only Ultralytics' classes.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from ultralytics.models.yolo.pose import PoseValidator
 from ultralytics.models.yolo.segment import SegmentationValidator
 from ultralytics.nn.tasks import ClassificationModel, DetectionModel, OBBModel, PoseModel, SegmentationModel
 
+from launcher.plan.task_rules import rules
+
 
 @dataclass(frozen=True)
 class Task:
@@ -35,14 +38,13 @@ class Task:
     model: type  # the network's class
     validator: type  # Ultralytics' validator for it (val.engine=ultralytics)
     data_keys: tuple[tuple[str, str], ...] = ()  # (data YAML key, the network constructor's argument)
-    folders: bool = False  # class folders (ClassificationDataset), not images and label files (YOLODataset)
 
     def network(self, arch, data: dict, dropout: float = 0.0):
         """The network of this task for the architecture `arch` (a YAML path or dict) and the dataset `data`; a
         classifier's Dropout at `dropout` where it is set (ClassificationTrainer.get_model)."""
         extra = {arg: data[key] for key, arg in self.data_keys if data.get(key)}
         net = self.model(arch, nc=data["nc"], ch=data["channels"], verbose=False, **extra)
-        if self.folders and dropout:
+        if rules(self.name).folders and dropout:
             for m in net.modules():
                 if isinstance(m, nn.Dropout):
                     m.p = dropout
@@ -54,7 +56,7 @@ TASKS = {
     "segment": Task("segment", SegmentationModel, SegmentationValidator),
     "pose": Task("pose", PoseModel, PoseValidator, data_keys=(("kpt_shape", "data_kpt_shape"),)),
     "obb": Task("obb", OBBModel, OBBValidator),  # its box metrics (B) are the rotated boxes'
-    "classify": Task("classify", ClassificationModel, ClassificationValidator, folders=True),
+    "classify": Task("classify", ClassificationModel, ClassificationValidator),
 }
 
 
