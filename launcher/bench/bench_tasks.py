@@ -1,10 +1,11 @@
 """Which tasks ddp-bench measures, and what each compares: the one place a model's task is let into the benchmark (or
-refused), the Ultralytics trainer its baselines run, and the validation metric its time_to_model report names.
+refused), the Ultralytics trainer its baselines run, and the validation metric its time_to_model report names (the
+task's record: plan/task_rules.py TaskRules.quality).
 
 A throughput cell of any of these tasks is the task's own training step (its loss, and its pipeline: masks, keypoints
-or rotated boxes collated by Ultralytics), and its data-free ceiling is that step on batches of the same loader held on
-the device (rank/run/runs.py, bench_cell). DataParallel runs every one of them: the loss is taken on the predictions
-gathered from the replicas, which equals the whole batch's (tests/test_dp.py).
+or rotated boxes collated by Ultralytics, a classifier's class folders), and its data-free ceiling is that step on
+batches of the same loader held on the device (rank/run/runs.py, bench_cell). DataParallel runs every one of them: the
+loss is taken on the predictions gathered from the replicas, which equals the whole batch's (tests/test_dp.py).
 """
 
 from __future__ import annotations
@@ -12,14 +13,12 @@ from __future__ import annotations
 from pathlib import Path
 
 from launcher.inputs.model_task import WORDS, model_task
+from launcher.plan.task_rules import rules
 
-MEASURED = ("detect", "segment", "pose", "obb")  # a task ddp-launch trains joins here once its cell is measured
+MEASURED = ("detect", "segment", "pose", "obb", "classify")  # a task ddp-launch trains joins once its cell is measured
 # Ultralytics' trainer of each task (ultralytics.models.yolo.<task>): what YOLO(model).train runs for the baselines
 TRAINERS = {"detect": "DetectionTrainer", "segment": "SegmentationTrainer", "pose": "PoseTrainer",
-            "obb": "OBBTrainer"}
-# time_to_model: each task's own quality metric, as summary.json names it (map50_95 + suffix) and as the report says it
-QUALITY = {"detect": ("", "box mAP50-95"), "segment": ("_mask", "mask mAP50-95"),
-           "pose": ("_pose", "pose mAP50-95"), "obb": ("", "box mAP50-95 (rotated boxes)")}
+            "obb": "OBBTrainer", "classify": "ClassificationTrainer"}
 
 
 def arch_of(model_cfg: dict) -> str | None:
@@ -35,8 +34,8 @@ def refusal(arch: str | None) -> str | None:
     if task is None or task in MEASURED:
         return None
     word = WORDS.get(task, task)
-    return (f"model: {Path(str(arch)).name} is a {word} model, and ddp-bench measures detection, segmentation, pose "
-            f"and obb models (a {word} cell's step and ceiling are not built); benchmark one of those "
+    return (f"model: {Path(str(arch)).name} is a {word} model, and ddp-bench measures detection, segmentation, pose, "
+            f"obb and classification models (a {word} cell's step and ceiling are not built); benchmark one of those "
             f"(model=yolov8n-seg.yaml), or time Ultralytics' own trainer for this one: yolo {task} train model=... "
             "data=...")
 
@@ -47,6 +46,7 @@ def trainer(task: str) -> str:
 
 
 def quality(task: str) -> tuple[str, str]:
-    """(summary.json's key of the task's own mAP50-95, its words): the box one's for detection and obb."""
-    suffix, words = QUALITY[task]
-    return f"map50_95{suffix}", words
+    """(summary.json's key of the metric time_to_model compares the sides on, its words): the task's own mAP50-95
+    (the box one's for detection and obb), a classifier's top-1 accuracy."""
+    q = rules(task).quality
+    return q.key, q.words

@@ -4,7 +4,7 @@ one after another in this invocation, and write bench.json, bench.md and bench.p
 
 Each cell is a real launch (torchrun, the ranks, ddp-launch's trainer) that trains `bench.warmup_steps +
 bench.steps` steps and then times the same step on batches already on the device (the data-free ceiling). The model
-is of any task bench_tasks.py lets in (detect, segment, pose, obb): its task is decided, and checked against the data
+is of any task bench_tasks.py lets in (detect, segment, pose, obb, classify): its task is decided, and checked against the data
 and the settings, as ddp-launch decides it, before any cell runs; the step and the ceiling's batches are the task's.
 """
 

@@ -2,7 +2,7 @@
 trainer against ddp-launch's defaults, and where each side's time went.
 
 Both sides run one after the other in this invocation, per seed of `bench.seeds` (the side that goes first alternates
-from seed to seed), on the same data YAML, model, image size, epochs, batch, optimizer (SGD), lr0 (optim.base_lr),
+from seed to seed), on the same data (a data YAML; a classifier's class folders, data=path/to/folder), model, image size, epochs, batch, optimizer (SGD), lr0 (optim.base_lr),
 close_mosaic and seed, validating after every epoch; every other setting is each side's own default:
 - ultralytics: `YOLO(model, task=TASK).train(...)` in a fresh process (rank/ultralytics/time_to_model_ultralytics.py):
   Ultralytics' trainer of the model's task (bench_tasks.TRAINERS), bench.baseline_workers workers, no cache, AMP, its
@@ -23,9 +23,10 @@ breakdown, from the side's timeline (rank 0's summary.json `timeline`; the Ultra
   are counted apart, in `boundary_parts`;
 - end: the last epoch's end to the final weights (the final validation, stripping the checkpoints);
 - other: the wall clock the stamps do not attribute (zero when the timeline is complete and in order).
-Each side's quality is the box mAP50-95 and the task's own (mask or pose mAP50-95; the box one for detection and obb).
-Before the first timed side, the dataset's labels are scanned once (Ultralytics' labels.cache, which both sides read),
-so that no side pays the first scan of a dataset. The means, the ratio, the verdict and the report's files are
+Each side's quality is the box mAP50-95 and the task's own (mask or pose mAP50-95; the box one for detection and obb;
+a classifier's top-1 accuracy, and no box mAP). Before the first timed side, the dataset's labels are scanned once
+(Ultralytics' labels.cache, or a classifier's split caches, which both sides read), so that no side pays the first scan
+of a dataset. The means, the ratio, the verdict and the report's files are
 time_to_model_report.py's; the sides of earlier invocations on this machine join them with `bench.earlier`
 (time_to_model_earlier.py).
 """
@@ -44,11 +45,13 @@ import yaml
 from launcher.bench import report, time_to_model_earlier
 from launcher.bench.bench_tasks import quality, trainer
 from launcher.bench.variants import shape_problems
-from launcher.bench.time_to_model_report import PARTS, SIDES, markdown, own_metric, side_names, summarize, write
+from launcher.bench.time_to_model_report import (PARTS, SIDES, maps_text, markdown, own_metric, side_names,
+                                                 summarize, write)
 from launcher.inputs.labels import list_images
 from launcher.launch.logs import say
 from launcher.launch.ultralytics_home import prepare_ultralytics_home
 from launcher.plan.environment import offline_environment
+from launcher.plan.task_rules import BOX, rules
 from launcher.problems import PlanError, config_problems
 
 ULTRALYTICS_MODULE = "launcher.rank.ultralytics.time_to_model_ultralytics"
@@ -230,7 +233,10 @@ def run(cfg: dict, run_dir: Path, model, data, on_gpu: bool, command: str, dry_r
     # the sides' order goes on alternating from the earlier invocations' seeds
     order = run_order(seeds, side_names(variants), first=sum(len(r["settings"]["seeds"]) for r in earlier))
     cache = Path(cfg["paths"]["cache"]).expanduser()
-    data_yaml = run_dir / "data.yaml"
+    # both sides' data=: the data YAML written here, or a classifier's class folders as they are (Ultralytics reads
+    # data=path/to/folder, and ddp-launch's data.path takes it as Ultralytics does)
+    folders = rules(task).folders
+    data_yaml = Path(str(data.spec["path"])) if folders else run_dir / "data.yaml"
     say(f"ddp-bench time_to_model: {len(order)} run(s), task {task}, on {'one GPU' if on_gpu else 'the CPU'}, "
         f"seeds {seeds}; Ultralytics' side is its {trainer(task)}, each side's quality its {quality(task)[1]}")
     for r in earlier:
@@ -249,7 +255,8 @@ def run(cfg: dict, run_dir: Path, model, data, on_gpu: bool, command: str, dry_r
         say("\ndry run: nothing started")
         return 0
     run_dir.mkdir(parents=True, exist_ok=True)
-    data_yaml.write_text(yaml.safe_dump(data.spec, sort_keys=False))
+    if not folders:
+        data_yaml.write_text(yaml.safe_dump(data.spec, sort_keys=False))
     prepare_ultralytics_home(cache)
     env = {**os.environ, **offline_environment(cache), "PYTHONUNBUFFERED": "1"}
     scan = subprocess.run([sys.executable, "-m", ULTRALYTICS_MODULE, "--scan", str(data_yaml), task], env=env,
@@ -267,10 +274,8 @@ def run(cfg: dict, run_dir: Path, model, data, on_gpu: bool, command: str, dry_r
         if "error" in record:
             say(f"    {side} seed {seed}: failed ({record['error']})")
         else:
-            words, mine = own_metric(task), record["quality"]
-            own = f", {words} {mine:.4f}" if words and mine is not None else ""  # a segmentation or pose side's
-            say(f"    {side} seed {seed}: {record['wall_s']:.1f} s to the weights, mAP50-95 {record['map50_95']:.4f}"
-                f"{own}, "
+            say(f"    {side} seed {seed}: {record['wall_s']:.1f} s to the weights, "
+                f"{maps_text(record, own_metric(task), '.4f')}, "
                 + ", ".join(f"{k} {v:.1f} s" for k, v in record["breakdown"].items() if k != "other"))
     sides, settings, sources = time_to_model_earlier.combined(earlier, sides, settings)
     out = summarize(sides, settings["variants"], task)
@@ -305,8 +310,9 @@ def run_side(side: str, seed: int, side_dir: Path, cfg: dict, model, data_yaml: 
     measured = json.loads(result.read_text())
     timeline = measured["timeline"]
     stamps = timeline["stamps"]
+    boxes = rules(task).boxes  # a classifier's sides have no box mAP (summary.json's stays 0): None, left out
     record.update(
-        map50=measured["map50"], map50_95=measured["map50_95"], quality=measured.get(quality(task)[0]),
+        **{m.key: measured[m.key] if boxes else None for m in BOX}, quality=measured.get(quality(task)[0]),
         trainer=measured.get("trainer"), data_wait=measured.get("data_wait"),
         host_wait=measured.get("host_wait"), gpu_util=measured.get("gpu_util"),
         images_per_s=measured.get("images_per_s"),

@@ -1,8 +1,9 @@
 """The report of `ddp-bench bench.kind=time_to_model` (time_to_model.py runs the sides): each side's means over the
 seeds, the ratio of the wall clocks (Ultralytics / ddp-launch) and the verdict against the issue's target, each
 variant's wall clock against the defaults' and Ultralytics' apart from the verdict; bench.json, bench.md and bench.png
-(a bar per run of where its time went). The sides' quality is compared on the task's own mAP50-95 (a segmentation
-run's masks, a pose run's keypoints; the boxes' for detection and obb), with the box one beside it.
+(a bar per run of where its time went). The sides' quality is compared on the task's own metric (bench_tasks.quality:
+a segmentation run's mask mAP50-95, a pose run's keypoints', the boxes' for detection and obb, a classifier's top-1
+accuracy), with the box mAP50-95 beside it where the task has boxes.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from pathlib import Path
 
 from launcher.bench import report
 from launcher.bench.bench_tasks import quality, trainer
+from launcher.plan.task_rules import rules
 
 SIDES = ("ultralytics", "ddp_launch")  # the verdict's two; variants add ddp_launch-NAME sides
 PARTS = ("startup", "training", "validation", "boundaries", "end", "other")
@@ -35,9 +37,24 @@ def _quality(side: dict) -> float | None:
 
 
 def own_metric(task: str) -> str | None:
-    """The words of the task's own mAP50-95 where it is not the box one (segment, pose); None otherwise."""
+    """The words of the metric the sides are compared on where it is not the box mAP50-95 (segment, pose: their own
+    mAP50-95; classify: top-1 accuracy); None otherwise."""
     key, words = quality(task)
     return None if key == "map50_95" else words
+
+
+def _diff(means: dict, key: str) -> float | None:
+    """ddp-launch's mean of `key` minus Ultralytics' (None where a side failed or has none: a classifier's mAP)."""
+    if not all(name in means and means[name][key] is not None for name in SIDES):
+        return None
+    return means["ddp_launch"][key] - means["ultralytics"][key]
+
+
+def maps_text(side: dict, own: str | None, spec: str) -> str:
+    """A side's box mAP50-95 (where it has one) and the task's own metric (`own`), as the report's lines give them."""
+    box = [f"mAP50-95 {side['map50_95']:{spec}}"] if side.get("map50_95") is not None else []
+    mine = side.get("quality")
+    return ", ".join(box + ([f"{own} {mine:{spec}}"] if own and mine is not None else []))
 
 
 def summarize(sides: list[dict], variants: dict | None = None, task: str = "detect") -> dict:
@@ -62,8 +79,7 @@ def summarize(sides: list[dict], variants: dict | None = None, task: str = "dete
             per_seed[str(seed)] = walls["ultralytics"] / walls["ddp_launch"]
     both = all(name in means for name in SIDES)
     ratio = means["ultralytics"]["wall_s"] / means["ddp_launch"]["wall_s"] if both else None
-    map_diff = means["ddp_launch"]["map50_95"] - means["ultralytics"]["map50_95"] if both else None
-    quality_diff = means["ddp_launch"]["quality"] - means["ultralytics"]["quality"] if both else None
+    map_diff, quality_diff = _diff(means, "map50_95"), _diff(means, "quality")
     compared = {}
     for name, overrides in (variants or {}).items():
         mine = means.get(f"ddp_launch-{name}")
@@ -83,9 +99,9 @@ def _ratio(slower: dict | None, faster: dict | None) -> float | None:
 
 def verdict(means: dict, ratio: float | None, map_diff: float | None, quality_diff: float | None = None,
             task: str = "detect") -> dict:
-    """The ratio against the target, where Ultralytics is input-bound, with the same quality: the task's own
-    mAP50-95 (`quality_diff`, ddp-launch's minus Ultralytics'; the box one's `map_diff` where None) within
-    MAP_TOLERANCE."""
+    """The ratio against the target, where Ultralytics is input-bound, with the same quality: the task's own metric
+    (`quality_diff`, ddp-launch's minus Ultralytics': a mask or pose mAP50-95, a classifier's top-1 accuracy; the box
+    mAP50-95's `map_diff` where None) within MAP_TOLERANCE, the box one beside it where the task has boxes."""
     if ratio is None:
         return {"target": TARGET, "met": None, "input_bound": None, "text": "incomplete: a side failed (see its log)"}
     wait = means["ultralytics"]["data_wait"]
@@ -93,9 +109,9 @@ def verdict(means: dict, ratio: float | None, map_diff: float | None, quality_di
     own = own_metric(task)
     judged = quality_diff if own and quality_diff is not None else map_diff
     same_map = abs(judged) <= MAP_TOLERANCE
-    words = own or ("mAP50-95" if task == "detect" else quality(task)[1])  # obb: the rotated boxes'
+    words = quality(task)[1]  # obb's: the rotated boxes'
     maps = f"{words} {judged:+.4f} ({'within' if same_map else 'outside'} {MAP_TOLERANCE})" + (
-        f", box mAP50-95 {map_diff:+.4f}" if own else "")
+        f", box mAP50-95 {map_diff:+.4f}" if own and map_diff is not None else "")
     d = means["ddp_launch"]["breakdown"]
     bound = max((p for p in PARTS if p != "other"), key=lambda p: d[p])
     head = f"ddp-launch reached the weights {ratio:.2f}x sooner (Ultralytics {means['ultralytics']['wall_s']:.1f} s, " \
@@ -124,7 +140,8 @@ def _fmt(v, spec: str, scale: float = 1.0, suffix: str = "") -> str:
 def markdown(out: dict) -> str:
     st = out["settings"]
     task = out.get("task") or st.get("task") or "detect"
-    own = own_metric(task)  # a column of its own beside the box mAP50-95 (segment, pose)
+    own = own_metric(task)  # a column of its own beside the box mAP50-95 (segment, pose, classify)
+    beside = ", the box one beside it." if own and rules(task).boxes else "."  # a classifier has no box mAP
     lines = [
         "# ddp-bench: time to a trained model",
         "",
@@ -138,7 +155,7 @@ def markdown(out: dict) -> str:
         f"{st['epochs']} epochs, batch {st['batch']}, SGD lr0 {st['lr0']}, close_mosaic {st['close_mosaic']}, "
         f"validation after every epoch, {st['device']}; seeds {st['seeds']}."
         + ("" if task == "detect" else f" Task {task}: Ultralytics' side runs its {trainer(task)}, and the sides "
-           f"are compared on the {quality(task)[1]}" + (", the box one beside it." if own else ".")),
+           f"are compared on the {quality(task)[1]}{beside}"),
         "",
         "| side | seed | wall s | startup | training | validation | boundaries | end | other | mAP50 | mAP50-95 | "
         + (f"{own} | " if own else "") + "data wait | after the weights |",
@@ -206,8 +223,7 @@ def _variant_lines(variants: dict, own: str | None = None) -> list[str]:
     for name, v in variants.items():
         lines.append(f"- ddp_launch-{name} (`{' '.join(v['overrides'])}`): " + (
             "failed" if v["wall_s"] is None else
-            f"{v['wall_s']:.1f} s, mAP50-95 {v['map50_95']:.4f}"
-            + (f", {own} {_fmt(v.get('quality'), '.4f')}" if own else "") + "; the defaults' wall clock / its: "
+            f"{v['wall_s']:.1f} s, {maps_text(v, own, '.4f')}; the defaults' wall clock / its: "
             f"{_fmt(v['vs_defaults'], '.3f', suffix='x')}, Ultralytics' / its: "
             f"{_fmt(v['vs_ultralytics'], '.2f', suffix='x')}"))
     return lines + [""]
@@ -233,8 +249,7 @@ def plot(out: dict, path: Path) -> None:
             width = max(s["breakdown"][part], 0.0)
             ax.barh(y, width, left=left, color=COLOURS[part], label=part if y == 0 else None)
             left += width
-        mask = f", {own} {_quality(s):.3f}" if own and _quality(s) is not None else ""
-        ax.text(left, y, f" {s['wall_s']:.1f} s, mAP50-95 {s['map50_95']:.3f}{mask}", va="center", fontsize=8)
+        ax.text(left, y, f" {s['wall_s']:.1f} s, {maps_text(s, own, '.3f')}", va="center", fontsize=8)
     ax.set_yticks(range(len(ran)), [f"{s['name']} seed {s['seed']}" for s in ran])
     ax.invert_yaxis()
     ax.set_xlabel("seconds from the command to the final weights")

@@ -350,7 +350,10 @@ def _ceiling(r: Rank, n_batches: int, steps: int, profile: bool) -> tuple[float,
 
 
 def batch_labels(batch: dict) -> list[str]:
-    """What a batch's targets hold, in words: boxes (rotated: with an angle), and masks or keypoints."""
+    """What a batch's targets hold, in words: boxes (rotated: with an angle), and masks or keypoints; a classifier's
+    batch, no boxes: its images' classes."""
+    if "bboxes" not in batch:
+        return ["classes"]
     boxes = batch.get("bboxes")
     rotated = isinstance(boxes, torch.Tensor) and boxes.ndim == 2 and boxes.shape[1] == 5
     return ["rotated boxes" if rotated else "boxes"] + [k for k in ("masks", "keypoints") if k in batch]

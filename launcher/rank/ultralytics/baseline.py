@@ -1,7 +1,7 @@
 """The baseline cell: Ultralytics' own trainer as users run it today, measured with ddp-launch's meter.
 
 `YOLO(model, task=TASK).train(...)` (Ultralytics' trainer of the model's task: DetectionTrainer, SegmentationTrainer,
-PoseTrainer, OBBTrainer) with Ultralytics' default workers and cache, one device, the same model, batch, image
+PoseTrainer, OBBTrainer, ClassificationTrainer on the class folders) with Ultralytics' default workers and cache, one device, the same model, batch, image
 size, data, optimizer and seed as the other cells. Callbacks stamp its steps exactly as ddp-launch's loop does
 (step ends stamped on the GPU, warm-up dropped, epoch-end work such as checkpoint writing cut out of the window), so the
 figures compare. Three changes from a user's run, all outside the measured work: no validation (val=False, as in
@@ -21,8 +21,10 @@ import psutil
 import torch
 import ultralytics.engine.trainer as ul_trainer
 from ultralytics import YOLO
+from ultralytics.utils import YAML
 
 from launcher.plan.settings import Settings
+from launcher.plan.task_rules import rules
 from launcher.rank.metrics import results
 from launcher.rank.metrics.gpu_monitor import GpuMonitor
 from launcher.rank.metrics.meter import StepMeter
@@ -71,6 +73,8 @@ def run(cell_dir: Path) -> dict:
     def epoch_end(trainer):
         meter.pause()  # checkpoint writing and scheduler work at the epoch boundary are not training steps
 
+    # the cell's data.yaml; a classifier's class folders it names, as Ultralytics' data=path/to/folder reads them
+    data = YAML.load(settings.data.path)["path"] if rules(plan.task).folders else settings.data.path
     yolo = YOLO(model.cfg or model.weights, task=plan.task)
     yolo.add_callback("on_train_epoch_start", ask)
     yolo.add_callback("on_train_batch_start", batch_start)
@@ -78,7 +82,7 @@ def run(cell_dir: Path) -> dict:
     yolo.add_callback("on_train_epoch_end", epoch_end)
     try:
         yolo.train(
-            data=str(settings.data.path),
+            data=str(data),
             epochs=1000,  # never reached: the bench stops after its steps
             imgsz=train.imgsz,
             batch=train.batch_per_device,

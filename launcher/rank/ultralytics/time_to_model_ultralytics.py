@@ -2,11 +2,12 @@
 
 Run by ddp-bench in a fresh process: `python -m launcher.rank.ultralytics.time_to_model_ultralytics SIDE_DIR`. SIDE_DIR/side.json
 holds the shared settings (task, data, model, imgsz, epochs, batch, lr0, close_mosaic, seed, workers, device); the
-model trains with Ultralytics' trainer of its task (DetectionTrainer, SegmentationTrainer, PoseTrainer, OBBTrainer);
+model trains with Ultralytics' trainer of its task (DetectionTrainer, SegmentationTrainer, PoseTrainer, OBBTrainer,
+ClassificationTrainer on data=path/to/folder);
 everything else is Ultralytics' default (no cache, AMP, validation after every epoch with its rectangular batches,
 plots where polars is installed: without it Ultralytics' label and results plots fail, so they are off and the record
-says so). It writes SIDE_DIR/result.json: the final box mAP and the task's own (mask or pose mAP, under summary.json's
-names), the trainer that ran, the data wait of the same run, and a timeline in the schema of ddp-launch's
+says so). It writes SIDE_DIR/result.json: the final box mAP and the task's own (mask or pose mAP, a classifier's top-1
+and top-5, under summary.json's names), the trainer that ran, the data wait of the same run, and a timeline in the schema of ddp-launch's
 (rank/metrics/timeline.py).
 
 The stamps, time.time(), from Ultralytics' callbacks (engine/trainer.py, engine/validator.py of 8.4.190):
@@ -37,6 +38,7 @@ import torch
 import ultralytics.engine.trainer as ul_trainer
 from ultralytics import YOLO
 
+from launcher.plan.task_rules import BOX, rules
 from launcher.rank.metrics import results
 from launcher.rank.metrics.gpu_monitor import GpuMonitor
 from launcher.rank.metrics.meter import StepMeter
@@ -172,9 +174,9 @@ def run(side_dir: Path) -> dict:
     record = {
         "task": task,
         "trainer": type(yolo.trainer).__name__,
-        "map50": float(metrics.box.map50),
-        "map50_95": float(metrics.box.map),
-        **task_metrics(task, metrics.results_dict),  # the task's own: mask or keypoint mAP
+        # the box mAPs (a classifier's 0, as its summary.json's), then the task's own: mask or keypoint mAP, top-1
+        **{m.key: float(metrics.results_dict.get(m.source, 0.0)) for m in BOX},
+        **task_metrics(task, metrics.results_dict),
         "data_wait": m.data_wait if m.steps_measured else None,
         "host_wait": m.host_wait if m.steps_measured else None,
         "images_per_s": m.images_per_s if m.steps_measured else None,
@@ -192,10 +194,18 @@ def run(side_dir: Path) -> dict:
 
 def scan(data_yaml: str, task: str = "detect") -> None:
     """Ultralytics' labels.cache of each split written for `task`, as its dataset writes it on a first run: both sides
-    read it (its hash holds whether keypoints were read), so the benchmark scans once, before the first timed side."""
-    from ultralytics.data import YOLODataset
-    from ultralytics.data.utils import check_det_dataset
+    read it (its hash holds whether keypoints were read), so the benchmark scans once, before the first timed side. A
+    classifier's `data_yaml` is its class folders: each split's *.cache, which ClassificationDataset writes."""
+    from ultralytics.data import ClassificationDataset, YOLODataset
+    from ultralytics.data.utils import check_cls_dataset, check_det_dataset
 
+    if rules(task).folders:
+        from ultralytics.cfg import get_cfg
+
+        folders = check_cls_dataset(data_yaml)
+        for split in ("train", "val"):
+            ClassificationDataset(root=folders[split], args=get_cfg(), augment=False, prefix=split)
+        return
     data = check_det_dataset(data_yaml)
     for split in ("train", "val"):
         YOLODataset(img_path=data[split], data=data, task=task, augment=False)
