@@ -2,10 +2,10 @@
 one after another in this invocation, and write bench.json, bench.md and bench.png into the run folder
 (`bench.kind=throughput`, the default; `bench.kind=time_to_model` is the command-to-weights race, time_to_model.py).
 
-Each cell is a real launch (torchrun, the ranks, ddp-launch's trainer) that trains `bench.warmup_steps +
-bench.steps` steps and then times the same step on batches already on the device (the data-free ceiling). The model
-is of any task bench_tasks.py lets in (detect, segment, pose, obb, classify): its task is decided, and checked against the data
-and the settings, as ddp-launch decides it, before any cell runs; the step and the ceiling's batches are the task's.
+Each cell is a real launch (torchrun, the ranks, ddp-launch's trainer) that trains `bench.warmup_steps + bench.steps`
+steps and then times the same step on batches already on the device (the data-free ceiling). The model is of any task
+bench_tasks.py lets in (detect, segment, pose, obb, classify): its task is decided, and checked against the data and
+the settings, as ddp-launch decides it, before any cell runs; the step and the ceiling's batches are the task's.
 """
 
 from __future__ import annotations

@@ -2,8 +2,9 @@
 trainer against ddp-launch's defaults, and where each side's time went.
 
 Both sides run one after the other in this invocation, per seed of `bench.seeds` (the side that goes first alternates
-from seed to seed), on the same data (a data YAML; a classifier's class folders, data=path/to/folder), model, image size, epochs, batch, optimizer (SGD), lr0 (optim.base_lr),
-close_mosaic and seed, validating after every epoch; every other setting is each side's own default:
+from seed to seed), on the same data (a data YAML written for them; a classifier's class folders as given, Ultralytics'
+data=path/to/folder), model, image size, epochs, batch, optimizer (SGD), lr0 (optim.base_lr), close_mosaic and seed,
+validating after every epoch; every other setting is each side's own default:
 - ultralytics: `YOLO(model, task=TASK).train(...)` in a fresh process (rank/ultralytics/time_to_model_ultralytics.py):
   Ultralytics' trainer of the model's task (bench_tasks.TRAINERS), bench.baseline_workers workers, no cache, AMP, its
   rectangular validation;
@@ -26,9 +27,8 @@ breakdown, from the side's timeline (rank 0's summary.json `timeline`; the Ultra
 Each side's quality is the box mAP50-95 and the task's own (mask or pose mAP50-95; the box one for detection and obb;
 a classifier's top-1 accuracy, and no box mAP). Before the first timed side, the dataset's labels are scanned once
 (Ultralytics' labels.cache, or a classifier's split caches, which both sides read), so that no side pays the first scan
-of a dataset. The means, the ratio, the verdict and the report's files are
-time_to_model_report.py's; the sides of earlier invocations on this machine join them with `bench.earlier`
-(time_to_model_earlier.py).
+of a dataset. The means, the ratio, the verdict and the report's files are time_to_model_report.py's; the sides of
+earlier invocations on this machine join them with `bench.earlier` (time_to_model_earlier.py).
 """
 
 from __future__ import annotations
@@ -181,7 +181,7 @@ def timeline_in_order(command: float, timeline: dict) -> list[str]:
 
 
 # --- running the sides -----------------------------------------------------------------------------------------------
-def ddp_launch_command(cfg: dict, data_yaml: Path, seed: int, on_gpu: bool, run_dir: Path,
+def ddp_launch_command(cfg: dict, data_path: Path, seed: int, on_gpu: bool, run_dir: Path,
                        overrides: list[str] = ()) -> list[str]:
     """The ddp-launch command of the comparison: its defaults, plus the shared settings; a variant's `overrides`
     replace a shared setting of the same key, or are added."""
@@ -195,7 +195,7 @@ def ddp_launch_command(cfg: dict, data_yaml: Path, seed: int, on_gpu: bool, run_
         f"model.cfg={_value(m.get('cfg'))}",
         f"model.weights={_value(m.get('weights'))}",
         "data=custom",
-        f"data.path={data_yaml}",
+        f"data.path={data_path}",
         f"train.imgsz={t['imgsz']}",
         f"train.epochs={t['epochs']}",
         f"train.batch_per_device={t['batch_per_device']}",
@@ -214,9 +214,9 @@ def _value(v) -> str:
     return "null" if v is None else str(v)
 
 
-def ultralytics_settings(cfg: dict, model, data_yaml: Path, seed: int, on_gpu: bool, task: str = "detect") -> dict:
+def ultralytics_settings(cfg: dict, model, data_path: Path, seed: int, on_gpu: bool, task: str = "detect") -> dict:
     t = cfg["train"]
-    return {"task": task, "model": model.cfg or model.weights, "data": str(data_yaml), "imgsz": t["imgsz"],
+    return {"task": task, "model": model.cfg or model.weights, "data": str(data_path), "imgsz": t["imgsz"],
             "epochs": t["epochs"], "batch": t["batch_per_device"], "lr0": cfg["optim"]["base_lr"],
             "close_mosaic": t["close_mosaic"], "seed": seed, "workers": int(cfg["bench"]["baseline_workers"]), "device": 0 if on_gpu else "cpu"}
 
@@ -236,7 +236,7 @@ def run(cfg: dict, run_dir: Path, model, data, on_gpu: bool, command: str, dry_r
     # both sides' data=: the data YAML written here, or a classifier's class folders as they are (Ultralytics reads
     # data=path/to/folder, and ddp-launch's data.path takes it as Ultralytics does)
     folders = rules(task).folders
-    data_yaml = Path(str(data.spec["path"])) if folders else run_dir / "data.yaml"
+    data_path = Path(str(data.spec["path"])) if folders else run_dir / "data.yaml"
     say(f"ddp-bench time_to_model: {len(order)} run(s), task {task}, on {'one GPU' if on_gpu else 'the CPU'}, "
         f"seeds {seeds}; Ultralytics' side is its {trainer(task)}, each side's quality its {quality(task)[1]}")
     for r in earlier:
@@ -245,21 +245,21 @@ def run(cfg: dict, run_dir: Path, model, data, on_gpu: bool, command: str, dry_r
     if dry_run:
         for side, seed in order:
             if side != "ultralytics":
-                command_line = ddp_launch_command(cfg, data_yaml, seed, on_gpu, run_dir / f"{side}-seed{seed}" / "run",
+                command_line = ddp_launch_command(cfg, data_path, seed, on_gpu, run_dir / f"{side}-seed{seed}" / "run",
                                                   _overrides(side, variants))
                 say(f"  {side} seed {seed}: {' '.join(command_line)}")
             else:
-                shared = ultralytics_settings(cfg, model, data_yaml, seed, on_gpu, task)
+                shared = ultralytics_settings(cfg, model, data_path, seed, on_gpu, task)
                 say(f"  {side} seed {seed}: Ultralytics' {trainer(task)}: YOLO({shared['model']!r}, task={task!r})"
                     f".train(**{shared})")
         say("\ndry run: nothing started")
         return 0
     run_dir.mkdir(parents=True, exist_ok=True)
     if not folders:
-        data_yaml.write_text(yaml.safe_dump(data.spec, sort_keys=False))
+        data_path.write_text(yaml.safe_dump(data.spec, sort_keys=False))
     prepare_ultralytics_home(cache)
     env = {**os.environ, **offline_environment(cache), "PYTHONUNBUFFERED": "1"}
-    scan = subprocess.run([sys.executable, "-m", ULTRALYTICS_MODULE, "--scan", str(data_yaml), task], env=env,
+    scan = subprocess.run([sys.executable, "-m", ULTRALYTICS_MODULE, "--scan", str(data_path), task], env=env,
                           capture_output=True, text=True)
     if scan.returncode != 0:
         say(f"ddp-bench: scanning the dataset's labels failed:\n{scan.stdout[-2000:]}{scan.stderr[-2000:]}")
@@ -268,7 +268,7 @@ def run(cfg: dict, run_dir: Path, model, data, on_gpu: bool, command: str, dry_r
     for i, (side, seed) in enumerate(order):
         side_dir = run_dir / f"{side}-seed{seed}"
         say(f"--- {side} seed {seed} ---")
-        record = run_side(side, seed, side_dir, cfg, model, data_yaml, on_gpu, env, _overrides(side, variants), task)
+        record = run_side(side, seed, side_dir, cfg, model, data_path, on_gpu, env, _overrides(side, variants), task)
         record["order"] = i
         sides.append(record)
         if "error" in record:
@@ -290,14 +290,14 @@ def _overrides(side: str, variants: dict) -> list[str]:
     return list(variants[side.removeprefix("ddp_launch-")]) if side.startswith("ddp_launch-") else []
 
 
-def run_side(side: str, seed: int, side_dir: Path, cfg: dict, model, data_yaml: Path, on_gpu: bool, env: dict,
+def run_side(side: str, seed: int, side_dir: Path, cfg: dict, model, data_path: Path, on_gpu: bool, env: dict,
              overrides: list[str] = (), task: str = "detect") -> dict:
     side_dir.mkdir(parents=True, exist_ok=True)
     if side == "ultralytics":
-        (side_dir / "side.json").write_text(json.dumps(ultralytics_settings(cfg, model, data_yaml, seed, on_gpu, task)))
+        (side_dir / "side.json").write_text(json.dumps(ultralytics_settings(cfg, model, data_path, seed, on_gpu, task)))
         cmd = [sys.executable, "-m", ULTRALYTICS_MODULE, str(side_dir)]
     else:
-        cmd = ddp_launch_command(cfg, data_yaml, seed, on_gpu, side_dir / "run", overrides)
+        cmd = ddp_launch_command(cfg, data_path, seed, on_gpu, side_dir / "run", overrides)
     log = side_dir / "console.log"
     with open(log, "wb") as out:
         started = time.time()  # the wall clock starts here: the command, as a user types it

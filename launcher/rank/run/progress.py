@@ -22,9 +22,9 @@ class Progress(Hook):
     `period_s` or more after its last line (a short epoch's bar moves too): losses, images/s, data wait, lr (and the
     learning-rate warmup's steps while it lasts), memory, the time left for the epoch and the run, and after a
     validation its `metrics` (the task's first two: mAP50 and mAP50-95, a classifier's top-1 and top-5); GPU
-    utilisation at the epoch end. Whether a line is due is read on the host clock alone: a line
-    reads the losses and the meter, which wait for the device, so only a due line costs a sync. The launcher shows
-    rank 0's lines as a live bar on a terminal (launch/logs.py)."""
+    utilisation at the epoch end. Whether a line is due is read on the host clock alone: a line reads the losses and
+    the meter, which wait for the device, so only a due line costs a sync. The launcher shows rank 0's lines as a live
+    bar on a terminal (launch/logs.py)."""
 
     def __init__(self, meter, optimizer, device: torch.device, rank: int, every: int, log, monitor=None, *,
                  warmup_steps: int = 0, period_s: float | None = LINE_PERIOD_S, clock=time.monotonic,

@@ -1,12 +1,13 @@
 """The baseline cell: Ultralytics' own trainer as users run it today, measured with ddp-launch's meter.
 
 `YOLO(model, task=TASK).train(...)` (Ultralytics' trainer of the model's task: DetectionTrainer, SegmentationTrainer,
-PoseTrainer, OBBTrainer, ClassificationTrainer on the class folders) with Ultralytics' default workers and cache, one device, the same model, batch, image
-size, data, optimizer and seed as the other cells. Callbacks stamp its steps exactly as ddp-launch's loop does
-(step ends stamped on the GPU, warm-up dropped, epoch-end work such as checkpoint writing cut out of the window), so the
-figures compare. Three changes from a user's run, all outside the measured work: no validation (val=False, as in
-the other cells), no AMP check (it downloads weights; offline it fails and leaves AMP on, which is what happens
-here directly), and results.csv read without polars at epoch ends (the GPU machines lack polars).
+PoseTrainer, OBBTrainer, ClassificationTrainer on the class folders) with Ultralytics' default workers and cache, one
+device, the same model, batch, image size, data, optimizer and seed as the other cells. Callbacks stamp its steps
+exactly as ddp-launch's loop does (step ends stamped on the GPU, warm-up dropped, epoch-end work such as checkpoint
+writing cut out of the window), so the figures compare. Three changes from a user's run, all outside the measured
+work: no validation (val=False, as in the other cells), no AMP check (it downloads weights; offline it fails and
+leaves AMP on, which is what happens here directly), and results.csv read without polars at epoch ends (the GPU
+machines lack polars).
 
 Run by ddp-bench: `python -m launcher.rank.ultralytics.baseline CELL_DIR` (CELL_DIR holds config.yaml).
 """

@@ -97,8 +97,9 @@ def training_criterion(model, sync_free: bool = True):
 class ClassificationLoss(v8ClassificationLoss):
     """Ultralytics' cross-entropy (a mean over the batch) as the step takes every loss: summed over the rank's images
     (the mean times their number); the step's loss scale divides it by the rank's batch (plan/task_rules.py
-    TaskRules.loss_base), and DDP's gradient average over equal batches is then the mean over the global batch, the gradient
-    one process takes on the whole of it. Nothing is shared between the ranks. Its item stays Ultralytics' mean."""
+    TaskRules.loss_base), and DDP's gradient average over equal batches is then the mean over the global batch, the
+    gradient one process takes on the whole of it. Nothing is shared between the ranks. Its item stays Ultralytics'
+    mean."""
 
     def __call__(self, preds, batch: dict) -> tuple:
         loss, items = super().__call__(preds, batch)

@@ -1,13 +1,13 @@
 """The Ultralytics side of `ddp-bench bench.kind=time_to_model`: `YOLO(model).train(...)` as a user runs it, stamped.
 
-Run by ddp-bench in a fresh process: `python -m launcher.rank.ultralytics.time_to_model_ultralytics SIDE_DIR`. SIDE_DIR/side.json
-holds the shared settings (task, data, model, imgsz, epochs, batch, lr0, close_mosaic, seed, workers, device); the
-model trains with Ultralytics' trainer of its task (DetectionTrainer, SegmentationTrainer, PoseTrainer, OBBTrainer,
-ClassificationTrainer on data=path/to/folder);
-everything else is Ultralytics' default (no cache, AMP, validation after every epoch with its rectangular batches,
-plots where polars is installed: without it Ultralytics' label and results plots fail, so they are off and the record
-says so). It writes SIDE_DIR/result.json: the final box mAP and the task's own (mask or pose mAP, a classifier's top-1
-and top-5, under summary.json's names), the trainer that ran, the data wait of the same run, and a timeline in the schema of ddp-launch's
+Run by ddp-bench in a fresh process: `python -m launcher.rank.ultralytics.time_to_model_ultralytics SIDE_DIR`.
+SIDE_DIR/side.json holds the shared settings (task, data, model, imgsz, epochs, batch, lr0, close_mosaic, seed,
+workers, device); the model trains with Ultralytics' trainer of its task (DetectionTrainer, SegmentationTrainer,
+PoseTrainer, OBBTrainer, ClassificationTrainer on data=path/to/folder); everything else is Ultralytics' default (no
+cache, AMP, validation after every epoch with its rectangular batches, plots where polars is installed: without it
+Ultralytics' label and results plots fail, so they are off and the record says so). It writes SIDE_DIR/result.json:
+the final box mAP and the task's own (mask or pose mAP, a classifier's top-1 and top-5, under summary.json's names),
+the trainer that ran, the data wait of the same run, and a timeline in the schema of ddp-launch's
 (rank/metrics/timeline.py).
 
 The stamps, time.time(), from Ultralytics' callbacks (engine/trainer.py, engine/validator.py of 8.4.190):
