@@ -111,14 +111,17 @@ def sweep_size(args: list[str]) -> int | None:
 
 
 def sweep_table(rows: list[tuple[int, str, int, Path]]) -> str:
-    """The sweep's jobs at its end: number, outcome and exit code, mAP50-95, run folder, overrides."""
-    lines = [f"sweep: {len(rows)} job(s)", f"{'job':<5}{'outcome':<13}{'mAP50-95':<10}{'run folder':<50} overrides"]
+    """The sweep's jobs at its end: number, outcome and exit code, the metric its task is judged on (mAP50-95; mask
+    or pose mAP50-95, top-1 for a classifier), run folder, overrides."""
+    from launcher.plan.task_rules import rules
+
+    lines = [f"sweep: {len(rows)} job(s)", f"{'job':<5}{'outcome':<13}{'result':<24}{'run folder':<50} overrides"]
     for number, overrides, code, run_dir in rows:
         summary = RunFolder(run_dir).summary() or {}
         outcome = {0: "finished" if summary else "planned", EXIT_PLAN_ERROR: "refused"}.get(code, "failed")
-        score = summary.get("map50_95")
-        lines.append(f"{number + 1:<5}{f'{outcome} ({code})':<13}{'-' if score is None else f'{score:.4f}':<10}"
-                     f"{str(run_dir):<50} {overrides}")
+        metric = rules(summary.get("task")).quality
+        score = "-" if summary.get(metric.key) is None else f"{metric.words} {summary[metric.key]:.4f}"
+        lines.append(f"{number + 1:<5}{f'{outcome} ({code})':<13}{score:<24}{str(run_dir):<50} {overrides}")
     return "\n".join(lines)
 
 

@@ -48,7 +48,7 @@ def test_a_sweep_names_each_job_as_it_starts_and_ends_with_a_table_of_outcomes(t
     assert f"==== sweep job 1 of 2: dry_run=True train.imgsz=65 -> {planned.parent}/0 ====" in r.stdout
     assert f"==== sweep job 2 of 2: dry_run=True train.imgsz=64 -> {planned} ====" in r.stdout
     table = r.stdout[r.stdout.index("sweep: 2 job(s)"):].splitlines()
-    assert table[1].split() == ["job", "outcome", "mAP50-95", "run", "folder", "overrides"]
+    assert table[1].split() == ["job", "outcome", "result", "run", "folder", "overrides"]
     assert table[2].split()[:4] == ["1", "refused", "(2)", "-"] and table[3].split()[:4] == ["2", "planned", "(0)", "-"]
 
 
@@ -63,6 +63,7 @@ def test_a_sweep_trains_every_job_into_its_own_run_folder(tmp_path, cache_dir):
         assert summary["status"] == "finished" and summary["epochs_completed"] == 1
         assert yaml.safe_load((folder / "config.yaml").read_text())["seed"] == seed
         assert (folder / "env.txt").read_text().startswith("ddp-env: the environment of this node")
+        assert f"box mAP50-95 {summary['map50_95']:.4f}" in r.stdout  # the table's result column
         for plot in PLOTS:  # train.plots is on by default
             assert (folder / plot).stat().st_size > 0, plot
 
