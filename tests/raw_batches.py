@@ -44,6 +44,7 @@ class RawTile(NamedTuple):
     labels: np.ndarray  # (n, 5) float32: class, x1, y1, x2, y2
     ori_shape: tuple[int, int]  # (h0, w0) before resizing
     im_file: str
+    keypoints: np.ndarray | None = None  # (n, P, 3) float32 of a pose dataset: x, y in its own pixels, visibility
 
 
 class RawSample(NamedTuple):
@@ -100,7 +101,11 @@ class RawTrainDataset(Dataset):
         xywh = np.asarray(label["bboxes"], np.float32).reshape(-1, 4) * np.array([w, h, w, h], np.float32)
         xyxy = np.concatenate((xywh[:, :2] - xywh[:, 2:] / 2, xywh[:, :2] + xywh[:, 2:] / 2), 1)
         cls = np.asarray(label["cls"], np.float32).reshape(-1, 1)
-        return RawTile(i, image, np.concatenate((cls, xyxy), 1), tuple(ori_shape), label["im_file"])
+        points = None
+        if getattr(self.dataset, "use_keypoints", False):
+            width = int(self.dataset.data["kpt_shape"][0])
+            points = np.asarray(label["keypoints"], np.float32).reshape(-1, width, 3) * np.array([w, h, 1], np.float32)
+        return RawTile(i, image, np.concatenate((cls, xyxy), 1), tuple(ori_shape), label["im_file"], points)
 
     def _groups(self, samples: list[RawSample]) -> list[list[RawTile]]:
         """Each sample's tiles: its own image, then its mosaic partners (none after close_mosaic)."""
@@ -135,7 +140,9 @@ class RawTrainDataset(Dataset):
             for q, t in enumerate(group)
         ]
         own = [group[0] for group in groups]
+        points = [t.keypoints for group in groups for t in group]  # a pose dataset's, in the labels' order
         return RawBatch(
+            keypoints=torch.from_numpy(np.concatenate(points)) if own[0].keypoints is not None else None,
             images=images,
             sizes=torch.tensor([t.image.shape[:2] for t in distinct], dtype=torch.int64).view(-1, 2),
             groups=torch.tensor([[slot[t.index] for t in group] for group in groups], dtype=torch.int64),

@@ -85,11 +85,9 @@ class Scripted:
         return self._next("randint")
 
 
-def ultralytics_sample(ul, monkeypatch, raw_ds, hyp_ns, params, b: int, tiles: list[int]) -> dict:
-    """Ultralytics' classes composed as v8_transforms composes them (mixup, cutmix, copy_paste are 0 and skipped),
-    given GpuAugment's draws for sample b."""
-    _, augment = ul
-    ds = raw_ds.dataset
+def scripted_calls(params, b: int, tiles: list[int]) -> list[tuple[str, object]]:
+    """The `random` calls Mosaic, RandomPerspective, the two RandomFlips and Format make for sample b, answered with
+    GpuAugment's draws (`tiles`: the sample's raw images, its own first)."""
     mosaic = bool(params.mosaic[b])
     xc, yc = params.centre[b].tolist()
     calls = [("uniform", 0.0 if mosaic else 1.0)]  # Mosaic's "apply?" draw, against p
@@ -99,8 +97,16 @@ def ultralytics_sample(ul, monkeypatch, raw_ds, hyp_ns, params, b: int, tiles: l
     calls += [("uniform", float(params.angle[b])), ("uniform", float(params.scale[b]))]
     calls += [("uniform", float(v)) for v in params.shear[b]] + [("uniform", float(v)) for v in params.translate[b]]
     calls += [("random", 0.0 if params.flip_ud[b] else 0.999), ("random", 0.0 if params.flip_lr[b] else 0.999)]
-    calls += [("uniform", 0.5)]  # Format: RGB
-    monkeypatch.setattr(augment, "random", Scripted(calls))
+    return calls + [("uniform", 0.5)]  # Format: RGB
+
+
+def ultralytics_sample(ul, monkeypatch, raw_ds, hyp_ns, params, b: int, tiles: list[int]) -> dict:
+    """Ultralytics' classes composed as v8_transforms composes them (mixup, cutmix, copy_paste are 0 and skipped),
+    given GpuAugment's draws for sample b."""
+    _, augment = ul
+    ds = raw_ds.dataset
+    mosaic = bool(params.mosaic[b])
+    monkeypatch.setattr(augment, "random", Scripted(scripted_calls(params, b, tiles)))
     gains = np.array([hyp_ns.hsv_h, hyp_ns.hsv_s, hyp_ns.hsv_v])
     unit = np.divide(params.hsv[b].double().numpy(), gains, out=np.zeros(3), where=gains > 0)
     monkeypatch.setattr(augment.np.random, "uniform", lambda lo, hi, n: unit)

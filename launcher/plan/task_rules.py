@@ -2,10 +2,12 @@
 name with rules(task): the plan, the ranks, the final lines and ddp-bench ask it for a property.
 
 Detection has ddp-launch's fast paths: the input augmented on the GPU, the fast validation engine, the whole step
-captured as one CUDA graph, the auto batch's probe. Segmentation, pose and obb train through Ultralytics' own
-pipeline (its transforms warp polygons, keypoints and corners), its validator (masks, keypoints and rotated boxes
-scored as it scores them) and its loss, normalised over the ranks but eager (its mask, keypoint and rotated-box
-terms have shapes that follow the targets); the network alone is graphed on GPUs. Classification trains on
+captured as one CUDA graph, the auto batch's probe. Pose has the GPU input too (its keypoints follow the matrix and
+flips of their boxes: rank/data/augment_keypoints.py), chosen by the same rule as detection's. Segmentation and obb
+train through Ultralytics' own pipeline (its transforms warp polygons and corners); pose, segmentation and obb
+through its validator (masks, keypoints and rotated boxes scored as it scores them) and its loss, normalised over
+the ranks but eager (its mask, keypoint and rotated-box terms have shapes that follow the targets); the network
+alone is graphed on GPUs. Classification trains on
 Ultralytics' ClassificationDataset (class folders, its own augmentations; no mosaic: close_mosaic and the mosaic
 buffer mean nothing there), its ClassificationValidator (top-1, top-5) and its cross-entropy, a mean over the batch.
 `auto` settings resolve to those paths; a setting that asks for a fast path the task lacks is refused here.
@@ -31,6 +33,7 @@ class Metric:
 BOX = (Metric("map50", "metrics/mAP50(B)", "mAP50"), Metric("map50_95", "metrics/mAP50-95(B)", "mAP50-95"))
 TOP1, TOP5 = "metrics/accuracy_top1", "metrics/accuracy_top5"  # a classifier's validation metrics (ClassifyMetrics)
 EAGER = "the GPU input, the fast validator and the captured step are detection's"
+POSE_EAGER = "the fast validator and the captured step are detection's"
 
 
 def _own(suffix: str, name: str) -> tuple[Metric, ...]:
@@ -44,11 +47,12 @@ class TaskRules:
     """What one task changes: its paths, its input, its loss and the metrics its run reports."""
 
     name: str  # Ultralytics' task name: detect | segment | pose | obb | classify
-    fast_paths: bool = False  # the GPU input, the fast validator, the captured step and the auto batch
+    fast_paths: bool = False  # the fast validator, the captured step and the auto batch
+    gpu_input: bool = False  # the GPU input pipeline (loader.augment_on=gpu; auto may pick it: plan/checks.py)
     folders: bool = False  # class folders (ClassificationDataset), not images and label files (YOLODataset)
     mosaic: bool = True  # Ultralytics' mosaic (and so close_mosaic and the mosaic buffer)
     mean_loss: bool = False  # Ultralytics' loss is a mean over the batch, not a sum over its images
-    takes: str = "not masks, keypoints or corners"  # what its input is, as the GPU input's refusal says it
+    takes: str = "not masks or rotated corners"  # what its input is, as the GPU input's refusal says it
     masks: bool = False  # its targets hold masks (train.extra.overlap_mask applies)
     shared_cache: bool = True  # train.cache=shared (the node's cache of detection datasets' images) applies
     multi_scale: bool = True  # train.extra.multi_scale applies
@@ -57,6 +61,7 @@ class TaskRules:
     quality: Metric = Metric("map50_95", BOX[1].source, "box mAP50-95")  # what time_to_model compares the sides on
     note: str = ""  # after the final line's metrics
     pipeline: str = ""  # the plan's task line after the task and its source
+    gpu_pipeline: str = ""  # ... instead, with the input on the GPU
 
     @property
     def results(self) -> tuple[Metric, ...]:
@@ -74,9 +79,11 @@ class TaskRules:
         the gradient of the mean over the global batch, Ultralytics' classification step at a batch of nbs)."""
         return 1 if self.mean_loss else base_batch
 
-    def text(self, task_from: str | None) -> str:
-        """The plan's task line: the task, what it was read from, and the paths it takes."""
-        return f"{self.name}{f' (from {task_from})' if task_from else ''}{self.pipeline}"
+    def text(self, task_from: str | None, augment_on: str = "cpu") -> str:
+        """The plan's task line: the task, what it was read from, and the paths it takes (its input's by
+        `augment_on`, the plan's loader.augment_on resolved)."""
+        paths = self.gpu_pipeline if augment_on == "gpu" and self.gpu_input else self.pipeline
+        return f"{self.name}{f' (from {task_from})' if task_from else ''}{paths}"
 
     def result_line(self, summary: dict) -> str:
         """The final line of a finished run's metrics, from its summary.json."""
@@ -84,11 +91,13 @@ class TaskRules:
 
 
 TASKS = {
-    "detect": TaskRules("detect", fast_paths=True),
+    "detect": TaskRules("detect", fast_paths=True, gpu_input=True),
     "segment": TaskRules("segment", masks=True, own=_own("M", "mask"), quality=_own("M", "mask")[1],
                          pipeline=f"; Ultralytics' CPU pipeline, validator and loss ({EAGER})"),
-    "pose": TaskRules("pose", own=_own("P", "pose"), quality=_own("P", "pose")[1],
-                      pipeline=f"; Ultralytics' CPU pipeline, validator and loss ({EAGER})"),
+    "pose": TaskRules("pose", gpu_input=True, own=_own("P", "pose"), quality=_own("P", "pose")[1],
+                      pipeline=f"; Ultralytics' CPU pipeline, validator and loss ({POSE_EAGER})",
+                      gpu_pipeline="; the GPU input pipeline (keypoints warped and flipped with their boxes), "
+                                   f"Ultralytics' validator and loss ({POSE_EAGER})"),
     # its box metrics (B) are the rotated boxes'
     "obb": TaskRules("obb", quality=Metric("map50_95", BOX[1].source, "box mAP50-95 (rotated boxes)"),
                      note=" (rotated boxes)", pipeline=f"; Ultralytics' CPU pipeline, validator and loss ({EAGER})"),
@@ -112,17 +121,16 @@ def rules(task: str | None) -> TaskRules:
 def task_problems(cfg: dict, task: str, *, device: str) -> list[Problem]:
     """The settings that ask for a path `task` does not have, each with what to set instead."""
     r = rules(task)
-    if r.fast_paths:
-        return []
     train, loader, val = cfg["train"], cfg.get("loader") or {}, cfg.get("val") or {}
     problems = []
-    if loader.get("augment_on") == "gpu":
+    if not r.gpu_input and loader.get("augment_on") == "gpu":
         problems.append(Problem(f"loader.augment_on=gpu with a {task} model: the GPU input pipeline augments upright "
-                                f"boxes only ({r.takes}); use loader.augment_on=cpu (or auto)"))
-    if val.get("engine") == "fast":
+                                f"boxes, and a pose model's keypoints, only ({r.takes}); use loader.augment_on=cpu "
+                                "(or auto)"))
+    if not r.fast_paths and val.get("engine") == "fast":
         problems.append(Problem(f"val.engine=fast with a {task} model: the fast engine scores upright boxes only; use "
                                 "val.engine=ultralytics (or auto)"))
-    if train.get("batch_per_device") == "auto" and device == "cuda":
+    if not r.fast_paths and train.get("batch_per_device") == "auto" and device == "cuda":
         problems.append(Problem(f"train.batch_per_device=auto with a {task} model: the probe measures the detection "
                                 "step only; give train.batch_per_device as a number"))
     if not r.shared_cache and train.get("cache") == "shared":

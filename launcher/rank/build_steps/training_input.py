@@ -76,7 +76,9 @@ def training_set(settings: Settings, plan: LaunchPlan, hyp, data: dict, device: 
         images = EncodedImages.of(inner)
         dataset = EncodedTrainDataset(images, labels=inner.labels, decode_all=device.type != "cuda",
                                       cache=caches.get("train"))
-        augment = GpuAugment(inner.imgsz, hyp, out_dtype=input_dtype)
+        pose = getattr(inner, "use_keypoints", False)  # a pose dataset's keypoints travel with its boxes
+        augment = GpuAugment(inner.imgsz, hyp, out_dtype=input_dtype, keypoints=data["kpt_shape"][0] if pose else 0,
+                             flip_idx=data.get("flip_idx") if pose else ())
         gpu_input = GpuInput(augment, Decoder(device, images.files, log), device=device,
                              capacity=buffer_capacity(len(images), plan.batch_per_rank), close_at=close_at,
                              partners_from_batch=not settings.loader.mosaic_buffer)

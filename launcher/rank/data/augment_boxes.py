@@ -80,7 +80,8 @@ def mix_boxes(aug: AugmentSettings, p: AugmentParams, b: int, row: torch.Tensor,
 def collated_boxes(aug: AugmentSettings, raw: RawBatch, p: AugmentParams, host, block, xyxy, keep,
                    mix: Mix | None):
     """The flips and Format's xywh / S; the boxes of each sample in Ultralytics' order (its own, MixUp's partner's,
-    CutMix's partner's). Returns them with the per-sample counts and (mixed samples, rows their mix reads)."""
+    CutMix's partner's). Returns them with the per-sample counts, (mixed samples, rows their mix reads) and the
+    kept label rows in that order (which the rows' keypoints follow: augment_keypoints.collated_keypoints)."""
     s, b = aug.imgsz, raw.samples
     x1 = torch.where(p.flip_lr[host], s - xyxy[:, 2], xyxy[:, 0])
     x2 = torch.where(p.flip_lr[host], s - xyxy[:, 0], xyxy[:, 2])
@@ -97,7 +98,7 @@ def collated_boxes(aug: AugmentSettings, raw: RawBatch, p: AugmentParams, host, 
     blocks = 1 + aug.mixes
     order = torch.where(keep, host * blocks + block, b * blocks)  # labels are ordered by row already
     kept = torch.sort(order, stable=True).indices[:sum(counts)]
-    return host[kept].float(), raw.labels[kept, 2:3], xywh[kept], counts, mixing
+    return host[kept].float(), raw.labels[kept, 2:3], xywh[kept], counts, mixing, kept
 
 
 def bbox_ioa(area: torch.Tensor, boxes: torch.Tensor) -> torch.Tensor:

@@ -15,14 +15,19 @@ def _hyp_dict(hyp) -> dict:
 
 
 class AugmentSettings:
-    """`AugmentSettings(imgsz, hyp, out_dtype)`: the probabilities and strengths GpuAugment draws with.
+    """`AugmentSettings(imgsz, hyp, out_dtype, keypoints=P, flip_idx=...)`: the probabilities and strengths
+    GpuAugment draws with, and the keypoints its labels carry.
 
     `hyp` is Ultralytics' training arguments (a dict or the trainer's `args` namespace); mosaic, degrees, translate,
     scale, shear, perspective, mixup, cutmix, hsv_h/s/v, flipud, fliplr and bgr are read here, with Ultralytics'
     defaults for those missing. Raises ValueError, naming them, for settings the GPU pipeline does not implement.
+    `keypoints`: P, the keypoints per label of a pose dataset (its kpt_shape[0]; 0: boxes alone); `flip_idx`: its
+    data YAML's flip_idx, which both flips apply to the keypoints' order. As v8_transforms does, a pose dataset
+    without flip_idx is not flipped, and a flip_idx whose length is not P is refused (ValueError).
     """
 
-    def __init__(self, imgsz: int, hyp, out_dtype: torch.dtype | None = None):
+    def __init__(self, imgsz: int, hyp, out_dtype: torch.dtype | None = None, *, keypoints: int = 0,
+                 flip_idx=()):
         hyp = _hyp_dict(hyp)
         self.out_dtype = out_dtype  # None: uint8 images as Ultralytics collates them; else the network's input
         used = [k for k in GPU_INPUT_UNSUPPORTED if hyp.get(k)] + (["augmentations"] if hyp.get("augmentations") else [])
@@ -39,6 +44,12 @@ class AugmentSettings:
         self.hsv_gains = tuple(float(hyp.get(k, d)) for k, d in (("hsv_h", 0.015), ("hsv_s", 0.7), ("hsv_v", 0.4)))
         self.p_flipud, self.p_fliplr = float(hyp.get("flipud", 0.0)), float(hyp.get("fliplr", 0.5))
         self.p_bgr = float(hyp.get("bgr", 0.0))
+        self.keypoints, self.flip_idx = int(keypoints), tuple(int(i) for i in flip_idx or ())
+        if self.keypoints and not self.flip_idx:
+            self.p_flipud = self.p_fliplr = 0.0  # both flips need flip_idx to keep left and right keypoints apart
+        elif self.keypoints and len(self.flip_idx) != self.keypoints:
+            raise ValueError(f"data.yaml flip_idx={list(self.flip_idx)} length must be equal to kpt_shape[0]="
+                             f"{self.keypoints}")
 
     @property
     def mixes(self) -> int:

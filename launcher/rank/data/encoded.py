@@ -29,15 +29,18 @@ from launcher.rank.data import torchvision_ops
 
 JPEG_MAGIC = b"\xff\xd8\xff"
 EXIF_ORIENTATION = 0x0112
+LABEL_ARRAYS = ("cls", "xywh", "counts", "keypoints")  # an EncodedBatch's labels, pickled as NumPy arrays
 
 
 class EncodedImages(NamedTuple):
-    """A split's files and labels: labels of image i are rows starts[i]:starts[i+1] of `cls` and `xywh`."""
+    """A split's files and labels: labels of image i are rows starts[i]:starts[i+1] of `cls`, `xywh` and, for a
+    pose dataset, `keypoints`."""
 
     files: list[str]
     cls: np.ndarray  # (K,) float32
     xywh: np.ndarray  # (K, 4) float32, normalised to the image
     starts: np.ndarray  # (n + 1,) int64
+    keypoints: np.ndarray | None = None  # (K, P, 3) float32: x, y normalised to the image, visibility; None: boxes only
 
     @classmethod
     def of(cls, dataset) -> EncodedImages:
@@ -52,6 +55,7 @@ class EncodedImages(NamedTuple):
             cls=np.concatenate(classes) if classes else np.zeros(0, np.float32),
             xywh=np.concatenate(boxes) if boxes else np.zeros((0, 4), np.float32),
             starts=starts,
+            keypoints=_keypoints(labels, dataset) if getattr(dataset, "use_keypoints", False) else None,
         )
 
     def __len__(self) -> int:
@@ -60,6 +64,18 @@ class EncodedImages(NamedTuple):
     def labels(self, i: int) -> tuple[np.ndarray, np.ndarray]:
         lo, hi = self.starts[i], self.starts[i + 1]
         return self.cls[lo:hi], self.xywh[lo:hi]
+
+    def points(self, i: int) -> np.ndarray | None:
+        """Image i's keypoints (n, P, 3), or None for a dataset of boxes alone."""
+        return None if self.keypoints is None else self.keypoints[self.starts[i] : self.starts[i + 1]]
+
+
+def _keypoints(labels: list[dict], dataset) -> np.ndarray:
+    """A pose dataset's keypoints of every label row, (K, P, 3) float32, P from its kpt_shape (Ultralytics' label
+    check adds the visibility to 2-d keypoints)."""
+    width = int(dataset.data["kpt_shape"][0])
+    points = [np.asarray(lb["keypoints"], np.float32).reshape(-1, width, 3) for lb in labels]
+    return np.concatenate(points) if points else np.zeros((0, width, 3), np.float32)
 
 
 class EncodedSample(NamedTuple):
@@ -87,6 +103,7 @@ class EncodedBatch:
     cls: torch.Tensor  # (K,) float32: the labels of every sample, in sample order
     xywh: torch.Tensor  # (K, 4) float32
     counts: torch.Tensor  # (B,) int64: labels per sample
+    keypoints: torch.Tensor | None = None  # (K, P, 3) float32 of a pose dataset, as EncodedImages holds them
 
     @classmethod
     def of(cls, samples: list[EncodedSample], images: EncodedImages) -> EncodedBatch:
@@ -107,6 +124,8 @@ class EncodedBatch:
             cls=torch.from_numpy(np.concatenate([c for c, _ in labels])),
             xywh=torch.from_numpy(np.concatenate([b for _, b in labels])).view(-1, 4),
             counts=torch.tensor([len(c) for c, _ in labels], dtype=torch.int64),
+            keypoints=None if images.keypoints is None else torch.from_numpy(
+                np.concatenate([images.points(s.index) for s in samples])),
         )
 
     @property
@@ -119,13 +138,15 @@ class EncodedBatch:
     def __getstate__(self) -> dict:
         """Pickled by a worker: the labels as arrays, which travel inside the pickle (no file descriptor each)."""
         state = {k: v for k, v in self.__dict__.items() if k != "_views"}
-        for k in ("cls", "xywh", "counts"):
-            state[k] = state[k].numpy()
+        for k in LABEL_ARRAYS:
+            if state.get(k) is not None:
+                state[k] = state[k].numpy()
         return state
 
     def __setstate__(self, state: dict) -> None:
-        for k in ("cls", "xywh", "counts"):
-            state[k] = torch.from_numpy(state[k])
+        for k in LABEL_ARRAYS:
+            if state.get(k) is not None:
+                state[k] = torch.from_numpy(state[k])
         self.__dict__.update(state)
 
     def pin_memory(self) -> EncodedBatch:

@@ -1,4 +1,5 @@
-"""Ultralytics 8.4.190's detection training augmentation, on tensors, on the training device (loader.augment_on=gpu).
+"""Ultralytics 8.4.190's detection and pose training augmentation, on tensors, on the training device
+(loader.augment_on=gpu).
 
 Why: with Ultralytics' loader the CPU decodes, builds the mosaic, warps it, shifts its colours and flips it, several
 milliseconds of one core per 640-pixel image, while one GPU trains yolov8s at over a thousand images a second: a
@@ -60,7 +61,8 @@ Where the device version differs, and why
   * CutMix keeps partner boxes from 0.1 of their area inside; Ultralytics from 0.01 when label files hold polygons.
   * Not reproduced (refused when configured): copy_paste (it needs polygons), custom `augmentations`. Ultralytics also
     applies Albumentations blur/median blur/grey/CLAHE at p=0.01 each, but only when the albumentations package is
-    installed, which it is not in this project's environments. Detection only, 3-channel images, 2x2 mosaic.
+    installed, which it is not in this project's environments. Boxes, and a pose dataset's keypoints with them
+    (augment_keypoints.py); not polygons' masks nor rotated boxes. 3-channel images, 2x2 mosaic.
 
 Syncs: none in the sampling; one device-to-host read per batch, of how many boxes survive in each image (their number
 is data-dependent; the batch carries the counts, and their largest as MAX_TARGETS for the sync-free loss) and, with
@@ -77,6 +79,7 @@ import torch
 
 from launcher.rank.data.augment_boxes import collated_boxes, mix_boxes, warped_boxes
 from launcher.rank.data.augment_images import mix_images, render_samples, warp_tables
+from launcher.rank.data.augment_keypoints import collated_keypoints, cutmix_keypoints, warped_keypoints
 from launcher.rank.data.augment_params import AugmentParams, draw, mosaic_tiles
 from launcher.rank.data.augment_settings import AugmentSettings
 from launcher.rank.data.pipeline import MAX_TARGETS, TARGETS_PER_IMAGE
@@ -100,7 +103,8 @@ class GpuAugment(AugmentSettings):
         return draw(self, raw, generator)
 
     def apply(self, raw: RawBatch, p: AugmentParams) -> dict:
-        """The augmented batch, keys and dtypes as YOLODataset.collate_fn returns them for a detection dataset."""
+        """The augmented batch, keys and dtypes as YOLODataset.collate_fn returns them for a detection dataset, and
+        for a pose dataset (RawBatch.keypoints) its `keypoints` (N, P, 3), normalised as Format(normalize=True)."""
         n, s = raw.images.shape[0], self.imgsz
         if raw.images.shape[1:] != (s, s, 3):
             raise ValueError(f"raw images of shape {tuple(raw.images.shape[1:])} for imgsz {s}: expected ({s}, {s}, 3)")
@@ -111,15 +115,21 @@ class GpuAugment(AugmentSettings):
         # Boxes first: their host sync then waits for a few small kernels, and the image kernels queued after it
         # run while the host goes on to queue the training step.
         row, xyxy, keep = warped_boxes(self, raw, p, tiles)
+        points = None if raw.keypoints is None else warped_keypoints(self, raw, p, tiles)  # a pose dataset's
         host, block, mix = row, torch.zeros_like(row), None
         if self.partner_blocks(raw):
             host, block, xyxy, keep, mix = mix_boxes(self, p, b, row, xyxy, keep)
-        batch_idx, cls, bboxes, counts, (mixed, needed) = collated_boxes(self, raw, p, host, block, xyxy, keep, mix)
+            if points is not None and self.p_cutmix > 0:
+                points = cutmix_keypoints(self, points, host, block, mix.area)
+        batch_idx, cls, bboxes, counts, (mixed, needed), kept = collated_boxes(self, raw, p, host, block, xyxy, keep,
+                                                                               mix)
         geometry = warp_tables(self, p, tiles)
         img = render_samples(self, raw, p, geometry)
         if mixed:
             mix_images(self, raw, p, geometry, mix, mixed, needed, img)
+        out = {} if points is None else {"keypoints": collated_keypoints(self, p, host, points, kept)}
         return {
+            **out,
             MAX_TARGETS: max(counts),
             TARGETS_PER_IMAGE: counts,
             "batch_idx": batch_idx,

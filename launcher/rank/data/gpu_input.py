@@ -144,6 +144,9 @@ class GpuInput:
         self.slots = torch.full((capacity, s, s, 3), int(BORDER), dtype=torch.uint8, device=device)
         self.sizes = torch.ones((capacity, 2), dtype=torch.int64, device=device)  # (h, w) of each slot's image
         self.labels = torch.zeros((capacity, 8, 5), dtype=torch.float32, device=device)  # class, x1, y1, x2, y2
+        # a pose dataset's keypoints beside each label (x, y in pixels of the slot's image, visibility); None: boxes
+        self.points = (torch.zeros((capacity, 8, augment.keypoints, 3), dtype=torch.float32, device=device)
+                       if augment.keypoints else None)
         self.counts = torch.zeros(capacity, dtype=torch.int64, device=device)
         self.head = self.filled = 0
         self.timed = timed and device.type == "cuda"
@@ -192,10 +195,9 @@ class GpuInput:
         self._fit_labels(int(counts.max()) if b else 0)
         hw = np.array([sh[2:] for sh in shapes], np.int64).reshape(b, 2)
         # Everything the host knows about the batch goes up in one pinned copy: the thread waits for no transfer
-        slots, counts, hw, meta, rows = upload(
-            [own, counts, hw, np.array(meta, np.int64).reshape(-1, 6), self._label_rows(batch, counts, shapes)],
-            self.device,
-        )
+        rows, points = self._label_rows(batch, counts, shapes)
+        slots, counts, hw, meta, rows, *points = upload(
+            [own, counts, hw, np.array(meta, np.int64).reshape(-1, 6), rows, *points], self.device)
         present = [im.reshape(-1) for im in images if im is not None]
         if present:
             load_into_slots(torch.cat(present) if len(present) > 1 else present[0], meta, self.slots)
@@ -203,6 +205,8 @@ class GpuInput:
             if bad:
                 self.slots[slot].fill_(int(BORDER))
         self.labels.index_copy_(0, slots, rows)
+        if points:
+            self.points.index_copy_(0, slots, points[0])
         self.counts.index_copy_(0, slots, counts)
         self.sizes.index_copy_(0, slots, hw)
 
@@ -225,16 +229,24 @@ class GpuInput:
         return torch.randint(0, self.filled, (n,), generator=generator, device=self.device)
 
     def _fit_labels(self, most: int) -> None:
-        """Grow the label store when an image has more boxes than a slot holds (to the next power of two)."""
+        """Grow the label store (and the keypoints beside it) when an image has more boxes than a slot holds (to the
+        next power of two)."""
         if most > self.labels.shape[1]:
-            grown = torch.zeros((self.capacity, 2 ** math.ceil(math.log2(most)), 5), device=self.device)
+            width = 2 ** math.ceil(math.log2(most))
+            grown = torch.zeros((self.capacity, width, 5), device=self.device)
             grown[:, : self.labels.shape[1]] = self.labels
             self.labels = grown
+            if self.points is not None:
+                points = torch.zeros((self.capacity, width, *self.points.shape[2:]), device=self.device)
+                points[:, : self.points.shape[1]] = self.points
+                self.points = points
 
-    def _label_rows(self, batch: EncodedBatch, counts: np.ndarray, shapes) -> np.ndarray:
-        """The batch's boxes as the label store holds them: (B, width, 5) rows of class, x1, y1, x2, y2 in pixels of
-        their slot's image; an image that could not be decoded has none."""
+    def _label_rows(self, batch: EncodedBatch, counts: np.ndarray, shapes) -> tuple[np.ndarray, list[np.ndarray]]:
+        """The batch's labels as the label store holds them: (B, width, 5) rows of class, x1, y1, x2, y2 in pixels of
+        their slot's image, and with keypoints a list of their (B, width, P, 3) x, y (pixels), visibility (else an
+        empty list); an image that could not be decoded has none."""
         rows = np.zeros((len(shapes), self.labels.shape[1], 5), np.float32)
+        points = None if self.points is None else np.zeros((len(shapes), *self.points.shape[1:]), np.float32)
         start = 0
         for k, n in enumerate(batch.counts.tolist()):
             if counts[k]:
@@ -243,8 +255,10 @@ class GpuInput:
                 rows[k, :n, 0] = batch.cls[start : start + n].numpy()
                 rows[k, :n, 1:3] = xywh[:, :2] - xywh[:, 2:] / 2
                 rows[k, :n, 3:5] = xywh[:, :2] + xywh[:, 2:] / 2
+                if points is not None:
+                    points[k, :n] = batch.keypoints[start : start + n].numpy() * np.array([w, h, 1], np.float32)
             start += n
-        return rows
+        return rows, [] if points is None else [points]
 
     def _raw(self, batch: EncodedBatch, groups: torch.Tensor, shapes) -> RawBatch:
         """The augmentation's view of the buffer: every label row of every tile, padding rows marked invalid."""
@@ -256,8 +270,10 @@ class GpuInput:
         tile = torch.arange(t, device=self.device).view(1, t, 1).expand(b, t, width)
         rows = torch.cat((sample[..., None].float(), tile[..., None].float(), labels), -1).view(-1, 7)
         files = self.decode.files
+        points = None if self.points is None else self.points[groups].view(-1, *self.points.shape[2:])
         return RawBatch(
             images=self.slots, sizes=self.sizes, groups=groups, labels=rows, valid=valid.view(-1), rgb=True,
+            keypoints=points,
             im_file=tuple(files[i] for i in batch.indices),
             ori_shape=tuple(sh[:2] for sh in shapes),
             ratio_pad=tuple((sh[2] / sh[0], sh[3] / sh[1]) for sh in shapes),

@@ -22,6 +22,8 @@ class RawBatch:
     labels     (K, 7) float32: (sample, tile, class, x1, y1, x2, y2), the box in pixels of that tile's raw image,
                ordered by sample (the row of `groups`), then tile, then as in the label file.
     im_file, ori_shape, ratio_pad: per output sample, of its own image (what Ultralytics' batch carries).
+    keypoints  (K, P, 3) float32 or None: a pose dataset's P keypoints per label row (x, y in pixels of that tile's
+               raw image, visibility 0..1), in the order of `labels`; None for boxes alone.
     """
 
     images: torch.Tensor
@@ -33,6 +35,7 @@ class RawBatch:
     ratio_pad: tuple[tuple[float, float], ...]
     rgb: bool = False  # the images' channel order: BGR as Ultralytics loads them, RGB as the GPU decoder writes them
     valid: torch.Tensor | None = None  # (K,) bool: which label rows are labels (the image buffer pads them); None: all
+    keypoints: torch.Tensor | None = None  # (K, P, 3) float32: see above
 
     @property
     def samples(self) -> int:
