@@ -1,7 +1,8 @@
 """A segmentation, a pose, an obb and a classification model trained end to end on two CPU ranks (gloo) through the
 real `ddp-launch`: the README's command for each, shorter and smaller, on the synthetic shapes labelled for their task
-(polygons, four keypoints, rotated boxes, class folders): Ultralytics' pipeline, loss and validator of the task, a
-metric above zero (a classifier's top-1 above chance), and a best.pt that Ultralytics loads as that task."""
+(polygons, four keypoints, rotated boxes, class folders): Ultralytics' pipeline, loss and validator of the task (the
+pose run's input on the GPU pipeline, run on the CPU: its keypoints warped and flipped with their boxes), a metric
+above zero (a classifier's top-1 above chance), and a best.pt that Ultralytics loads as that task."""
 
 from __future__ import annotations
 
@@ -35,6 +36,8 @@ CASES = {"segment": ("yolov8n-seg.yaml", "train/seg_loss", "metrics/mAP50-95(M)"
          "classify": ("yolov8n-cls.yaml", "train/loss", "metrics/accuracy_top1", "top1")}
 FINAL = {"segment": "mask mAP50 {:.4f}", "pose": "pose mAP50 {:.4f}", "obb": "mAP50 {:.4f}",  # the final lines
          "classify": "top-1 {:.4f}"}
+INPUT = {"pose": ["loader.augment_on=gpu"]}  # the task's input, where it is not Ultralytics' CPU pipeline
+PATHS = {"pose": "; the GPU input pipeline (keypoints warped and flipped with their boxes)"}  # the plan's task line
 ABOVE = {"classify": 0.5}  # the metric's floor: a classifier's top-1 above chance (a third), the mAPs above zero
 
 
@@ -43,7 +46,7 @@ def trained(request, tmp_path_factory, cache_dir):
     task = request.param
     command = next(c for c in readme_commands("ddp-launch") if f"model={CASES[task][0]}" in c)
     short = CLASSIFY if task == "classify" else SHORT
-    result = ddp_launch([*shlex.split(command)[1:], *short], cwd=tmp_path_factory.mktemp(task))
+    result = ddp_launch([*shlex.split(command)[1:], *short, *INPUT.get(task, [])], cwd=tmp_path_factory.mktemp(task))
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     return task, result, run_dir_of(result)
 
@@ -51,7 +54,7 @@ def trained(request, tmp_path_factory, cache_dir):
 def test_each_task_trains_on_two_ranks_its_loss_falling_to_a_metric_above_zero(trained):
     task, result, run_dir = trained
     model, loss, column, metric = CASES[task]
-    assert f"task            {task} (from {model})" in result.stdout
+    assert f"task            {task} (from {model}){PATHS.get(task, '')}" in result.stdout
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["task"] == task and summary["world_size"] == 2 and summary["ranks_params_identical"] is True
     # from scratch in 64 steps: mAPs of a few thousandths, but above zero (the boxes', or the masks' or keypoints')
@@ -61,6 +64,8 @@ def test_each_task_trains_on_two_ranks_its_loss_falling_to_a_metric_above_zero(t
     with (run_dir / "results.csv").open() as f:
         rows = list(csv.DictReader(f))
     assert len(rows) == 8 and column in rows[0]  # the task's own metrics beside the boxes', per epoch
+    if task in INPUT:  # the keypoints the GPU input carried were learned: a pose mAP above zero at a validation
+        assert max(float(r["metrics/mAP50(P)"]) for r in rows if r["metrics/mAP50(P)"] != "nan") > 0, rows
     assert float(rows[-1][loss]) < 0.7 * float(rows[0][loss])  # the mask or keypoint term learned
 
 
