@@ -26,7 +26,7 @@ def clipped(points: torch.Tensor, lo: torch.Tensor | float, hi: torch.Tensor | f
     against the points' (..., P, 2) coordinates), then the coordinates clamped into it."""
     xy, visible = points[..., :2], points[..., 2]
     outside = ((xy < lo) | (xy > hi)).any(-1)
-    xy = torch.minimum(torch.maximum(xy, torch.as_tensor(lo, device=xy.device)), torch.as_tensor(hi, device=xy.device))
+    xy = xy.clamp(lo, hi)  # Python numbers or tensors on the points' device: no copy from the host
     return torch.cat((xy, torch.where(outside, torch.zeros_like(visible), visible)[..., None]), -1)
 
 
@@ -63,7 +63,7 @@ def collated_keypoints(aug: AugmentSettings, p: AugmentParams, host: torch.Tenso
     y = torch.where(ud, s - points[..., 1], points[..., 1])
     points = torch.stack((x / s, y / s, points[..., 2]), -1)
     if aug.flip_idx:
-        flip = torch.tensor(aug.flip_idx, device=points.device)
+        flip = aug.flip_table(points.device)
         order = torch.arange(points.shape[1], device=points.device).expand(len(points), -1)
         order = torch.where(ud, flip[order], order)  # up-down first: point j takes point flip_idx[j]
         order = torch.where(lr, order[:, flip], order)  # then left-right reorders the result again

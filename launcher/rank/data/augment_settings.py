@@ -45,11 +45,18 @@ class AugmentSettings:
         self.p_flipud, self.p_fliplr = float(hyp.get("flipud", 0.0)), float(hyp.get("fliplr", 0.5))
         self.p_bgr = float(hyp.get("bgr", 0.0))
         self.keypoints, self.flip_idx = int(keypoints), tuple(int(i) for i in flip_idx or ())
+        self._flip_tables: dict[torch.device, torch.Tensor] = {}
         if self.keypoints and not self.flip_idx:
             self.p_flipud = self.p_fliplr = 0.0  # both flips need flip_idx to keep left and right keypoints apart
         elif self.keypoints and len(self.flip_idx) != self.keypoints:
             raise ValueError(f"data.yaml flip_idx={list(self.flip_idx)} length must be equal to kpt_shape[0]="
                              f"{self.keypoints}")
+
+    def flip_table(self, device: torch.device) -> torch.Tensor:
+        """flip_idx as an int64 tensor on `device`, made once: a copy from the host would wait for the device."""
+        if device not in self._flip_tables:
+            self._flip_tables[device] = torch.tensor(self.flip_idx, dtype=torch.int64, device=device)
+        return self._flip_tables[device]
 
     @property
     def mixes(self) -> int:
