@@ -937,22 +937,57 @@ def test_the_training_graphs_run_the_triton_modules_and_take_pytorchs_gradients(
             assert {"_upsample2x", "_upsample2x_backward", "_copy_rows_kernel"} <= triton_kernels, triton_kernels
 
 
-def test_the_training_graphs_with_the_fused_bn_act_take_pytorchs_gradients_to_rounding():
+def _exact_grads(fused: bool = False) -> torch.Tensor:
+    """The gradient the fp16 graphs approximate: the same yolov8n and batch in fp32, eager, TF32 off, flat (with
+    `fused`, its Conv blocks on the fused kernels in fp32)."""
+    from launcher.rank.step.triton_modules import triton_modules
+
+    model, batch = make_model_and_batch()
+    model = with_training_loss(model.cuda().to(memory_format=torch.channels_last)).train()
+    batch = _on_cuda(batch)
+    img = batch["img"].half().float().contiguous(memory_format=torch.channels_last)  # the graphs' input, exactly
+    conv, matmul = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        with triton_modules(model, parts=("bn_act",) if fused else ()):
+            loss, _ = model.loss(batch, model(img))
+            loss.sum().backward()
+    finally:
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = conv, matmul
+    return torch.cat([p.grad.detach().float().flatten() for p in model.parameters() if p.requires_grad])
+
+
+def _distance(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+def test_the_fused_bn_act_in_fp32_gives_a_networks_exact_gradients():
+    """Every Conv block of a yolov8n on the fused kernels in fp32 (eager): the whole network's gradient within 1e-3
+    of PyTorch's fp32 one, where a wrong term of the backward in any block moves it by far more."""
+    with _cudnn_deterministic():
+        exact, fused = _exact_grads(), _exact_grads(fused=True)
+    assert _distance(fused, exact) < 1e-3, _distance(fused, exact)
+
+
+def test_the_training_graphs_with_the_fused_bn_act_are_as_close_to_the_exact_gradients_as_pytorchs():
     """triton_parts=PARTS (train.fused_bn_act): both graphs replay the fused BatchNorm and SiLU kernels, no cuDNN
-    BatchNorm and no SiLU kernel of PyTorch's, and give the gradients of the graphs without it to fp16 rounding (a
-    relative difference of the whole gradient below 3e-2: PyTorch rounds BatchNorm's output to fp16 before SiLU, the
-    fused form once, and the tiny batch's deepest BatchNorms see 16 values per channel); a second capture repeats
-    them bit for bit."""
+    BatchNorm and no SiLU kernel of PyTorch's, and a second capture repeats them bit for bit. Their fp16 gradient is
+    as close to the fp32 one as the fp16 graphs' without the fusion (within 1.25x). The two fp16 gradients are not
+    compared with each other: a freshly initialised network's fp16 gradients scatter by a tenth of their norm from
+    the fp32 one however BatchNorm and SiLU round (docs/benchmarks/README.md section 14)."""
     from launcher.rank.step.triton_modules import COPIES, PARTS
 
     fused = {"stats_partial", "stats_finish", "act_forward", "grad_partial", "grad_finish", "act_backward"}
     with _cudnn_deterministic():
+        exact = _exact_grads()
         for whole in (True, False):
             want, _ = _graphs_grads_and_kernels(COPIES, whole)
             got, names = _graphs_grads_and_kernels(PARTS, whole)
             again, _ = _graphs_grads_and_kernels(PARTS, whole)
             assert torch.isfinite(got).all() and torch.equal(got, again), whole
-            assert float((got - want).norm()) < 3e-2 * float(want.norm()), float((got - want).norm() / want.norm())
+            print(f"whole={whole}: fp16 to fp32 gradient, fused {_distance(got, exact):.4f}, "
+                  f"PyTorch's {_distance(want, exact):.4f}, fused to PyTorch's {_distance(got, want):.4f}")
+            assert _distance(got, exact) <= 1.25 * _distance(want, exact) + 1e-3, whole
             assert fused <= names, names
             left = [k for k in names if any(w in k.lower() for w in ("silu", "batch_norm", "bn_fw", "bn_bw"))]
             assert not left, left
