@@ -1,6 +1,6 @@
-"""train_batch<N>.jpg: rank 0's first training batches drawn with their boxes, as Ultralytics' trainer plots them
-(train.plots): the run's first three and, with close_mosaic, the first three without mosaic, named by the step's
-index in the run as Ultralytics names them.
+"""train_batch<N>.jpg: rank 0's first training batches drawn with their boxes (and a pose batch's keypoints, a
+segmentation batch's masks), as Ultralytics' trainer plots them (train.plots): the run's first three and, with
+close_mosaic, the first three without mosaic, named by the step's index in the run as Ultralytics names them.
 
 Off the step's path: after the step is launched, the batch's first images (plot_images draws 16 at most) and its
 labels are copied to the host, on a GPU queued on the training stream into page-locked memory, so that the host does
@@ -17,7 +17,7 @@ from launcher.rank.loop.loop import Hook, TrainLoop
 
 PLOTTED = 3  # Ultralytics' trainer plots its first three batches, and as many after mosaic closes
 MAX_IMAGES = 16  # plot_images draws the first 16 images of a batch
-LABEL_KEYS = ("cls", "bboxes", "batch_idx")
+LABEL_KEYS = ("cls", "bboxes", "batch_idx", "keypoints", "masks")  # what plot_images draws, as the task has it
 
 
 class TrainBatchPlots(Hook):

@@ -104,7 +104,7 @@ def _plot_train_batch(batch: dict, file: Path, copied) -> None:
 
     if copied is not None:
         copied.synchronize()
-    labels = {k: batch[k] for k in ("cls", "bboxes", "batch_idx") if k in batch}
+    labels = {k: v for k, v in batch.items() if k not in ("img", "im_file")}  # boxes, and keypoints or masks
     if "batch_idx" not in labels:  # a classifier's batch: each image's class (ClassificationTrainer's plot)
         labels["batch_idx"] = torch.arange(len(batch["cls"]))
     labels["img"] = batch["img"].float()  # the network's input: [0, 1], perhaps half precision
