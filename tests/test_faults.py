@@ -175,6 +175,22 @@ def test_a_kill_during_the_checkpoint_write_leaves_the_previous_one_to_resume_fr
     assert not temporaries(run)
 
 
+def test_a_write_fault_is_met_by_the_checkpoint_of_its_step_however_far_training_ran_meanwhile(tmp_path):
+    """A checkpoint is written in the background while training goes on: its writer meets the fault due at the
+    step it saved, not at the step training has reached by then (else the epoch before would die instead)."""
+    from launcher.rank.group.faults import FaultInjector, parse
+
+    faults = FaultInjector(parse("rank=0,step=5,kind=disk_full"), rank=0, attempt=0)
+    faults.at_step(3)
+    faults.at_save()  # epoch 1's checkpoint, taken at step 3
+    faults.at_step(5)  # training reaches the fault's step before the writer writes
+    faults.at_checkpoint_write(tmp_path / "last.pt")  # written whole
+    faults.at_step(7)
+    faults.at_save()
+    with pytest.raises(OSError, match="No space left"):
+        faults.at_checkpoint_write(tmp_path / "last.pt")
+
+
 def test_a_truncated_last_checkpoint_is_reported_and_the_previous_one_used(tmp_path, uninterrupted):
     run = tmp_path / "run"
     r = launch(run, fault="rank=0,step=10,kind=exit")  # dies in epoch 3: last.pt = epoch 2, last.prev.pt = epoch 1

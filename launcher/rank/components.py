@@ -171,7 +171,8 @@ class Rank:
         """The checkpointer over every component (and `extra` ones: the early stop's memory); `layout` and
         `complete` give Ultralytics' keys (ultralytics/checkpoint.py's Layout), `finish` the final weights."""
         return Checkpointer(self.folder.weights, {**self.components, **(extra or {})}, layout,
-                            before_write=self.faults.at_checkpoint_write, complete=complete, finish=finish)
+                            before_write=self.faults.at_checkpoint_write, complete=complete, finish=finish,
+                            on_save=self.faults.at_save)
 
     def restore(self, checkpointer: Checkpointer) -> None:
         """Continue where the checkpoint stopped: every component's state; a resume at another world size starts

@@ -52,6 +52,7 @@ class FaultInjector:
         self.faults = [f for f in faults if f.rank == rank and f.attempt == attempt]
         self.rank = rank
         self.step = 0
+        self.saving: Fault | None = None  # the write fault of the checkpoint in flight (at_save)
 
     @classmethod
     def from_env(cls, rank: int) -> FaultInjector:
@@ -82,8 +83,14 @@ class FaultInjector:
             while True:  # no more steps, no more heartbeats: what a deadlock looks like from outside
                 time.sleep(1)
 
+    def at_save(self) -> None:
+        """A checkpoint is taken now (the training thread): the write fault due at this step, if any, is the one its
+        writer meets."""
+        self.saving = self._due("kill_in_save", "disk_full")
+
     def at_checkpoint_write(self, path: Path) -> None:
-        fault = self._due("kill_in_save", "disk_full")
+        """In the checkpoint's writer, before it writes `path`: the fault `at_save` found due."""
+        fault = self.saving
         if fault is None:
             return
         print(f"[fault] rank {self.rank}: injected '{fault.kind}' while writing {path}", flush=True)

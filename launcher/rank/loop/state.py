@@ -97,7 +97,9 @@ class Checkpointer:
     `components` are saved and restored by name; `layout()` gives Ultralytics' keys of the checkpoint at that
     moment, and `complete(checkpoint)`, in the writer thread, the keys it derives from the host copies (the fp16 EMA
     model and optimizer, made from the resume state's copies rather than copied again); `before_write(path)` is the
-    fault injector's hook (tests kill the writer half-way); `finish(checkpoint)` the final weights made from a
+    fault injector's hook (tests kill the writer half-way), `on_save()` its note of each save as it is taken, in the
+    training thread with no write in flight (a fault is then judged by the step saved, not by how far training has
+    gone while the writer runs); `finish(checkpoint)` the final weights made from a
     completed checkpoint (ultralytics/checkpoint.py's stripped).
 
     `save()` takes the state at once, as host copies queued on the GPU's stream (so the steps that follow cannot
@@ -115,8 +117,10 @@ class Checkpointer:
     def __init__(self, weights: Path, components: dict[str, Stateful], layout: Callable[[], dict],
                  before_write: Callable[[Path], None] = lambda path: None,
                  complete: Callable[[dict], dict] = lambda checkpoint: checkpoint,
-                 finish: Callable[[dict], dict] = lambda checkpoint: checkpoint):
+                 finish: Callable[[dict], dict] = lambda checkpoint: checkpoint,
+                 on_save: Callable[[], None] = lambda: None):
         self.weights, self.components, self.layout, self.before_write = Path(weights), components, layout, before_write
+        self.on_save = on_save
         self.complete, self.finish = complete, finish
         self.last, self.best = self.weights / "last.pt", self.weights / "best.pt"
         self._writer: threading.Thread | None = None
@@ -142,6 +146,7 @@ class Checkpointer:
         `final`: last.pt and best.pt as the final weights (epoch<N>.pt stays whole). A full disk is an error naming the
         folder, with the previous checkpoint intact, raised here or by `wait()`."""
         self.wait()
+        self.on_save()
         snapshot = self._take()
         self._writer = threading.Thread(target=self._write, args=(snapshot, best, epoch_copy, final), daemon=True,
                                         name="ddp-launch-checkpoint")
