@@ -78,13 +78,11 @@ def test_segment_pose_and_obb_take_ultralytics_paths_where_detection_takes_the_f
     for task in ("segment", "pose", "obb"):
         plan, problems = make_plan(cfg, FEW_CORES, task=task, task_from=MODELS[task])
         assert not problems
-        on_gpu = task == "pose"  # auto picks the GPU input for pose by detection's rule: its keypoints ride along
+        # auto: the CPU pipeline (pose takes the GPU input when asked: the next test)
         assert (plan.task, plan.augment_on, plan.val_engine, plan.graph_scope, plan.cuda_graphs) == (
-            task, "gpu" if on_gpu else "cpu", "ultralytics", "network", True)
+            task, "cpu", "ultralytics", "network", True)
         text = describe(plan, None, None)
-        paths = ("the GPU input pipeline (keypoints warped and flipped with their boxes), Ultralytics' validator"
-                 if on_gpu else "Ultralytics' CPU pipeline")
-        assert f"task            {task} (from {MODELS[task]}); {paths}" in text
+        assert f"task            {task} (from {MODELS[task]}); Ultralytics' CPU pipeline" in text
         assert f"the network's forward and backward only (train.cuda_graphs): the {task} loss runs eagerly" in text
     assert "task            detect" in describe(detect, None, None)
 

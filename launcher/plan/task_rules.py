@@ -48,7 +48,8 @@ class TaskRules:
 
     name: str  # Ultralytics' task name: detect | segment | pose | obb | classify
     fast_paths: bool = False  # the fast validator, the captured step and the auto batch
-    gpu_input: bool = False  # the GPU input pipeline (loader.augment_on=gpu; auto may pick it: plan/checks.py)
+    gpu_input: bool = False  # the GPU input pipeline (loader.augment_on=gpu)
+    auto_gpu_input: bool = False  # loader.augment_on=auto may pick it (plan/checks.py): where measured ahead on GPUs
     folders: bool = False  # class folders (ClassificationDataset), not images and label files (YOLODataset)
     mosaic: bool = True  # Ultralytics' mosaic (and so close_mosaic and the mosaic buffer)
     mean_loss: bool = False  # Ultralytics' loss is a mean over the batch, not a sum over its images
@@ -91,7 +92,7 @@ class TaskRules:
 
 
 TASKS = {
-    "detect": TaskRules("detect", fast_paths=True, gpu_input=True),
+    "detect": TaskRules("detect", fast_paths=True, gpu_input=True, auto_gpu_input=True),
     "segment": TaskRules("segment", masks=True, own=_own("M", "mask"), quality=_own("M", "mask")[1],
                          pipeline=f"; Ultralytics' CPU pipeline, validator and loss ({EAGER})"),
     "pose": TaskRules("pose", gpu_input=True, own=_own("P", "pose"), quality=_own("P", "pose")[1],
