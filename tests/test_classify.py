@@ -127,6 +127,19 @@ def test_ddp_launch_refuses_a_classify_model_on_labels_and_a_detector_on_class_f
         assert "Traceback" not in r.stdout + r.stderr and not (cwd / "runs").exists()
 
 
+def test_a_renamed_classifier_checkpoint_takes_the_built_in_data_as_class_folders(tmp_path, cache_dir):
+    """model=mynet.pt, a classifier's checkpoint whose name does not say so, and no data=: the built-in shapes come
+    as class folders for the task its network has, not as boxes it would then be refused on."""
+    import torch
+    from ultralytics.nn.tasks import ClassificationModel
+
+    net = ClassificationModel("yolov8n-cls.yaml", nc=3, verbose=False)
+    torch.save({"model": net.half(), "train_args": {"task": "classify"}, "epoch": -1}, tmp_path / "mynet.pt")
+    r = ddp_launch(["model=mynet.pt", "gpus=0", "dry_run=true"], cwd=tmp_path)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "task            classify (from yolov8n-cls.yaml)" in r.stdout and "class folders" in r.stdout
+
+
 # --- the loss, and one DDP step ------------------------------------------------------------------------------------
 def _model_and_batch(images: int = 4):
     import torch
