@@ -3,7 +3,8 @@ name with rules(task): the plan, the ranks, the final lines and ddp-bench ask it
 
 Detection has ddp-launch's fast paths: the input augmented on the GPU, the fast validation engine, the whole step
 captured as one CUDA graph, the auto batch's probe. Pose has the GPU input too (its keypoints follow the matrix and
-flips of their boxes: rank/data/augment_keypoints.py), chosen by the same rule as detection's. Segmentation and obb
+flips of their boxes: rank/data/augment_keypoints.py), taken when asked: `auto` keeps pose on the CPU pipeline until
+the GPU input is measured ahead for it. Segmentation and obb
 train through Ultralytics' own pipeline (its transforms warp polygons and corners); pose, segmentation and obb
 through its validator (masks, keypoints and rotated boxes scored as it scores them) and its loss, normalised over
 the ranks but eager (its mask, keypoint and rotated-box terms have shapes that follow the targets); the network
