@@ -39,9 +39,10 @@ def test_a_checkpoint_named_for_a_task_it_trains_passes(tmp_path):
 
 
 def test_a_checkpoint_of_another_task_is_refused_by_what_it_holds(tmp_path, cache_dir):
-    """A classification checkpoint renamed best.pt on the built-in data, labelled for detection (its name says no
+    """A classification checkpoint renamed best.pt on the built-in data labelled for detection (its name says no
     task): the plan opens it (launch/starting_weights.py) and refuses it by its architecture, which needs class
-    folders, before any process starts."""
+    folders, before any process starts. (On the built-in data left to follow the model, the data comes as class
+    folders: tests/test_classify.py.)"""
     import torch
     from ultralytics.nn.tasks import ClassificationModel
 
@@ -49,6 +50,6 @@ def test_a_checkpoint_of_another_task_is_refused_by_what_it_holds(tmp_path, cach
 
     torch.save({"model": ClassificationModel("yolov8n-cls.yaml", nc=3, verbose=False).half(), "ema": None,
                 "train_args": {}, "epoch": -1}, tmp_path / "best.pt")
-    r = ddp_launch(["model=best.pt", "gpus=0", "dry_run=true"], cwd=tmp_path)
+    r = ddp_launch(["model=best.pt", "data.synthetic.task=detect", "gpus=0", "dry_run=true"], cwd=tmp_path)
     assert r.returncode != 0 and "is a classification model" in r.stdout + r.stderr, r.stdout[-2000:] + r.stderr[-2000:]
     assert "Traceback" not in r.stdout + r.stderr
