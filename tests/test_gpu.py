@@ -866,6 +866,12 @@ def test_the_captured_whole_step_takes_the_eager_steps_and_never_waits_for_the_g
     _assert_graph_update_is_eager(updates)
 
 
+def _channels_last_model_and_batch():
+    """The equivalence tests' yolov8n with the run's loss, channels_last, in training mode, and its batch, on CUDA."""
+    model, batch = make_model_and_batch()
+    return with_training_loss(model.cuda().to(memory_format=torch.channels_last)).train(), _on_cuda(batch)
+
+
 def _graphs_grads_and_kernels(parts: tuple[str, ...], whole: bool):
     """The gradients of a yolov8n's fp16 graph (the whole step's, or the network's) replayed with `parts` of
     rank/step/triton_modules.py, flat, and the names of the kernels its replay launched."""
@@ -875,9 +881,7 @@ def _graphs_grads_and_kernels(parts: tuple[str, ...], whole: bool):
     from launcher.rank.step.captured_step import CapturedStep, bucket
     from launcher.rank.step.graphed import GraphedDetector
 
-    model, batch = make_model_and_batch()
-    model = with_training_loss(model.cuda().to(memory_format=torch.channels_last)).train()
-    batch = _on_cuda(batch)
+    model, batch = _channels_last_model_and_batch()
     batch["img"] = batch["img"].half().contiguous(memory_format=torch.channels_last)
     if whole:
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -942,9 +946,7 @@ def _exact_grads(fused: bool = False) -> torch.Tensor:
     `fused`, its Conv blocks on the fused kernels in fp32)."""
     from launcher.rank.step.triton_modules import triton_modules
 
-    model, batch = make_model_and_batch()
-    model = with_training_loss(model.cuda().to(memory_format=torch.channels_last)).train()
-    batch = _on_cuda(batch)
+    model, batch = _channels_last_model_and_batch()
     img = batch["img"].half().float().contiguous(memory_format=torch.channels_last)  # the graphs' input, exactly
     conv, matmul = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
     torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False

@@ -141,6 +141,11 @@ def _split_problems(name: str, spec: dict, checks: dict[str, labels.SplitCheck])
     return problems
 
 
+def follows_model(data_cfg: dict) -> bool:
+    """Whether the data is the built-in synthetic set labelled for the model's task (data.synthetic.task=auto)."""
+    return data_cfg.get("kind") == "synthetic" and (data_cfg.get("synthetic") or {}).get("task", "auto") == "auto"
+
+
 def resolve_data(data_cfg: dict, base_dir: Path, *, generate: bool = True, cache_dir: Path | None = None,
                  datasets_dir: Path | None = None, model_task: str | None = None) -> tuple[DatasetInfo | None, list[Problem]]:
     """Resolve `data.*` to a DatasetInfo, every image and label checked (labels.py). `generate=False` (a dry run)
@@ -155,7 +160,7 @@ def resolve_data(data_cfg: dict, base_dir: Path, *, generate: bool = True, cache
     allow = bool(data_cfg.get("allow_download", False))
     if kind == "synthetic":
         synthetic = dict(data_cfg.get("synthetic") or {})
-        if synthetic.get("task", "auto") == "auto":
+        if follows_model(data_cfg):
             synthetic["task"] = model_task if model_task in shapes.TASKS else "detect"
         spec = shapes.ShapesSpec.from_config(synthetic)
         bad = spec.problems()

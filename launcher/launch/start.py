@@ -11,7 +11,7 @@ import shutil
 from pathlib import Path
 
 from launcher.inputs import ultralytics_files
-from launcher.inputs.data import DatasetInfo, resolve_data
+from launcher.inputs.data import DatasetInfo, follows_model, resolve_data
 from launcher.inputs.model_task import model_task, run_task, task_problem, task_source
 from launcher.inputs.models import resolve_model
 from launcher.launch import environments, resume_checkpoints, starting_weights
@@ -61,16 +61,17 @@ def start(cfg: dict, run_dir: Path, base_dir: Path, on_plan=None, translated: li
                             datasets_dir=Path(cfg["paths"]["datasets"]), model_task=task)
 
     data, data_problems = data_for(named_task)
-    task, task_from = "detect", None
     if model is not None and data is not None:
         model, weights_problems = starting_weights.check(model, data, _cache(cfg))
         read_task = model_task(model.arch) if model.arch and not model.cfg else None
-        if read_task not in (None, named_task) and _labelled_for_the_model(cfg["data"]):
+        if read_task not in (None, named_task) and follows_model(cfg["data"]):
             # a checkpoint whose name does not tell its task (a renamed classifier): the built-in data labelled for
             # the task its network has, and its weights checked against that
             data, data_problems = data_for(read_task)
             if data is not None:
                 model, weights_problems = starting_weights.check(model, data, _cache(cfg))
+    task, task_from = "detect", None
+    if model is not None and data is not None:
         data_problems += weights_problems
         other_task = task_problem(model.arch, f"model.weights={model.weights}") if not model.cfg else None
         data_problems += [Problem(other_task)] if other_task else []
@@ -237,7 +238,3 @@ def _replan(cfg: dict, overrides: dict, env, folder: RunFolder, data: DatasetInf
     say(describe(plan, None, data))
     return moved, plan
 
-
-def _labelled_for_the_model(data_cfg: dict) -> bool:
-    """Whether the data is the built-in synthetic set labelled for the model's task (data.synthetic.task=auto)."""
-    return data_cfg.get("kind") == "synthetic" and (data_cfg.get("synthetic") or {}).get("task", "auto") == "auto"
