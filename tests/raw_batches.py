@@ -29,6 +29,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from launcher.rank.data.encoded import resample_segments
 from launcher.rank.data.raw_batch import RawBatch
 from launcher.rank.data.warp import BORDER
 from launcher.rank.data.sampler import sample_seed
@@ -45,6 +46,7 @@ class RawTile(NamedTuple):
     ori_shape: tuple[int, int]  # (h0, w0) before resizing
     im_file: str
     keypoints: np.ndarray | None = None  # (n, P, 3) float32 of a pose dataset: x, y in its own pixels, visibility
+    segments: np.ndarray | None = None  # (n, M, 2) float32 of a segmentation dataset: its polygons, in its pixels
 
 
 class RawSample(NamedTuple):
@@ -57,18 +59,19 @@ class RawSample(NamedTuple):
 class RawTrainDataset(Dataset):
     """(epoch, index) -> RawSample; `collate_fn` packs a list of them into one RawBatch."""
 
-    def __init__(self, dataset, seed: int, *, mosaic: bool = True, partners: str = "dataset"):
+    def __init__(self, dataset, seed: int, *, mosaic: bool = True, partners: str = "dataset", segment_points: int = 0):
         if partners not in PARTNERS:
             raise ValueError(f"partners must be one of {PARTNERS}, not {partners!r}")
         if getattr(dataset, "rect", False):
             raise ValueError("a rect dataset has no square images to mosaic: build it with rect=False")
-        if any(len(label.get("segments", [])) for label in dataset.labels):
+        if not getattr(dataset, "use_segments", False) and any(len(lb.get("segments", [])) for lb in dataset.labels):
             warnings.warn(
                 "label files with polygons: loader.gpu_augment warps their boxes, where Ultralytics re-derives "
                 "each box from the warped polygon (tighter under rotation and shear)",
                 stacklevel=2,
             )
         self.dataset, self.seed, self.mosaic, self.partners = dataset, seed, mosaic, partners
+        self.segment_points = segment_points if getattr(dataset, "use_segments", False) else 0  # M, or no polygons
         self.imgsz = int(dataset.imgsz)
 
     def __len__(self) -> int:
@@ -105,7 +108,13 @@ class RawTrainDataset(Dataset):
         if getattr(self.dataset, "use_keypoints", False):
             width = int(self.dataset.data["kpt_shape"][0])
             points = np.asarray(label["keypoints"], np.float32).reshape(-1, width, 3) * np.array([w, h, 1], np.float32)
-        return RawTile(i, image, np.concatenate((cls, xyxy), 1), tuple(ori_shape), label["im_file"], points)
+        outlines = None
+        if self.segment_points:  # as the rank's workers resample them (encoded.py)
+            polygons = [np.asarray(p, np.float32).reshape(-1, 2) for p in label["segments"]]
+            starts = np.concatenate(([0], np.cumsum([len(p) for p in polygons]))).astype(np.int64)
+            flat = np.concatenate(polygons) if polygons else np.zeros((0, 2), np.float32)
+            outlines = resample_segments(flat, starts, self.segment_points) * np.array([w, h], np.float32)
+        return RawTile(i, image, np.concatenate((cls, xyxy), 1), tuple(ori_shape), label["im_file"], points, outlines)
 
     def _groups(self, samples: list[RawSample]) -> list[list[RawTile]]:
         """Each sample's tiles: its own image, then its mosaic partners (none after close_mosaic)."""
@@ -141,8 +150,10 @@ class RawTrainDataset(Dataset):
         ]
         own = [group[0] for group in groups]
         points = [t.keypoints for group in groups for t in group]  # a pose dataset's, in the labels' order
+        outlines = [t.segments for group in groups for t in group]  # a segmentation dataset's
         return RawBatch(
             keypoints=torch.from_numpy(np.concatenate(points)) if own[0].keypoints is not None else None,
+            segments=torch.from_numpy(np.concatenate(outlines)) if own[0].segments is not None else None,
             images=images,
             sizes=torch.tensor([t.image.shape[:2] for t in distinct], dtype=torch.int64).view(-1, 2),
             groups=torch.tensor([[slot[t.index] for t in group] for group in groups], dtype=torch.int64),

@@ -30,12 +30,17 @@ def ul():
     return get_cfg, augment
 
 
+def shapes_data(tmp_path_factory, task: str) -> dict:
+    """24 small training images of the synthetic shapes labelled for `task`, as a data dict."""
+    spec = shapes.ShapesSpec(train_images=24, val_images=1, width=96, height=72, max_objects=4, task=task)
+    root = shapes.ensure_dataset(tmp_path_factory.mktemp(task), spec, workers=1, log=lambda _: None).parent
+    return {"train": str(root / "images" / "train"), "names": dict(enumerate(shapes.CLASSES)), "nc": 3,
+            "channels": 3}
+
+
 @pytest.fixture(scope="module")
 def pose_data(tmp_path_factory) -> dict:
-    spec = shapes.ShapesSpec(train_images=24, val_images=1, width=96, height=72, max_objects=4, task="pose")
-    root = shapes.ensure_dataset(tmp_path_factory.mktemp("pose"), spec, workers=1, log=lambda _: None).parent
-    return {"train": str(root / "images" / "train"), "names": dict(enumerate(shapes.CLASSES)), "nc": 3,
-            "channels": 3, "kpt_shape": shapes.KPT_SHAPE, "flip_idx": shapes.FLIP_IDX}
+    return {**shapes_data(tmp_path_factory, "pose"), "kpt_shape": shapes.KPT_SHAPE, "flip_idx": shapes.FLIP_IDX}
 
 
 def ultralytics_keypoints(ul, monkeypatch, ds, hyp_ns, params, b: int, tiles: list[int]) -> dict:

@@ -23,9 +23,12 @@ class Mix:
     need: torch.Tensor  # (R,) bool: the mixed samples and the partners their mix uses
 
 
-def warped_boxes(aug: AugmentSettings, raw: RawBatch, p: AugmentParams, tiles: Tiles):
+def warped_boxes(aug: AugmentSettings, raw: RawBatch, p: AugmentParams, tiles: Tiles,
+                 from_segments: torch.Tensor | None = None):
     """Mosaic's shift and clip, RandomPerspective's warp and box_candidates: per label row, its rendered sample
-    (the row of `groups`), its box on the unflipped output (pixels, xyxy) and whether it survives."""
+    (the row of `groups`), its box on the unflipped output (pixels, xyxy) and whether it survives. `from_segments`
+    (K, 4): the boxes the rows' warped polygons give (augment_segments.segment_boxes), taken instead of the warped
+    corners' and judged by Ultralytics' area threshold for polygons (0.01)."""
     s = aug.imgsz
     sample, tile = raw.labels[:, 0].long(), raw.labels[:, 1].long()
     mosaic = p.mosaic[sample]
@@ -37,20 +40,25 @@ def warped_boxes(aug: AugmentSettings, raw: RawBatch, p: AugmentParams, tiles: T
         alive &= raw.valid
     xyxy = torch.where(mosaic[:, None], clipped, xyxy)
 
-    left, top, right, bottom = xyxy.unbind(1)
-    corners = torch.stack((left, top, right, bottom, left, bottom, right, top), 1).view(-1, 4, 2)
-    corners = torch.cat((corners, torch.ones_like(corners[..., :1])), 2) @ p.matrix[sample].transpose(1, 2)
-    corners = corners[..., :2] / corners[..., 2:]
-    warped = torch.cat((corners.amin(1), corners.amax(1)), 1).clamp(0, s)
+    if from_segments is None:
+        left, top, right, bottom = xyxy.unbind(1)
+        corners = torch.stack((left, top, right, bottom, left, bottom, right, top), 1).view(-1, 4, 2)
+        corners = torch.cat((corners, torch.ones_like(corners[..., :1])), 2) @ p.matrix[sample].transpose(1, 2)
+        corners = corners[..., :2] / corners[..., 2:]
+        warped = torch.cat((corners.amin(1), corners.amax(1)), 1).clamp(0, s)
+    else:
+        warped = from_segments.clamp(0, s)
 
-    keep = alive & box_candidates((xyxy[:, 2:] - xyxy[:, :2]) * p.scale[sample, None], warped)
+    before = (xyxy[:, 2:] - xyxy[:, :2]) * p.scale[sample, None]
+    keep = alive & box_candidates(before, warped, 0.1 if from_segments is None else 0.01)
     return sample, warped, keep
 
 
 def mix_boxes(aug: AugmentSettings, p: AugmentParams, b: int, row: torch.Tensor, xyxy: torch.Tensor,
-              keep: torch.Tensor):
+              keep: torch.Tensor, polygons: bool = False):
     """MixUp.apply_instances and CutMix.get_params / apply_instances on every label row at once: the partners'
-    rows join their sample (host), MixUp's when it applies, CutMix's inside its area, clipped to it."""
+    rows join their sample (host), MixUp's when it applies, CutMix's inside its area, clipped to it: from 0.1 of
+    their area inside, or with `polygons` (a segmentation dataset) 0.01 where the sample has an instance."""
     host, block = row % b, row // b
     mixup = p.mixup
     if aug.p_mixup > 0:
@@ -66,7 +74,11 @@ def mix_boxes(aug: AugmentSettings, p: AugmentParams, b: int, row: torch.Tensor,
         chosen = ((free.long().cumsum(1) - 1 == pick[:, None]) & free).long().argmax(1)
         area = p.cut_areas[torch.arange(b, device=xyxy.device), chosen]
         mine = block == cut
-        inside = keep & mine & (bbox_ioa(area[host], xyxy) >= 0.1)
+        least = 0.1
+        if polygons:  # Ultralytics asks len(segments): the sample's instances, none leaving the box rule's 0.1
+            had = torch.zeros(b, dtype=torch.int64, device=xyxy.device).index_add_(0, host, before.long()) > 0
+            least = torch.where(had[host], 0.01, 0.1)
+        inside = keep & mine & (bbox_ioa(area[host], xyxy) >= least)
         hits = torch.zeros(b, dtype=torch.int64, device=xyxy.device).index_add_(0, host, inside.long())
         cutmix = p.cutmix & (n_free > 0) & (hits > 0)
         clipped = torch.minimum(torch.maximum(xyxy, area[host, :2].repeat(1, 2)), area[host, 2:].repeat(1, 2))
@@ -108,9 +120,10 @@ def bbox_ioa(area: torch.Tensor, boxes: torch.Tensor) -> torch.Tensor:
     return wh.prod(-1) / ((boxes[..., 2:] - boxes[..., :2]).prod(-1) + 1e-7)
 
 
-def box_candidates(before: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
+def box_candidates(before: torch.Tensor, after: torch.Tensor, area_thr: float = 0.1) -> torch.Tensor:
     """RandomPerspective.box_candidates: keep a warped box (xyxy, (K, 4)) when it is wider and taller than 2 pixels,
-    keeps more than a tenth of its pre-warp area (`before`: (w, h) x scale, (K, 2)) and is not longer than 100:1."""
+    keeps more than `area_thr` of its pre-warp area (`before`: (w, h) x scale, (K, 2)) and is not longer than
+    100:1."""
     w, h = after[:, 2] - after[:, 0], after[:, 3] - after[:, 1]
     aspect = torch.maximum(w / (h + 1e-16), h / (w + 1e-16))
-    return (w > 2) & (h > 2) & (w * h / (before[:, 0] * before[:, 1] + 1e-16) > 0.1) & (aspect < 100)
+    return (w > 2) & (h > 2) & (w * h / (before[:, 0] * before[:, 1] + 1e-16) > area_thr) & (aspect < 100)

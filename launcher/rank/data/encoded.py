@@ -29,22 +29,27 @@ from launcher.rank.data import torchvision_ops
 
 JPEG_MAGIC = b"\xff\xd8\xff"
 EXIF_ORIENTATION = 0x0112
-LABEL_ARRAYS = ("cls", "xywh", "counts", "keypoints")  # an EncodedBatch's labels, pickled as NumPy arrays
+LABEL_ARRAYS = ("cls", "xywh", "counts", "keypoints", "segments")  # an EncodedBatch's labels, pickled as arrays
 
 
 class EncodedImages(NamedTuple):
     """A split's files and labels: labels of image i are rows starts[i]:starts[i+1] of `cls`, `xywh` and, for a
-    pose dataset, `keypoints`."""
+    pose dataset, `keypoints`; for a segmentation dataset label row r's polygon is vertices
+    segment_starts[r]:segment_starts[r+1] of `segments`, handed over as `segment_points` points (resampled)."""
 
     files: list[str]
     cls: np.ndarray  # (K,) float32
     xywh: np.ndarray  # (K, 4) float32, normalised to the image
     starts: np.ndarray  # (n + 1,) int64
     keypoints: np.ndarray | None = None  # (K, P, 3) float32: x, y normalised to the image, visibility; None: boxes only
+    segments: np.ndarray | None = None  # (V, 2) float32: every row's polygon vertices, normalised; None: no polygons
+    segment_starts: np.ndarray | None = None  # (K + 1,) int64
+    segment_points: int = 0  # M, the points a polygon travels as (resample_segments)
 
     @classmethod
-    def of(cls, dataset) -> EncodedImages:
-        """From an Ultralytics YOLODataset's `im_files` and `labels` (after its checks dropped unreadable files)."""
+    def of(cls, dataset, segment_points: int = 0) -> EncodedImages:
+        """From an Ultralytics YOLODataset's `im_files` and `labels` (after its checks dropped unreadable files);
+        with `segment_points` M and a segmentation dataset (`use_segments`) its polygons too."""
         labels = dataset.labels
         counts = [len(np.asarray(lb["cls"]).reshape(-1)) for lb in labels]
         starts = np.concatenate(([0], np.cumsum(counts))).astype(np.int64)
@@ -56,6 +61,8 @@ class EncodedImages(NamedTuple):
             xywh=np.concatenate(boxes) if boxes else np.zeros((0, 4), np.float32),
             starts=starts,
             keypoints=_keypoints(labels, dataset) if getattr(dataset, "use_keypoints", False) else None,
+            **(_segments(labels, counts, segment_points) if segment_points and getattr(dataset, "use_segments", False)
+               else {}),
         )
 
     def __len__(self) -> int:
@@ -69,6 +76,13 @@ class EncodedImages(NamedTuple):
         """Image i's keypoints (n, P, 3), or None for a dataset of boxes alone."""
         return None if self.keypoints is None else self.keypoints[self.starts[i] : self.starts[i + 1]]
 
+    def outlines(self, i: int) -> np.ndarray | None:
+        """Image i's polygons as (n, M, 2) points (normalised; resample_segments), or None without polygons."""
+        if self.segments is None:
+            return None
+        bounds = self.segment_starts[self.starts[i] : self.starts[i + 1] + 1]
+        return resample_segments(self.segments[bounds[0] : bounds[-1]], bounds - bounds[0], self.segment_points)
+
 
 def _keypoints(labels: list[dict], dataset) -> np.ndarray:
     """A pose dataset's keypoints of every label row, (K, P, 3) float32, P from its kpt_shape (Ultralytics' label
@@ -76,6 +90,55 @@ def _keypoints(labels: list[dict], dataset) -> np.ndarray:
     width = int(dataset.data["kpt_shape"][0])
     points = [np.asarray(lb["keypoints"], np.float32).reshape(-1, width, 3) for lb in labels]
     return np.concatenate(points) if points else np.zeros((0, width, 3), np.float32)
+
+
+def _segments(labels: list[dict], counts: list[int], m: int) -> dict:
+    """A segmentation dataset's polygons as EncodedImages holds them: one polygon per label row (an image whose
+    label file has none gives its rows no vertices: resample_segments makes them empty)."""
+    polygons = []
+    for lb, n in zip(labels, counts):
+        segments = lb.get("segments") or []
+        polygons += [np.asarray(p, np.float32).reshape(-1, 2) for p in segments] if len(segments) == n else [
+            np.zeros((0, 2), np.float32)] * n
+    sizes = [len(p) for p in polygons]
+    return dict(segments=np.concatenate(polygons) if polygons else np.zeros((0, 2), np.float32),
+                segment_starts=np.concatenate(([0], np.cumsum(sizes))).astype(np.int64), segment_points=m)
+
+
+def resample_segments(vertices: np.ndarray, starts: np.ndarray, m: int) -> np.ndarray:
+    """Closed polygons (`vertices` (V, 2), polygon j's at starts[j]:starts[j+1]) as m points each along their
+    perimeter, (K, m, 2) float32. A polygon of m vertices or fewer keeps every vertex, the other points spread
+    evenly by length along its edges: the same shape (Ultralytics resamples to 1000 points the same way,
+    ultralytics.utils.ops.resample_segments); one of more vertices is sampled evenly by length. A polygon without
+    vertices gives m points at (0, 0)."""
+    k, n = len(starts) - 1, np.diff(starts)
+    out = np.zeros((k, m, 2), np.float32)
+    live = n > 0
+    if not live.any() or m == 0:
+        return out
+    v = vertices.astype(np.float64)
+    nxt = np.arange(len(v)) + 1
+    nxt[starts[1:][live] - 1] = starts[:-1][live]  # each polygon closes on its first vertex
+    edge = v[nxt] - v
+    length = np.hypot(edge[:, 0], edge[:, 1])
+    arc = np.cumsum(length) - length  # where each edge starts, along all the polygons one after another
+    first = np.minimum(starts[:-1], len(v) - 1)
+    perimeter = np.bincount(np.repeat(np.arange(k), n), weights=length, minlength=k)
+    slot = np.arange(m)[None, :]
+    keep = n[:, None] <= m
+    extra = np.maximum(m - n, 1)[:, None]
+    vertex = np.minimum(starts[:-1, None] + np.minimum(slot, n[:, None] - 1), len(v) - 1)
+    spread = (slot - n[:, None] + 0.5) * perimeter[:, None] / extra  # the points between the kept vertices
+    along = np.where(keep, np.where(slot < n[:, None], arc[vertex] - arc[first, None], spread),
+                     slot * perimeter[:, None] / m)
+    along = np.sort(along, axis=1) + arc[first, None]
+    e = np.searchsorted(arc, along, side="right") - 1
+    e = np.clip(e, starts[:-1, None], np.maximum(starts[1:, None] - 1, starts[:-1, None]))
+    e = np.minimum(e, len(v) - 1)
+    t = (along - arc[e]) / np.maximum(length[e], 1e-12)
+    points = v[e] + np.clip(t, 0, 1)[..., None] * edge[e]
+    out[live] = points[live]
+    return out
 
 
 class EncodedSample(NamedTuple):
@@ -104,6 +167,7 @@ class EncodedBatch:
     xywh: torch.Tensor  # (K, 4) float32
     counts: torch.Tensor  # (B,) int64: labels per sample
     keypoints: torch.Tensor | None = None  # (K, P, 3) float32 of a pose dataset, as EncodedImages holds them
+    segments: torch.Tensor | None = None  # (K, M, 2) float32 of a segmentation dataset: EncodedImages.outlines
 
     @classmethod
     def of(cls, samples: list[EncodedSample], images: EncodedImages) -> EncodedBatch:
@@ -126,6 +190,8 @@ class EncodedBatch:
             counts=torch.tensor([len(c) for c, _ in labels], dtype=torch.int64),
             keypoints=None if images.keypoints is None else torch.from_numpy(
                 np.concatenate([images.points(s.index) for s in samples])),
+            segments=None if images.segments is None else torch.from_numpy(
+                np.concatenate([images.outlines(s.index) for s in samples])),
         )
 
     @property

@@ -81,9 +81,12 @@ from launcher.rank.data.augment_boxes import collated_boxes, mix_boxes, warped_b
 from launcher.rank.data.augment_images import mix_images, render_samples, warp_tables
 from launcher.rank.data.augment_keypoints import collated_keypoints, cutmix_keypoints, warped_keypoints
 from launcher.rank.data.augment_params import AugmentParams, draw, mosaic_tiles
+from launcher.rank.data.augment_segments import (clamped_into, cutmix_segments, flipped_segments, segment_boxes,
+                                                 warped_segments)
 from launcher.rank.data.augment_settings import AugmentSettings
 from launcher.rank.data.pipeline import MAX_TARGETS, TARGETS_PER_IMAGE
 from launcher.rank.data.raw_batch import RawBatch
+from launcher.rank.data.segment_masks import formatted_masks, rasterized
 
 
 class GpuAugment(AugmentSettings):
@@ -114,20 +117,34 @@ class GpuAugment(AugmentSettings):
         tiles = mosaic_tiles(self, raw, p)
         # Boxes first: their host sync then waits for a few small kernels, and the image kernels queued after it
         # run while the host goes on to queue the training step.
-        row, xyxy, keep = warped_boxes(self, raw, p, tiles)
+        outlines = boxes = None
+        if raw.segments is not None:  # a segmentation dataset's: its boxes are its warped polygons'
+            outlines = warped_segments(self, raw, p, tiles)
+            boxes = segment_boxes(outlines, s)
+            outlines = clamped_into(outlines, boxes)
+        row, xyxy, keep = warped_boxes(self, raw, p, tiles, boxes)
         points = None if raw.keypoints is None else warped_keypoints(self, raw, p, tiles)  # a pose dataset's
         host, block, mix = row, torch.zeros_like(row), None
         if self.partner_blocks(raw):
-            host, block, xyxy, keep, mix = mix_boxes(self, p, b, row, xyxy, keep)
+            host, block, xyxy, keep, mix = mix_boxes(self, p, b, row, xyxy, keep, polygons=outlines is not None)
             if points is not None and self.p_cutmix > 0:
                 points = cutmix_keypoints(self, points, host, block, mix.area)
+            if outlines is not None and self.p_cutmix > 0:
+                outlines = cutmix_segments(self, outlines, host, block, mix.area)
         batch_idx, cls, bboxes, counts, (mixed, needed), kept = collated_boxes(self, raw, p, host, block, xyxy, keep,
                                                                                mix)
+        out = {} if points is None else {"keypoints": collated_keypoints(self, p, host, points, kept)}
+        if outlines is not None:  # Format's masks; with overlap_mask the rows sorted by their mask's area
+            inside = rasterized(flipped_segments(self, p, host[kept], outlines[kept]), s // self.mask_ratio,
+                                self.mask_ratio)
+            order, out["masks"], out["sem_masks"] = formatted_masks(inside, batch_idx.long(), counts, cls,
+                                                                    overlap=self.overlap_mask)
+            if order is not None:
+                cls, bboxes = cls[order], bboxes[order]
         geometry = warp_tables(self, p, tiles)
         img = render_samples(self, raw, p, geometry)
         if mixed:
             mix_images(self, raw, p, geometry, mix, mixed, needed, img)
-        out = {} if points is None else {"keypoints": collated_keypoints(self, p, host, points, kept)}
         return {
             **out,
             MAX_TARGETS: max(counts),

@@ -147,6 +147,9 @@ class GpuInput:
         # a pose dataset's keypoints beside each label (x, y in pixels of the slot's image, visibility); None: boxes
         self.points = (torch.zeros((capacity, 8, augment.keypoints, 3), dtype=torch.float32, device=device)
                        if augment.keypoints else None)
+        # a segmentation dataset's polygons beside each label (M points, x, y in pixels of the slot's image)
+        self.segments = (torch.zeros((capacity, 8, augment.segments, 2), dtype=torch.float32, device=device)
+                         if augment.segments else None)
         self.counts = torch.zeros(capacity, dtype=torch.int64, device=device)
         self.head = self.filled = 0
         self.timed = timed and device.type == "cuda"
@@ -195,9 +198,9 @@ class GpuInput:
         self._fit_labels(int(counts.max()) if b else 0)
         hw = np.array([sh[2:] for sh in shapes], np.int64).reshape(b, 2)
         # Everything the host knows about the batch goes up in one pinned copy: the thread waits for no transfer
-        rows, points = self._label_rows(batch, counts, shapes)
-        slots, counts, hw, meta, rows, *points = upload(
-            [own, counts, hw, np.array(meta, np.int64).reshape(-1, 6), rows, *points], self.device)
+        rows, payloads = self._label_rows(batch, counts, shapes)
+        slots, counts, hw, meta, rows, *payloads = upload(
+            [own, counts, hw, np.array(meta, np.int64).reshape(-1, 6), rows, *payloads], self.device)
         present = [im.reshape(-1) for im in images if im is not None]
         if present:
             load_into_slots(torch.cat(present) if len(present) > 1 else present[0], meta, self.slots)
@@ -205,8 +208,8 @@ class GpuInput:
             if bad:
                 self.slots[slot].fill_(int(BORDER))
         self.labels.index_copy_(0, slots, rows)
-        if points:
-            self.points.index_copy_(0, slots, points[0])
+        for store, payload in zip(self._payloads(), payloads):
+            store.index_copy_(0, slots, payload)
         self.counts.index_copy_(0, slots, counts)
         self.sizes.index_copy_(0, slots, hw)
 
@@ -228,25 +231,32 @@ class GpuInput:
             return groups[torch.randint(0, len(groups), (n,), generator=generator, device=self.device), 0]
         return torch.randint(0, self.filled, (n,), generator=generator, device=self.device)
 
+    def _payloads(self) -> list[torch.Tensor]:
+        """The stores beside the labels, in _label_rows' order: the keypoints, the polygons (those the data has)."""
+        return [t for t in (self.points, self.segments) if t is not None]
+
     def _fit_labels(self, most: int) -> None:
-        """Grow the label store (and the keypoints beside it) when an image has more boxes than a slot holds (to the
-        next power of two)."""
+        """Grow the label store (and the keypoints or polygons beside it) when an image has more boxes than a slot
+        holds (to the next power of two)."""
         if most > self.labels.shape[1]:
             width = 2 ** math.ceil(math.log2(most))
-            grown = torch.zeros((self.capacity, width, 5), device=self.device)
-            grown[:, : self.labels.shape[1]] = self.labels
-            self.labels = grown
-            if self.points is not None:
-                points = torch.zeros((self.capacity, width, *self.points.shape[2:]), device=self.device)
-                points[:, : self.points.shape[1]] = self.points
-                self.points = points
+
+            def grown(store: torch.Tensor) -> torch.Tensor:
+                out = torch.zeros((self.capacity, width, *store.shape[2:]), device=self.device)
+                out[:, : store.shape[1]] = store
+                return out
+
+            self.labels = grown(self.labels)
+            self.points = None if self.points is None else grown(self.points)
+            self.segments = None if self.segments is None else grown(self.segments)
 
     def _label_rows(self, batch: EncodedBatch, counts: np.ndarray, shapes) -> tuple[np.ndarray, list[np.ndarray]]:
         """The batch's labels as the label store holds them: (B, width, 5) rows of class, x1, y1, x2, y2 in pixels of
-        their slot's image, and with keypoints a list of their (B, width, P, 3) x, y (pixels), visibility (else an
-        empty list); an image that could not be decoded has none."""
+        their slot's image, and the payloads beside them (_payloads' order): keypoints (B, width, P, 3) x, y
+        (pixels), visibility; polygons (B, width, M, 2) x, y (pixels). An image that could not be decoded has none."""
         rows = np.zeros((len(shapes), self.labels.shape[1], 5), np.float32)
         points = None if self.points is None else np.zeros((len(shapes), *self.points.shape[1:]), np.float32)
+        outlines = None if self.segments is None else np.zeros((len(shapes), *self.segments.shape[1:]), np.float32)
         start = 0
         for k, n in enumerate(batch.counts.tolist()):
             if counts[k]:
@@ -257,8 +267,10 @@ class GpuInput:
                 rows[k, :n, 3:5] = xywh[:, :2] + xywh[:, 2:] / 2
                 if points is not None:
                     points[k, :n] = batch.keypoints[start : start + n].numpy() * np.array([w, h, 1], np.float32)
+                if outlines is not None:
+                    outlines[k, :n] = batch.segments[start : start + n].numpy() * np.array([w, h], np.float32)
             start += n
-        return rows, [] if points is None else [points]
+        return rows, [a for a in (points, outlines) if a is not None]
 
     def _raw(self, batch: EncodedBatch, groups: torch.Tensor, shapes) -> RawBatch:
         """The augmentation's view of the buffer: every label row of every tile, padding rows marked invalid."""
@@ -271,9 +283,10 @@ class GpuInput:
         rows = torch.cat((sample[..., None].float(), tile[..., None].float(), labels), -1).view(-1, 7)
         files = self.decode.files
         points = None if self.points is None else self.points[groups].view(-1, *self.points.shape[2:])
+        outlines = None if self.segments is None else self.segments[groups].view(-1, *self.segments.shape[2:])
         return RawBatch(
             images=self.slots, sizes=self.sizes, groups=groups, labels=rows, valid=valid.view(-1), rgb=True,
-            keypoints=points,
+            keypoints=points, segments=outlines,
             im_file=tuple(files[i] for i in batch.indices),
             ori_shape=tuple(sh[:2] for sh in shapes),
             ratio_pad=tuple((sh[2] / sh[0], sh[3] / sh[1]) for sh in shapes),

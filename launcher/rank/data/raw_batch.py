@@ -24,6 +24,8 @@ class RawBatch:
     im_file, ori_shape, ratio_pad: per output sample, of its own image (what Ultralytics' batch carries).
     keypoints  (K, P, 3) float32 or None: a pose dataset's P keypoints per label row (x, y in pixels of that tile's
                raw image, visibility 0..1), in the order of `labels`; None for boxes alone.
+    segments   (K, M, 2) float32 or None: a segmentation dataset's polygon per label row, M points (x, y in pixels of
+               that tile's raw image) along its outline, in the order of `labels`; None without polygons.
     """
 
     images: torch.Tensor
@@ -36,6 +38,7 @@ class RawBatch:
     rgb: bool = False  # the images' channel order: BGR as Ultralytics loads them, RGB as the GPU decoder writes them
     valid: torch.Tensor | None = None  # (K,) bool: which label rows are labels (the image buffer pads them); None: all
     keypoints: torch.Tensor | None = None  # (K, P, 3) float32: see above
+    segments: torch.Tensor | None = None  # (K, M, 2) float32: see above
 
     @property
     def samples(self) -> int:

@@ -1,0 +1,255 @@
+"""A segmentation dataset's polygons through the GPU input pipeline (rank/data/augment_segments.py, segment_masks.py,
+gpu_augment.py, gpu_input.py) against Ultralytics 8.4.190's transforms: given GpuAugment's draws, Mosaic,
+RandomPerspective (boxes from the warped polygons), both RandomFlips and Format(return_mask=True, overlap) give the
+same instances, boxes and sort order, and masks of the same pixels but for the rasterisers' edges; by hand, on tiny
+batches: the boxes are the polygons' (not the warped corners'), the area sort and its drawing order, overlap_mask=False,
+a flip mirrors the masks, CutMix clamps its partner's polygons. All on CPU tensors."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from launcher.rank.data import augment_segments, segment_masks
+from launcher.rank.data.augment_segments import cutmix_segments, segment_boxes
+from launcher.rank.data.encoded import resample_segments
+from launcher.rank.data.gpu_augment import GpuAugment
+from launcher.rank.data.raw_batch import RawBatch
+from tests.raw_batches import RawTrainDataset
+from tests.test_gpu_augment import Scripted, scripted_calls
+from tests.test_gpu_keypoints import STRONG, shapes_data, ul  # noqa: F401 - ul: the module's Ultralytics fixture
+
+IMGSZ = 128
+M = augment_segments.SEGMENT_POINTS
+
+
+@pytest.fixture(scope="module")
+def segment_data(tmp_path_factory) -> dict:
+    return shapes_data(tmp_path_factory, "segment")
+
+
+def ultralytics_segments(ul, monkeypatch, ds, hyp_ns, params, b: int, tiles: list[int]) -> dict:
+    """Ultralytics' segmentation transforms as v8_transforms composes them (no mix, no HSV; CopyPaste at p=0 does
+    nothing), given GpuAugment's draws for sample b."""
+    _, augment = ul
+    monkeypatch.setattr(augment, "random", Scripted(scripted_calls(params, b, tiles)))
+    pipeline = augment.Compose([
+        augment.Mosaic(ds, imgsz=hyp_ns.imgsz, p=hyp_ns.mosaic if bool(params.mosaic[b]) else 0.0),
+        augment.RandomPerspective(degrees=hyp_ns.degrees, translate=hyp_ns.translate, scale=hyp_ns.scale,
+                                  shear=hyp_ns.shear, perspective=hyp_ns.perspective,
+                                  size=(hyp_ns.imgsz, hyp_ns.imgsz)),
+        augment.RandomFlip(direction="vertical", p=hyp_ns.flipud),
+        augment.RandomFlip(direction="horizontal", p=hyp_ns.fliplr),
+        augment.Format(bbox_format="xywh", normalize=True, return_mask=True, mask_ratio=hyp_ns.mask_ratio,
+                       mask_overlap=True, batch_idx=True),
+    ])
+    out = pipeline(ds.get_image_and_label(tiles[0]))
+    monkeypatch.undo()
+    return out
+
+
+@pytest.mark.parametrize("mosaic", [True, False])
+def test_given_the_same_draws_instances_boxes_order_and_masks_are_ultralytics(ul, segment_data, monkeypatch, mosaic):
+    """Mosaic (its canvas clamp), rotation, shear, perspective, segment2box's boxes and 0.01 area rule, both flips,
+    Format's area sort and overlap masks: the same instances in the same order with the same boxes (1/20 pixel),
+    and per instance of 20 mask pixels or more a mask IoU of 0.9 at least (0.95 on average)."""
+    from launcher.rank.ultralytics.datasets import raw_train_dataset
+
+    get_cfg, _ = ul
+    hyp_ns = get_cfg(overrides={"imgsz": IMGSZ, "task": "segment", **STRONG})
+    raw_ds = RawTrainDataset(raw_train_dataset(hyp_ns, segment_data, 8), 0, mosaic=mosaic, segment_points=M)
+    samples = [raw_ds[(0, i)] for i in range(16)]
+    raw = raw_ds.collate_fn(samples)
+    aug = GpuAugment(IMGSZ, hyp_ns, segments=M)
+    params = aug.draw(raw, torch.Generator().manual_seed(3))
+    ours = aug.apply(raw, params)
+    h = IMGSZ // 4
+    assert ours["masks"].shape == (16, h, h) and ours["masks"].dtype == torch.uint8
+    assert ours["sem_masks"].shape == (16, h, h) and ours["sem_masks"].dtype == torch.float32
+    ious, pairs, same_sem = [], 0, []
+    for b, sample in enumerate(samples):
+        theirs = ultralytics_segments(ul, monkeypatch, raw_ds.dataset, hyp_ns, params, b,
+                                      [t.index for t in sample.tiles])
+        mine = ours["batch_idx"] == b
+        boxes, cls = ours["bboxes"][mine], ours["cls"][mine]
+        assert len(boxes) == len(theirs["bboxes"]), b  # the same instances survive the area rule and the border
+        if not len(boxes):
+            continue
+        # each of our rows is one of theirs, box and class (the order may differ between near-equal areas)
+        gap = (boxes[:, None] - theirs["bboxes"][None]).abs().amax(-1)
+        match = gap.argmin(1)
+        assert sorted(match.tolist()) == list(range(len(boxes))), b
+        assert gap.min(1).values.max() < 0.05 / IMGSZ, b
+        assert torch.equal(cls, theirs["cls"][match]), b
+        ours_m, theirs_m = ours["masks"][b], theirs["masks"][0]
+        area = torch.stack([(theirs_m == j + 1).sum() for j in range(len(boxes))])
+        for i, j in enumerate(match.tolist()):
+            a, t = ours_m == i + 1, theirs_m == j + 1
+            if area[j] >= 20:
+                ious.append(float((a & t).sum() / (a | t).sum()))
+        for i in range(len(boxes)):  # the sort: rows whose areas differ by a quarter or more come in Ultralytics'
+            for k in range(i + 1, len(boxes)):  # order (rows of near-equal areas may swap at a pixel's difference)
+                ai, ak = area[match[i]], area[match[k]]
+                if min(ai, ak) >= 4 and max(ai, ak) > 1.25 * min(ai, ak):
+                    assert match[i] < match[k], (b, i, k)
+                    pairs += 1
+        both = (ours_m > 0) & (theirs_m > 0)  # sem_masks: the class of the instance drawn on top
+        same_sem.append(float((ours["sem_masks"][b] == theirs["sem_masks"])[both].float().mean()))
+    assert len(ious) >= 10 and min(ious) > 0.9 and np.mean(ious) > 0.95, ious
+    assert pairs >= 10 and np.mean(same_sem) > 0.95
+
+
+def square(x1, y1, x2, y2) -> list[tuple[float, float]]:
+    return [(x1, y1), (x2, y1), (x2, y2), (x1, y2)]
+
+
+def tiny_segment_batch(polygons: list[list[tuple[float, float]]], cls: list[int] | None = None) -> RawBatch:
+    """One 64 x 64 image without mosaic and its polygons (resampled to M points), each with its polygon's box."""
+    flat = np.concatenate([np.asarray(p, np.float32) for p in polygons])
+    starts = np.concatenate(([0], np.cumsum([len(p) for p in polygons]))).astype(np.int64)
+    outlines = resample_segments(flat, starts, M)
+    boxes = np.concatenate((outlines.min(1), outlines.max(1)), 1)
+    cls = cls or list(range(len(polygons)))
+    labels = np.concatenate((np.zeros((len(polygons), 2)), np.array(cls)[:, None], boxes), 1)
+    return RawBatch(
+        images=torch.full((1, 64, 64, 3), 114, dtype=torch.uint8), sizes=torch.tensor([[64, 64]]),
+        groups=torch.zeros((1, 1), dtype=torch.int64), labels=torch.tensor(labels, dtype=torch.float32),
+        im_file=("a.jpg",), ori_shape=((64, 64),), ratio_pad=((1.0, 1.0),), segments=torch.from_numpy(outlines),
+    )
+
+
+def apply(raw: RawBatch, matrix: torch.Tensor | None = None, **hyp) -> dict:
+    aug = GpuAugment(64, dict(dict(mosaic=0.0, translate=0.0, scale=0.0, fliplr=0.0), **hyp), segments=M)
+    p = aug.draw(raw, torch.Generator().manual_seed(0))
+    if matrix is not None:
+        p.matrix = matrix[None]
+    return aug.apply(raw, p)
+
+
+def rotation(degrees: float, about=(32.0, 32.0)) -> torch.Tensor:
+    a = np.deg2rad(degrees)
+    c, s = np.cos(a), np.sin(a)
+    x, y = about
+    return torch.tensor([[c, -s, x - c * x + s * y], [s, c, y - s * x - c * y], [0, 0, 1]], dtype=torch.float32)
+
+
+def test_boxes_are_the_warped_polygons_extent_not_the_warped_corners():
+    """A disc turned by 45 degrees keeps its 20-pixel box (the corners' box would grow to 28); a disc pushed half out
+    of the image gets the box of its visible half, with the image's border crossings."""
+    angles = np.linspace(0, 2 * np.pi, 48, endpoint=False)
+    disc = [(32 + 10 * np.cos(t), 32 + 10 * np.sin(t)) for t in angles]
+    out = apply(tiny_segment_batch([disc]), rotation(45.0))
+    torch.testing.assert_close(out["bboxes"] * 64, torch.tensor([[32.0, 32.0, 20.0, 20.0]]), atol=0.1, rtol=0)
+    shift = torch.tensor([[1.0, 0, 32], [0, 1, 0], [0, 0, 1]])  # centre at x = 64: the right half leaves
+    out = apply(tiny_segment_batch([disc]), shift)
+    torch.testing.assert_close(out["bboxes"] * 64, torch.tensor([[59.0, 32.0, 10.0, 20.0]]), atol=0.1, rtol=0)
+    corner = torch.tensor([square(-10.0, -10.0, 10.0, 10.0)])  # a polygon round the image's corner: it is enclosed
+    torch.testing.assert_close(segment_boxes(corner, 64), torch.tensor([[0.0, 0.0, 10.0, 10.0]]))
+    outside = torch.tensor([square(70.0, 10.0, 80.0, 20.0)])
+    torch.testing.assert_close(segment_boxes(outside, 64), torch.zeros(1, 4))
+
+
+def test_rows_are_sorted_by_mask_area_and_smaller_masks_drawn_over_larger():
+    """Label order small, large, middle: Format reorders them large, middle, small (the classes and boxes with them)
+    and the small square, inside the large one, keeps its own value."""
+    raw = tiny_segment_batch([square(20.3, 20.3, 27.7, 27.7), square(4.1, 4.1, 44.3, 44.3),
+                              square(48.2, 8.2, 60.1, 40.4)], cls=[0, 1, 2])
+    out = apply(raw)
+    assert out["cls"].view(-1).tolist() == [1.0, 2.0, 0.0]
+    masks = out["masks"][0]
+    areas = [int((masks == v).sum()) for v in (1, 2, 3)]
+    assert areas[0] > areas[1] > areas[2] > 0
+    small = masks[5:7, 5:7]  # mask pixels whose centres (4u + 2) lie inside the small square
+    assert (small == 3).all() and (masks[2, 2] == 1)
+    x, y, w, h = (out["bboxes"][2] * 64).tolist()  # the small square's box is the last row
+    torch.testing.assert_close(torch.tensor([x, y, w, h]), torch.tensor([24.0, 24.0, 7.4, 7.4]), atol=1e-4, rtol=0)
+    # the class of the instance drawn last; where none is, the class of the last row (Format indexes them by mask - 1)
+    assert torch.equal(out["sem_masks"][0], torch.tensor([0.0, 1.0, 2.0, 0.0])[masks.long()])
+
+
+def test_without_overlap_each_row_has_its_own_mask_in_row_order():
+    raw = tiny_segment_batch([square(20.3, 20.3, 27.7, 27.7), square(4.1, 4.1, 44.3, 44.3)])
+    overlap, alone = apply(raw), apply(raw, overlap_mask=False)
+    assert alone["masks"].shape == (2, 16, 16) and alone["masks"].dtype == torch.uint8
+    assert alone["cls"].view(-1).tolist() == [0.0, 1.0]  # not sorted
+    assert alone["masks"][0].sum() < alone["masks"][1].sum() and (alone["masks"][0] <= alone["masks"][1]).all()
+    assert torch.equal(alone["masks"][0].bool(), overlap["masks"][0] == 2)
+
+
+def test_a_flip_mirrors_the_masks_and_the_boxes():
+    triangle = [(10.3, 8.7), (50.2, 20.1), (18.9, 55.6)]
+    plain = apply(tiny_segment_batch([triangle]))
+    both = apply(tiny_segment_batch([triangle]), fliplr=1.0, flipud=1.0)
+    assert torch.equal(both["masks"], plain["masks"].flip(-1, -2))
+    torch.testing.assert_close(both["bboxes"], torch.tensor([[1.0, 1.0, 0.0, 0.0]]) - plain["bboxes"] *
+                               torch.tensor([1.0, 1.0, -1.0, -1.0]))
+
+
+def test_cutmix_clamps_its_partners_polygons_into_the_pasted_area():
+    aug = GpuAugment(64, dict(cutmix=0.5), segments=2)
+    points = torch.tensor([[[5.0, 5.0], [30.0, 30.0]], [[5.0, 5.0], [50.0, 20.0]]])
+    host, block = torch.zeros(2, dtype=torch.int64), torch.tensor([0, 1])  # own row, then CutMix's partner
+    out = cutmix_segments(aug, points, host, block, torch.tensor([[10.0, 10.0, 40.0, 40.0]]))
+    torch.testing.assert_close(out, torch.tensor([[[5.0, 5.0], [30.0, 30.0]], [[10.0, 10.0], [40.0, 20.0]]]))
+
+
+def test_resampling_keeps_every_vertex_and_the_passes_change_nothing(monkeypatch):
+    triangle = np.array([[0, 0], [4, 0], [0, 3]], np.float32)
+    many = np.stack([np.cos(np.linspace(0, 6.28, 300)), np.sin(np.linspace(0, 6.28, 300))], 1).astype(np.float32)
+    flat = np.concatenate((triangle, many))
+    out = resample_segments(flat, np.array([0, 3, 3, 303]), 10)
+    assert out.shape == (3, 10, 2)
+    assert all(any(np.allclose(v, p) for p in out[0]) for v in triangle)  # the vertices, and points on the edges
+    assert (out[1] == 0).all()  # a row without a polygon
+    assert np.abs(np.hypot(*out[2].T) - 1).max() < 1e-3  # more vertices than points: sampled along the outline
+    angles = torch.linspace(0, 6.28, M)
+    discs = torch.stack([torch.stack((c + r * torch.cos(angles), c + r * torch.sin(angles)), 1)
+                         for c, r in ((30.0, 20.0), (10.0, 5.0), (50.0, 9.0))])
+    whole = segment_masks.rasterized(discs, 16, 4)
+    monkeypatch.setattr(segment_masks, "ELEMENTS_PER_PASS", 1)  # one instance per pass
+    assert torch.equal(segment_masks.rasterized(discs, 16, 4), whole)
+    monkeypatch.setattr(augment_segments, "POINTS_PER_PASS", 1)
+    torch.testing.assert_close(segment_boxes(discs, 64), augment_segments._segment_boxes(discs, 64.0))
+
+
+def test_through_decode_and_the_image_buffer_each_mask_covers_its_rectangle(tmp_path):
+    """The rank's path: polygons (each rectangle's corners) into the workers' batch (pickled as a worker hands it
+    over), the image buffer's polygon store (grown past its width), mosaic, an affine warp and both flips: each
+    instance's mask lies where its rectangle's colour shows in the augmented image."""
+    import pickle
+
+    from launcher.rank.data.encoded import EncodedImages, EncodedTrainDataset
+    from launcher.rank.data.gpu_input import Decoder, GpuInput
+    from tests.test_gpu_input import rectangles
+
+    boxes, colours = rectangles(tmp_path, 16)
+    xy, wh = boxes.xywh[:, :2], boxes.xywh[:, 2:] / 2
+    corners = np.stack((xy - wh, xy + wh * [1, -1], xy + wh, xy + wh * [-1, 1]), 1).reshape(-1, 2)
+    images = EncodedImages(*boxes[:4], segments=corners.astype(np.float32),
+                           segment_starts=np.arange(0, len(corners) + 1, 4), segment_points=16)
+    ds = EncodedTrainDataset(images, decode_all=True)
+    hyp = dict(mosaic=1.0, degrees=20.0, translate=0.1, scale=0.3, shear=5.0, fliplr=0.5, flipud=0.5,
+               hsv_h=0.0, hsv_s=0.0, hsv_v=0.0)
+    gi = GpuInput(GpuAugment(64, hyp, segments=16), Decoder(torch.device("cpu"), images.files), capacity=16,
+                  device=torch.device("cpu"))
+    gi.labels, gi.segments = gi.labels[:, :1], gi.segments[:, :1]  # one label per slot: the first batch grows both
+    covered, within = [], []
+    for k in range(2):
+        encoded = pickle.loads(pickle.dumps(ds.collate_fn([ds[(0, i)] for i in range(8 * k, 8 * k + 8)])))
+        batch = gi(encoded, torch.Generator().manual_seed(k))
+        assert batch["masks"].shape == (8, 16, 16)
+        for j in range(len(batch["cls"])):
+            b, c = int(batch["batch_idx"][j]), int(batch["cls"][j])
+            if ((batch["batch_idx"] == b) & (batch["cls"][:, 0] == c)).sum() > 1:  # a partner drawn twice
+                continue
+            shown = (batch["img"][b] == torch.tensor(colours[c], dtype=torch.uint8)[:, None, None]).all(0)
+            shown = torch.nn.functional.avg_pool2d(shown[None].float(), 4)[0] > 0.5
+            rank = int((batch["batch_idx"][:j] == b).sum())
+            mask = batch["masks"][b] == rank + 1
+            near = torch.nn.functional.max_pool2d(shown[None].float(), 3, stride=1, padding=1)[0].bool()
+            if shown.sum() >= 4:  # the mask covers the colour and stays within a mask pixel of it
+                covered.append(float((mask & shown).sum() / shown.sum()))
+                within.append(float((mask & near).sum() / mask.sum()))
+    assert gi.segments.shape[1] == 2 and len(covered) > 10, covered
+    assert min(covered) > 0.9 and min(within) > 0.9, (covered, within)
