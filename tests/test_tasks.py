@@ -78,7 +78,7 @@ def test_segment_pose_and_obb_take_ultralytics_paths_where_detection_takes_the_f
     for task in ("segment", "pose", "obb"):
         plan, problems = make_plan(cfg, FEW_CORES, task=task, task_from=MODELS[task])
         assert not problems
-        # auto: the CPU pipeline (pose takes the GPU input when asked: the next test)
+        # auto: the CPU pipeline (pose and segment take the GPU input when asked: the next test)
         assert (plan.task, plan.augment_on, plan.val_engine, plan.graph_scope, plan.cuda_graphs) == (
             task, "cpu", "ultralytics", "network", True)
         text = describe(plan, None, None)
@@ -87,18 +87,19 @@ def test_segment_pose_and_obb_take_ultralytics_paths_where_detection_takes_the_f
     assert "task            detect" in describe(detect, None, None)
 
 
-def test_pose_takes_the_gpu_input_when_asked_and_ultralytics_pipeline_on_cpu():
+@pytest.mark.parametrize("task,carried", [("pose", "keypoints"), ("segment", "polygons")])
+def test_pose_and_segment_take_the_gpu_input_when_asked_and_ultralytics_pipeline_on_cpu(task, carried):
     for value, on in (("gpu", "gpu"), ("cpu", "cpu")):
         cfg = compose_config([f"loader.augment_on={value}", "train.imgsz=640"])
-        plan, problems = make_plan(cfg, FEW_CORES, task="pose", task_from=MODELS["pose"])
+        plan, problems = make_plan(cfg, FEW_CORES, task=task, task_from=MODELS[task])
         assert not problems and plan.augment_on == on and plan.val_engine == "ultralytics"
-        paths = "the GPU input pipeline (keypoints" if on == "gpu" else "Ultralytics' CPU pipeline, validator and loss"
-        assert f"task            pose (from {MODELS['pose']}); {paths}" in describe(plan, None, None)
+        paths = f"the GPU input pipeline ({carried}" if on == "gpu" else "Ultralytics' CPU pipeline, validator and loss"
+        assert f"task            {task} (from {MODELS[task]}); {paths}" in describe(plan, None, None)
     cfg = compose_config(["loader.augment_on=gpu", "val.engine=fast", "train.batch_per_device=auto"])
-    _, problems = make_plan(cfg, FEW_CORES, task="pose")
+    _, problems = make_plan(cfg, FEW_CORES, task=task)
     text = "\n".join(p.message for p in problems)
-    assert "loader.augment_on" not in text  # the GPU input is pose's; the fast validator and the probe are not
-    assert "val.engine=fast with a pose model" in text and "train.batch_per_device=auto with a pose model" in text
+    assert "loader.augment_on" not in text  # the GPU input is the task's; the fast validator and the probe are not
+    assert f"val.engine=fast with a {task} model" in text and f"train.batch_per_device=auto with a {task} model" in text
 
 
 def test_settings_that_ask_a_segment_model_for_detections_fast_paths_are_refused_with_what_to_set():
@@ -106,14 +107,16 @@ def test_settings_that_ask_a_segment_model_for_detections_fast_paths_are_refused
                           "train.accumulate=2", "+train.extra.overlap_mask=false"])
     _, problems = make_plan(cfg, FEW_CORES, task="segment")
     text = "\n".join(p.message for p in problems)
-    assert "loader.augment_on=gpu with a segment model" in text and "use loader.augment_on=cpu" in text
-    assert "upright boxes, and a pose model's keypoints, only (not masks or rotated corners)" in text
+    assert "loader.augment_on" not in text  # the GPU input takes a segment model's polygons
     assert "val.engine=fast with a segment model" in text and "val.engine=ultralytics" in text
     assert "train.batch_per_device=auto with a segment model" in text
     assert "overlap_mask=false with train.accumulate > 1" in text
     for task in ("obb", "classify"):
         _, problems = make_plan(compose_config(["loader.augment_on=gpu"]), FEW_CORES, task=task)
-        assert f"loader.augment_on=gpu with a {task} model" in "\n".join(p.message for p in problems)
+        text = "\n".join(p.message for p in problems)
+        assert f"loader.augment_on=gpu with a {task} model" in text and "use loader.augment_on=cpu" in text
+        if task == "obb":
+            assert "a pose model's keypoints and a segmentation model's polygons only (not rotated corners)" in text
     _, problems = make_plan(cfg, FEW_CORES)
     assert "segment" not in "\n".join(p.message for p in problems)
 

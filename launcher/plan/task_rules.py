@@ -2,10 +2,11 @@
 name with rules(task): the plan, the ranks, the final lines and ddp-bench ask it for a property.
 
 Detection has ddp-launch's fast paths: the input augmented on the GPU, the fast validation engine, the whole step
-captured as one CUDA graph, the auto batch's probe. Pose has the GPU input too (its keypoints follow the matrix and
-flips of their boxes: rank/data/augment_keypoints.py), taken when asked: `auto` keeps pose on the CPU pipeline until
-the GPU input is measured ahead for it. Segmentation and obb
-train through Ultralytics' own pipeline (its transforms warp polygons and corners); pose, segmentation and obb
+captured as one CUDA graph, the auto batch's probe. Pose and segmentation have the GPU input too (a pose model's
+keypoints follow the matrix and flips of their boxes: rank/data/augment_keypoints.py; a segmentation model's
+polygons too, its boxes made from them and its masks drawn on the device: augment_segments.py, segment_masks.py),
+taken when asked: `auto` keeps them on the CPU pipeline until the GPU input is measured ahead for them. Obb
+trains through Ultralytics' own pipeline (its transforms warp rotated corners); pose, segmentation and obb
 through its validator (masks, keypoints and rotated boxes scored as it scores them) and its loss, normalised over
 the ranks but eager (its mask, keypoint and rotated-box terms have shapes that follow the targets); the network
 alone is graphed on GPUs. Classification trains on
@@ -34,7 +35,7 @@ class Metric:
 BOX = (Metric("map50", "metrics/mAP50(B)", "mAP50"), Metric("map50_95", "metrics/mAP50-95(B)", "mAP50-95"))
 TOP1, TOP5 = "metrics/accuracy_top1", "metrics/accuracy_top5"  # a classifier's validation metrics (ClassifyMetrics)
 EAGER = "the GPU input, the fast validator and the captured step are detection's"
-POSE_EAGER = "the fast validator and the captured step are detection's"
+OWN_EAGER = "the fast validator and the captured step are detection's"  # a task with the GPU input
 
 
 def _own(suffix: str, name: str) -> tuple[Metric, ...]:
@@ -54,7 +55,7 @@ class TaskRules:
     folders: bool = False  # class folders (ClassificationDataset), not images and label files (YOLODataset)
     mosaic: bool = True  # Ultralytics' mosaic (and so close_mosaic and the mosaic buffer)
     mean_loss: bool = False  # Ultralytics' loss is a mean over the batch, not a sum over its images
-    takes: str = "not masks or rotated corners"  # what its input is, as the GPU input's refusal says it
+    takes: str = "not rotated corners"  # what its input is, as the GPU input's refusal says it
     masks: bool = False  # its targets hold masks (train.extra.overlap_mask applies)
     shared_cache: bool = True  # train.cache=shared (the node's cache of detection datasets' images) applies
     multi_scale: bool = True  # train.extra.multi_scale applies
@@ -94,12 +95,14 @@ class TaskRules:
 
 TASKS = {
     "detect": TaskRules("detect", fast_paths=True, gpu_input=True, auto_gpu_input=True),
-    "segment": TaskRules("segment", masks=True, own=_own("M", "mask"), quality=_own("M", "mask")[1],
-                         pipeline=f"; Ultralytics' CPU pipeline, validator and loss ({EAGER})"),
+    "segment": TaskRules("segment", gpu_input=True, masks=True, own=_own("M", "mask"), quality=_own("M", "mask")[1],
+                         pipeline=f"; Ultralytics' CPU pipeline, validator and loss ({OWN_EAGER})",
+                         gpu_pipeline="; the GPU input pipeline (polygons warped and flipped, boxes made from them, "
+                                      f"masks drawn on the device), Ultralytics' validator and loss ({OWN_EAGER})"),
     "pose": TaskRules("pose", gpu_input=True, own=_own("P", "pose"), quality=_own("P", "pose")[1],
-                      pipeline=f"; Ultralytics' CPU pipeline, validator and loss ({POSE_EAGER})",
+                      pipeline=f"; Ultralytics' CPU pipeline, validator and loss ({OWN_EAGER})",
                       gpu_pipeline="; the GPU input pipeline (keypoints warped and flipped with their boxes), "
-                                   f"Ultralytics' validator and loss ({POSE_EAGER})"),
+                                   f"Ultralytics' validator and loss ({OWN_EAGER})"),
     # its box metrics (B) are the rotated boxes'
     "obb": TaskRules("obb", quality=Metric("map50_95", BOX[1].source, "box mAP50-95 (rotated boxes)"),
                      note=" (rotated boxes)", pipeline=f"; Ultralytics' CPU pipeline, validator and loss ({EAGER})"),
@@ -127,8 +130,8 @@ def task_problems(cfg: dict, task: str, *, device: str) -> list[Problem]:
     problems = []
     if not r.gpu_input and loader.get("augment_on") == "gpu":
         problems.append(Problem(f"loader.augment_on=gpu with a {task} model: the GPU input pipeline augments upright "
-                                f"boxes, and a pose model's keypoints, only ({r.takes}); use loader.augment_on=cpu "
-                                "(or auto)"))
+                                "boxes, a pose model's keypoints and a segmentation model's polygons only "
+                                f"({r.takes}); use loader.augment_on=cpu (or auto)"))
     if not r.fast_paths and val.get("engine") == "fast":
         problems.append(Problem(f"val.engine=fast with a {task} model: the fast engine scores upright boxes only; use "
                                 "val.engine=ultralytics (or auto)"))
