@@ -1,8 +1,9 @@
 """A segmentation, a pose, an obb and a classification model trained end to end on two CPU ranks (gloo) through the
 real `ddp-launch`: the README's command for each, shorter and smaller, on the synthetic shapes labelled for their task
 (polygons, four keypoints, rotated boxes, class folders): Ultralytics' pipeline, loss and validator of the task (the
-pose run's input on the GPU pipeline, run on the CPU: its keypoints warped and flipped with their boxes), a metric
-above zero (a classifier's top-1 above chance), and a best.pt that Ultralytics loads as that task."""
+segmentation and pose runs' input on the GPU pipeline, run on the CPU: the polygons warped and flipped, boxes and
+masks made from them; the keypoints warped and flipped with their boxes), a metric above zero (a classifier's top-1
+above chance), and a best.pt that Ultralytics loads as that task."""
 
 from __future__ import annotations
 
@@ -36,8 +37,9 @@ CASES = {"segment": ("yolov8n-seg.yaml", "train/seg_loss", "metrics/mAP50-95(M)"
          "classify": ("yolov8n-cls.yaml", "train/loss", "metrics/accuracy_top1", "top1")}
 FINAL = {"segment": "mask mAP50 {:.4f}", "pose": "pose mAP50 {:.4f}", "obb": "mAP50 {:.4f}",  # the final lines
          "classify": "top-1 {:.4f}"}
-INPUT = {"pose": ["loader.augment_on=gpu"]}  # the task's input, where it is not Ultralytics' CPU pipeline
-PATHS = {"pose": "; the GPU input pipeline (keypoints warped and flipped with their boxes)"}  # the plan's task line
+INPUT = {"pose": ["loader.augment_on=gpu"], "segment": ["loader.augment_on=gpu"]}  # not the CPU pipeline
+PATHS = {"pose": "; the GPU input pipeline (keypoints warped and flipped with their boxes)",  # the plan's task line
+         "segment": "; the GPU input pipeline (polygons warped and flipped, boxes made from them, masks drawn"}
 ABOVE = {"classify": 0.5}  # the metric's floor: a classifier's top-1 above chance (a third), the mAPs above zero
 
 
@@ -64,8 +66,9 @@ def test_each_task_trains_on_two_ranks_its_loss_falling_to_a_metric_above_zero(t
     with (run_dir / "results.csv").open() as f:
         rows = list(csv.DictReader(f))
     assert len(rows) == 8 and column in rows[0]  # the task's own metrics beside the boxes', per epoch
-    if task in INPUT:  # the keypoints the GPU input carried were learned: a pose mAP above zero at a validation
-        assert max(float(r["metrics/mAP50(P)"]) for r in rows if r["metrics/mAP50(P)"] != "nan") > 0, rows
+    if task in INPUT:  # the masks or keypoints the GPU input made were learned: their mAP above zero at a validation
+        own = column.replace("mAP50-95", "mAP50")
+        assert max(float(r[own]) for r in rows if r[own] != "nan") > 0, rows
     assert float(rows[-1][loss]) < 0.7 * float(rows[0][loss])  # the mask or keypoint term learned
 
 

@@ -55,19 +55,20 @@ def _segment_boxes(points: torch.Tensor, size: float) -> torch.Tensor:
     inside = (x >= 0) & (y >= 0) & (x <= size) & (y <= size)
     delta = points.roll(-1, 1) - points  # each point's edge to the next (the last closes the polygon)
     # crossings of x = 0, x = size, y = 0, y = size: (n, M, 4) positions along the edge, and the crossing point
-    bound = torch.tensor([0.0, size, 0.0, size], device=points.device)
+    quarter = torch.arange(4, device=points.device)  # made on the device: no copy from the host per batch
+    bound = (quarter % 2) * size  # x = 0, x = size, y = 0, y = size
     start = torch.stack((x, x, y, y), -1)
     step = torch.stack((delta[..., 0],) * 2 + (delta[..., 1],) * 2, -1)
     t = (bound - start) / step  # inf or nan where the edge runs along the border's axis: never in [0, 1]
     along = (t >= 0) & (t <= 1)
-    cross_x = torch.where(torch.arange(4, device=points.device) < 2, bound, x[..., None] + t * delta[..., 0:1])
-    cross_y = torch.where(torch.arange(4, device=points.device) < 2, y[..., None] + t * delta[..., 1:2], bound)
-    other = torch.where(torch.arange(4, device=points.device) < 2, cross_y, cross_x)
+    vertical = quarter < 2  # the borders x = 0 and x = size
+    cross_x = torch.where(vertical, bound, x[..., None] + t * delta[..., 0:1])
+    cross_y = torch.where(vertical, y[..., None] + t * delta[..., 1:2], bound)
+    other = torch.where(vertical, cross_y, cross_x)
     crossing = along & (other >= 0) & (other <= size)
     # the image's corners inside the polygon (cv2.pointPolygonTest >= 0; a corner on an edge is rare and moves the
     # box by nothing: the edge's crossings are that corner too)
-    cx = torch.tensor([0.0, size, 0.0, size], device=points.device)
-    cy = torch.tensor([0.0, 0.0, size, size], device=points.device)
+    cx, cy = bound, (quarter // 2) * size  # (0, 0), (size, 0), (0, size), (size, size)
     y0, y1, x0, dx, dy = y[:, None], (y + delta[..., 1])[:, None], x[:, None], delta[..., 0][:, None], \
         delta[..., 1][:, None]
     spans = (y0 > cy[None, :, None]) != (y1 > cy[None, :, None])  # (n, 4, M)

@@ -1,4 +1,4 @@
-"""Ultralytics 8.4.190's detection and pose training augmentation, on tensors, on the training device
+"""Ultralytics 8.4.190's detection, pose and segmentation training augmentation, on tensors, on the training device
 (loader.augment_on=gpu).
 
 Why: with Ultralytics' loader the CPU decodes, builds the mosaic, warps it, shifts its colours and flips it, several
@@ -48,8 +48,9 @@ Where the device version differs, and why
   * Randomness comes from a torch.Generator on the device (same distributions, different numbers from Python's
     `random` and NumPy). Mosaic partners are chosen by gpu_input.py from its buffer of recently decoded images,
     as Ultralytics draws from its dataset's buffer of recently loaded ones.
-  * Boxes are warped as boxes. When label files hold polygons, Ultralytics re-derives each box from the warped
-    polygon (tighter under rotation, area threshold 0.01); here the box rule (0.10) applies to every dataset.
+  * Boxes are warped as boxes, except a segmentation dataset's, which come from their warped polygons as
+    Ultralytics makes them (area threshold 0.01; augment_segments.py). A detection dataset whose label files hold
+    polygons gets the box rule (0.10): Ultralytics re-derives those boxes from the polygons too.
   * MixUp's and CutMix's partner is another image of the buffer (Ultralytics: of the whole dataset), with 3 mosaic
     partners and every draw of its own, rendered as an extra row of the batch.
   * RandomHSV comes after the mix and is not linear: a mixed sample's parts are rendered without it (uint8, as
@@ -58,11 +59,14 @@ Where the device version differs, and why
     flipping the mix. Boxes are mixed by Ultralytics' rule before the flips, then flipped with the rest.
   * MixUp blends in float32 (NumPy: float64) before truncating: a grey level apart where the blend lies within
     rounding of an integer. r is the 32nd smallest of 63 uniforms, which is exactly Beta(32, 32).
-  * CutMix keeps partner boxes from 0.1 of their area inside; Ultralytics from 0.01 when label files hold polygons.
+  * CutMix keeps partner boxes from 0.1 of their area inside (a segmentation dataset's from 0.01, as Ultralytics);
+    Ultralytics from 0.01 whenever label files hold polygons.
   * Not reproduced (refused when configured): copy_paste (it needs polygons), custom `augmentations`. Ultralytics also
     applies Albumentations blur/median blur/grey/CLAHE at p=0.01 each, but only when the albumentations package is
-    installed, which it is not in this project's environments. Boxes, and a pose dataset's keypoints with them
-    (augment_keypoints.py); not polygons' masks nor rotated boxes. 3-channel images, 2x2 mosaic.
+    installed, which it is not in this project's environments. Boxes, a pose dataset's keypoints with them
+    (augment_keypoints.py), a segmentation dataset's polygons and Format's masks from them (augment_segments.py,
+    segment_masks.py: drawn by a scanline test, not by cv2.fillPoly, a pixel apart on instances' edges); not rotated
+    boxes. 3-channel images, 2x2 mosaic.
 
 Syncs: none in the sampling; one device-to-host read per batch, of how many boxes survive in each image (their number
 is data-dependent; the batch carries the counts, and their largest as MAX_TARGETS for the sync-free loss) and, with
@@ -70,7 +74,9 @@ mixup or cutmix on, in the same read, how many samples are mixed and how many ro
 output alone on CUDA (the Triton pass keeps nothing else); the PyTorch twin that CPU runs use works in passes of
 bounded size (warp.PIXELS_PER_PASS). A batch with mixed samples also renders those samples (again: the first pass's
 image of theirs is overwritten) and the partners they use, without HSV, into uint8 (3 S^2 bytes each), and mixes them
-in passes of that bounded size.
+in passes of that bounded size. A segmentation batch's polygons are read by segment2box's rule and drawn into masks
+in passes of bounded size too (augment_segments.POINTS_PER_PASS, segment_masks.ELEMENTS_PER_PASS), keeping each
+instance's mask at mask resolution ((S / mask_ratio)^2 bytes) until the batch's masks are composed.
 """
 
 from __future__ import annotations
@@ -107,7 +113,9 @@ class GpuAugment(AugmentSettings):
 
     def apply(self, raw: RawBatch, p: AugmentParams) -> dict:
         """The augmented batch, keys and dtypes as YOLODataset.collate_fn returns them for a detection dataset, and
-        for a pose dataset (RawBatch.keypoints) its `keypoints` (N, P, 3), normalised as Format(normalize=True)."""
+        for a pose dataset (RawBatch.keypoints) its `keypoints` (N, P, 3), normalised as Format(normalize=True), for
+        a segmentation dataset (RawBatch.segments) Format's `masks` and `sem_masks` (segment_masks.formatted_masks),
+        the label rows sorted as their overlap masks number them."""
         n, s = raw.images.shape[0], self.imgsz
         if raw.images.shape[1:] != (s, s, 3):
             raise ValueError(f"raw images of shape {tuple(raw.images.shape[1:])} for imgsz {s}: expected ({s}, {s}, 3)")

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 GROW = 1.0  # full-resolution pixels the polygon grows by: fillPoly's boundary pixels and the shrink's blur
-ELEMENTS_PER_PASS = 2**24  # crossing and table cells per pass: bounds the temporaries (~20 bytes each)
+ELEMENTS_PER_PASS = 2**22  # crossing and table cells per pass: bounds the temporaries (~25 bytes each)
 
 
 def grown(points: torch.Tensor, by: float) -> torch.Tensor:
@@ -70,7 +70,8 @@ def formatted_masks(inside: torch.Tensor, image: torch.Tensor, counts: list[int]
     (Format indexes its classes by mask - 1), without it 0."""
     n, h, w = inside.shape
     b, device = len(counts), inside.device
-    starts = torch.tensor([0, *counts], device=device).cumsum(0)[:-1] if b else torch.zeros(0, device=device)
+    per_image = torch.zeros(b, dtype=torch.int64, device=device).index_add_(0, image, torch.ones_like(image))
+    starts = per_image.cumsum(0) - per_image  # on the device: no copy from the host per batch
     area = inside.view(n, -1).sum(1)
     # by image, then by area descending; Ultralytics' areas are unsigned (np.uint8 masks' sums), so its argsort of
     # -area puts the instances of no area first
@@ -85,9 +86,9 @@ def formatted_masks(inside: torch.Tensor, image: torch.Tensor, counts: list[int]
         composed.scatter_reduce_(0, image[lo : lo + step, None].expand_as(values), values, "amax")
     composed = composed.view(b, h, w)
     sorted_cls = cls.view(-1)[order] if n else cls.view(-1)
-    last = torch.tensor(counts, device=device) - 1
+    last = per_image - 1
     index = torch.where(composed > 0, composed.long() - 1, last[:, None, None]) if overlap else composed.long() - 1
-    covered = (index >= 0) & (torch.tensor(counts, device=device)[:, None, None] > 0)
+    covered = (index >= 0) & (per_image[:, None, None] > 0)
     flat = (starts[:, None, None] + index.clamp(min=0)).clamp(max=max(n - 1, 0))
     sem = torch.where(covered, sorted_cls[flat] if n else torch.zeros_like(flat, dtype=torch.float32), 0.0).float()
     if overlap:
