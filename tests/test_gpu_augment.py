@@ -545,10 +545,10 @@ def as_ultralytics(ul, img: torch.Tensor, bboxes: torch.Tensor, cls: torch.Tenso
             "instances": Instances(xyxy, bbox_format="xyxy", normalized=False)}
 
 
-def ultralytics_mixed(ul, monkeypatch, hyp_ns, p, b: int, parts: dict) -> dict:
+def ultralytics_mixed(ul, monkeypatch, hyp_ns, p, b: int, parts: dict, **masks) -> dict:
     """Ultralytics' MixUp, CutMix, RandomHSV, RandomFlip and Format, as v8_transforms composes them, on sample b's
     rendered parts (`parts[row]`: its own image, its MixUp partner, its CutMix partner, unflipped, without HSV),
-    given GpuAugment's draws for sample b."""
+    given GpuAugment's draws for sample b. `masks`: Format's mask arguments (return_mask=True, ...)."""
     _, augment = ul
     mixup_draw, cutmix_draw = bool(p.mixup[b]), bool(p.cutmix[b])
     calls = [("uniform", 0.0 if mixup_draw else 1.0)] + [("randint", 0)] * mixup_draw
@@ -570,7 +570,7 @@ def ultralytics_mixed(ul, monkeypatch, hyp_ns, p, b: int, parts: dict) -> dict:
         augment.RandomHSV(hgain=hyp_ns.hsv_h, sgain=hyp_ns.hsv_s, vgain=hyp_ns.hsv_v),
         augment.RandomFlip(direction="vertical", p=hyp_ns.flipud),
         augment.RandomFlip(direction="horizontal", p=hyp_ns.fliplr),
-        augment.Format(bbox_format="xywh", normalize=True, batch_idx=True),
+        augment.Format(bbox_format="xywh", normalize=True, batch_idx=True, **masks),
     ])
     out = pipeline(copy.deepcopy(parts[b]))
     monkeypatch.undo()

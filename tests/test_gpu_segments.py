@@ -67,37 +67,119 @@ def test_given_the_same_draws_instances_boxes_order_and_masks_are_ultralytics(ul
     h = IMGSZ // 4
     assert ours["masks"].shape == (16, h, h) and ours["masks"].dtype == torch.uint8
     assert ours["sem_masks"].shape == (16, h, h) and ours["sem_masks"].dtype == torch.float32
-    ious, pairs, same_sem = [], 0, []
+    seen = Agreement(ours, mask_areas(hyp_ns, raw, params))
     for b, sample in enumerate(samples):
         theirs = ultralytics_segments(ul, monkeypatch, raw_ds.dataset, hyp_ns, params, b,
                                       [t.index for t in sample.tiles])
+        seen.add(b, theirs)
+    seen.check()
+
+
+def mask_areas(hyp, raw: RawBatch, params) -> torch.Tensor:
+    """Each row's own mask area (overlap_mask=False: before smaller ones are drawn over it) on the same draws, in
+    the order of the overlap batch's rows."""
+    alone = GpuAugment(IMGSZ, dict(vars(hyp) if not isinstance(hyp, dict) else hyp, overlap_mask=False),
+                       segments=M).apply(raw, params)
+    ours = GpuAugment(IMGSZ, hyp, segments=M).apply(raw, params)
+    gap = (ours["bboxes"][:, None] - alone["bboxes"][None]).abs().amax(-1)
+    gap += (ours["batch_idx"][:, None] != alone["batch_idx"][None]) * 1e9
+    return alone["masks"].flatten(1).sum(1)[gap.argmin(1)]
+
+
+class Agreement:
+    """Our batch's samples against Ultralytics' (`add`), then `check`: the same instances with the same boxes (1/20
+    pixel) and classes, in the same order where their masks of 10 pixels or more differ in area by a quarter
+    (near-equal areas may swap at a pixel's difference), a mask IoU of `least` at least (0.95 on average) for each
+    instance of 20 mask pixels or more, and sem_masks' classes where both cover a pixel. `areas`: our rows' own mask
+    areas (mask_areas)."""
+
+    def __init__(self, ours: dict, areas: torch.Tensor, least: float = 0.9):
+        self.ours, self.areas, self.least = ours, areas, least
+        self.ious, self.pairs, self.same_sem = [], 0, []
+
+    def add(self, b: int, theirs: dict) -> None:
+        ours = self.ours
         mine = ours["batch_idx"] == b
         boxes, cls = ours["bboxes"][mine], ours["cls"][mine]
         assert len(boxes) == len(theirs["bboxes"]), b  # the same instances survive the area rule and the border
         if not len(boxes):
-            continue
-        # each of our rows is one of theirs, box and class (the order may differ between near-equal areas)
-        gap = (boxes[:, None] - theirs["bboxes"][None]).abs().amax(-1)
+            return
+        gap = (boxes[:, None] - theirs["bboxes"][None]).abs().amax(-1)  # each of our rows is one of theirs
         match = gap.argmin(1)
         assert sorted(match.tolist()) == list(range(len(boxes))), b
         assert gap.min(1).values.max() < 0.05 / IMGSZ, b
         assert torch.equal(cls, theirs["cls"][match]), b
         ours_m, theirs_m = ours["masks"][b], theirs["masks"][0]
-        area = torch.stack([(theirs_m == j + 1).sum() for j in range(len(boxes))])
         for i, j in enumerate(match.tolist()):
             a, t = ours_m == i + 1, theirs_m == j + 1
-            if area[j] >= 20:
-                ious.append(float((a & t).sum() / (a | t).sum()))
-        for i in range(len(boxes)):  # the sort: rows whose areas differ by a quarter or more come in Ultralytics'
-            for k in range(i + 1, len(boxes)):  # order (rows of near-equal areas may swap at a pixel's difference)
-                ai, ak = area[match[i]], area[match[k]]
-                if min(ai, ak) >= 4 and max(ai, ak) > 1.25 * min(ai, ak):
+            if t.sum() >= 20:
+                self.ious.append(float((a & t).sum() / (a | t).sum()))
+        area = self.areas[mine]
+        for i in range(len(boxes)):
+            for k in range(i + 1, len(boxes)):
+                ai, ak = area[i], area[k]
+                if min(ai, ak) >= 10 and max(ai, ak) > 1.25 * min(ai, ak):
                     assert match[i] < match[k], (b, i, k)
-                    pairs += 1
+                    self.pairs += 1
         both = (ours_m > 0) & (theirs_m > 0)  # sem_masks: the class of the instance drawn on top
-        same_sem.append(float((ours["sem_masks"][b] == theirs["sem_masks"])[both].float().mean()))
-    assert len(ious) >= 10 and min(ious) > 0.9 and np.mean(ious) > 0.95, ious
-    assert pairs >= 10 and np.mean(same_sem) > 0.95
+        self.same_sem.append(float((ours["sem_masks"][b] == theirs["sem_masks"])[both].float().mean()))
+
+    def check(self) -> None:
+        assert len(self.ious) >= 10 and min(self.ious) > self.least and np.mean(self.ious) > 0.95, self.ious
+        assert self.pairs >= 10 and np.mean(self.same_sem) > 0.95, (self.pairs, self.same_sem)
+
+
+def test_mixed_samples_are_ultralytics_mixup_and_cutmix_with_their_polygons(ul, segment_data, monkeypatch):
+    """Each sample's own render and partners' (mosaic, warp, boxes from polygons), mixed by Ultralytics' MixUp and
+    CutMix (its 0.01 rule for polygons, the partner's polygons clamped into the area), flipped and formatted into
+    masks by Ultralytics, against GpuAugment's mixed batch on the same draws."""
+    from dataclasses import replace
+
+    from launcher.rank.data.augment_boxes import warped_boxes
+    from launcher.rank.data.augment_params import mosaic_tiles
+    from launcher.rank.data.augment_segments import clamped_into, warped_segments
+    from launcher.rank.ultralytics.datasets import raw_train_dataset
+    from tests.test_gpu_augment import ultralytics_mixed, with_partners
+    from ultralytics.utils.instance import Instances
+
+    get_cfg, _ = ul
+    hyp_ns = get_cfg(overrides={"imgsz": IMGSZ, "task": "segment", **dict(STRONG, translate=0.3), "mixup": 0.5,
+                                "cutmix": 0.7})
+    ds = RawTrainDataset(raw_train_dataset(hyp_ns, segment_data, 8), 0, segment_points=M)
+    b = 16
+    raw_all = ds.collate_fn([ds[(i // len(ds), i % len(ds))] for i in range(3 * b)])
+    raw = with_partners(raw_all, b)
+    aug = GpuAugment(IMGSZ, hyp_ns, segments=M)
+    p = aug.draw(raw, torch.Generator().manual_seed(1))
+    ours = aug.apply(raw, p)
+    # every row (samples and partners) rendered unmixed, unflipped: Ultralytics' labels after RandomPerspective
+    plain = replace(p, flip_ud=torch.zeros_like(p.flip_ud), flip_lr=torch.zeros_like(p.flip_lr), mixup=None,
+                    mix_ratio=None, cutmix=None, cut_areas=None, cut_pick=None)
+    alone = GpuAugment(IMGSZ, dict(vars(hyp_ns), mixup=0.0, cutmix=0.0), segments=M)
+    images = alone.apply(raw_all, plain)["img"]
+    tiles = mosaic_tiles(alone, raw_all, plain)
+    outlines = warped_segments(alone, raw_all, plain, tiles)
+    boxes = segment_boxes(outlines, IMGSZ)
+    row, xyxy, keep = warped_boxes(alone, raw_all, plain, tiles, boxes)
+    outlines = clamped_into(outlines, boxes)
+    parts = {}
+    for r in range(3 * b):
+        k = keep & (row == r)
+        parts[r] = {"img": images[r].permute(1, 2, 0).numpy()[..., ::-1].copy(),
+                    "cls": raw_all.labels[k, 2:3].numpy().copy(),
+                    "instances": Instances(xyxy[k].numpy().copy(), segments=outlines[k].numpy().copy(),
+                                           bbox_format="xyxy", normalized=False)}
+    # MixUp lays instances over each other: a pixel on an edge between two goes to the one drawn last, on both sides
+    seen, mixed = Agreement(ours, mask_areas(hyp_ns, raw, p), least=0.85), {"mixup": 0, "cutmix": 0}
+    for i in range(b):
+        theirs = ultralytics_mixed(ul, monkeypatch, hyp_ns, p, i, parts, return_mask=True, mask_ratio=4,
+                                   mask_overlap=True)
+        seen.add(i, theirs)
+        mixed["mixup"] += bool(p.mixup[i])
+        mixed["cutmix"] += bool(p.cutmix[i]) and len(theirs["cls"]) > len(parts[i]["cls"]) + (
+            len(parts[b + i]["cls"]) if p.mixup[i] else 0)
+    seen.check()
+    assert min(mixed.values()) >= 2, mixed
 
 
 def square(x1, y1, x2, y2) -> list[tuple[float, float]]:

@@ -76,12 +76,17 @@ class EncodedImages(NamedTuple):
         """Image i's keypoints (n, P, 3), or None for a dataset of boxes alone."""
         return None if self.keypoints is None else self.keypoints[self.starts[i] : self.starts[i + 1]]
 
-    def outlines(self, i: int) -> np.ndarray | None:
-        """Image i's polygons as (n, M, 2) points (normalised; resample_segments), or None without polygons."""
+    def outlines(self, indices: list[int]) -> np.ndarray | None:
+        """The polygons of images `indices`, their rows one after another, as (n, M, 2) points (normalised;
+        resample_segments, in one call), or None without polygons."""
         if self.segments is None:
             return None
-        bounds = self.segment_starts[self.starts[i] : self.starts[i + 1] + 1]
-        return resample_segments(self.segments[bounds[0] : bounds[-1]], bounds - bounds[0], self.segment_points)
+        parts = [self.segment_starts[self.starts[i] : self.starts[i + 1] + 1] for i in indices]
+        vertices = [self.segments[b[0] : b[-1]] for b in parts]
+        sizes = np.concatenate([np.diff(b) for b in parts]) if parts else np.zeros(0, np.int64)
+        starts = np.concatenate(([0], np.cumsum(sizes))).astype(np.int64)
+        flat = np.concatenate(vertices) if vertices else np.zeros((0, 2), np.float32)
+        return resample_segments(flat, starts, self.segment_points)
 
 
 def _keypoints(labels: list[dict], dataset) -> np.ndarray:
@@ -190,8 +195,7 @@ class EncodedBatch:
             counts=torch.tensor([len(c) for c, _ in labels], dtype=torch.int64),
             keypoints=None if images.keypoints is None else torch.from_numpy(
                 np.concatenate([images.points(s.index) for s in samples])),
-            segments=None if images.segments is None else torch.from_numpy(
-                np.concatenate([images.outlines(s.index) for s in samples])),
+            segments=None if images.segments is None else torch.from_numpy(images.outlines([s.index for s in samples])),
         )
 
     @property

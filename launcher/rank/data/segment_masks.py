@@ -50,7 +50,8 @@ def rasterized(points: torch.Tensor, size: int, ratio: int, grow: float = GROW) 
         crosses = (ay > y) != (by_ > y)  # half-open: a vertex on the line counts once
         dy = torch.where(by_ == ay, torch.ones_like(ay), by_ - ay)
         x = a[..., 0] + (y - ay) * (b[..., 0] - a[..., 0]) / dy  # (n, size, M)
-        column = torch.floor(x / ratio - 0.5).add(1).clamp(0, size).long()  # first column whose centre is right of x
+        column = torch.floor(x / ratio - 0.5).add(1).clamp(0, size)  # the first column whose centre is right of x
+        column = column.nan_to_num(0.0).long()  # a point the perspective divide sent to nan indexes column 0
         table = torch.zeros((x.shape[0], size, size + 1), dtype=torch.int32, device=points.device)
         table.scatter_add_(2, column, crosses.int())
         out[lo : lo + step] = (table[..., :size].cumsum(2, dtype=torch.int32) & 1).bool()
@@ -63,9 +64,9 @@ def formatted_masks(inside: torch.Tensor, image: torch.Tensor, counts: list[int]
     `image` (N,) int64, `counts` per image, `cls` (N, 1)).
 
     Returns (order, masks, sem_masks). With `overlap`: order (N,) the rows sorted within each image by mask area,
-    those of no area first, then the largest first (ties keep their order), which the batch's label rows take; masks (B, h, w) uint8 (int32 past 255
-    instances in an image), 0 outside, i + 1 where the i-th of its image in that order is the last (smallest)
-    covering it. Without: order None, masks (N, h, w) uint8 in batch order. sem_masks (B, h, w) float32: the class
+    those of no area first, then the largest first (ties keep their order), which the batch's label rows take;
+    masks (B, h, w) uint8 (int32 past 255 instances in an image), 0 outside, i + 1 where the i-th of its image in
+    that order is the last (smallest) covering it. Without: order None, masks (N, h, w) uint8 in batch order. sem_masks (B, h, w) float32: the class
     of the smallest instance covering each pixel; where none does, with overlap the class of the image's last row
     (Format indexes its classes by mask - 1), without it 0."""
     n, h, w = inside.shape
