@@ -12,8 +12,8 @@ Ultralytics' rules (ultralytics/data/augment.py, utils/instance.py, utils/ops.py
   * CutMix: a partner box joins when at least 0.01 of its area lies in the pasted area (0.1 when the sample had no
     instance left); its points are clamped into that area, as its box is.
   * RandomFlip up-down then left-right: y -> S - y, x -> S - x.
-The box rule, the clamp and the flips are the same tensor maths on any polygon payload (rotated boxes' corners too);
-the masks are Format's (segment_masks.py).
+The warp, the box rule and the flips serve any polygon payload (an obb dataset's corners would take Ultralytics'
+preserve_obb clip instead of the clamps here); the masks are Format's (segment_masks.py).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from launcher.rank.data.augment_settings import AugmentSettings
 from launcher.rank.data.raw_batch import RawBatch
 
 SEGMENT_POINTS = 100  # M: each label's polygon travels as this many points along its outline (Ultralytics: 1000)
-POINTS_PER_PASS = 2**20  # segment_boxes' polygon points per pass: bounds its temporaries (~100 bytes per point)
+POINTS_PER_PASS = 2**19  # segment_boxes' polygon points per pass: bounds its temporaries (~200 bytes per point)
 
 
 def warped_segments(aug: AugmentSettings, raw: RawBatch, p: AugmentParams, tiles: Tiles) -> torch.Tensor:
@@ -69,25 +69,18 @@ def _segment_boxes(points: torch.Tensor, size: float) -> torch.Tensor:
     # the image's corners inside the polygon (cv2.pointPolygonTest >= 0; a corner on an edge is rare and moves the
     # box by nothing: the edge's crossings are that corner too)
     cx, cy = bound, (quarter // 2) * size  # (0, 0), (size, 0), (0, size), (size, size)
-    y0, y1, x0, dx, dy = y[:, None], (y + delta[..., 1])[:, None], x[:, None], delta[..., 0][:, None], \
-        delta[..., 1][:, None]
-    spans = (y0 > cy[None, :, None]) != (y1 > cy[None, :, None])  # (n, 4, M)
-    at = x0 + (cy[None, :, None] - y0) * dx / torch.where(dy == 0, torch.ones_like(dy), dy)
-    enclosed = ((spans & (cx[None, :, None] < at)).sum(-1) % 2) == 1  # (n, 4)
+    y0, x0, dx, dy = y[:, None], x[:, None], delta[:, None, :, 0], delta[:, None, :, 1]  # (n, 1, M)
+    spans = (y0 > cy[:, None]) != (y0 + dy > cy[:, None])  # (n, 4, M): the edge spans the corner's row
+    at = x0 + (cy[:, None] - y0) * dx / torch.where(dy == 0, torch.ones_like(dy), dy)
+    enclosed = ((spans & (cx[:, None] < at)).sum(-1) % 2) == 1  # (n, 4)
 
-    inf = torch.full_like(x, float("inf"))
-    lo_x = torch.minimum(torch.where(inside, x, inf).amin(1), torch.where(crossing, cross_x, float("inf")).amin((1, 2)))
-    lo_y = torch.minimum(torch.where(inside, y, inf).amin(1), torch.where(crossing, cross_y, float("inf")).amin((1, 2)))
-    hi_x = torch.maximum(torch.where(inside, x, -inf).amax(1),
-                         torch.where(crossing, cross_x, float("-inf")).amax((1, 2)))
-    hi_y = torch.maximum(torch.where(inside, y, -inf).amax(1),
-                         torch.where(crossing, cross_y, float("-inf")).amax((1, 2)))
-    lo_x = torch.minimum(lo_x, torch.where(enclosed, cx, float("inf")).amin(1))
-    lo_y = torch.minimum(lo_y, torch.where(enclosed, cy, float("inf")).amin(1))
-    hi_x = torch.maximum(hi_x, torch.where(enclosed, cx, float("-inf")).amax(1))
-    hi_y = torch.maximum(hi_y, torch.where(enclosed, cy, float("-inf")).amax(1))
-    box = torch.stack((lo_x, lo_y, hi_x, hi_y), 1)
-    return torch.where(torch.isfinite(box).all(1, keepdim=True), box, torch.zeros_like(box))
+    n = len(points)  # the bounds of every candidate: the points inside, the crossings, the enclosed corners
+    valid = torch.cat((inside, crossing.flatten(1), enclosed), 1)
+    xs = torch.cat((x, cross_x.flatten(1), cx.expand(n, 4)), 1)
+    ys = torch.cat((y, cross_y.flatten(1), cy.expand(n, 4)), 1)
+    lo = torch.stack((xs, ys), -1).masked_fill(~valid[..., None], float("inf")).amin(1)
+    hi = torch.stack((xs, ys), -1).masked_fill(~valid[..., None], float("-inf")).amax(1)
+    return torch.where(valid.any(1, keepdim=True), torch.cat((lo, hi), 1), torch.zeros_like(lo).repeat(1, 2))
 
 
 def clamped_into(points: torch.Tensor, boxes: torch.Tensor) -> torch.Tensor:

@@ -80,12 +80,12 @@ def formatted_masks(inside: torch.Tensor, image: torch.Tensor, counts: list[int]
     order = torch.sort(key, stable=True).indices
     rank = torch.empty_like(order)
     rank[order] = torch.arange(n, device=device) - starts[image[order]]
-    composed = torch.zeros((b, h * w), dtype=torch.int32, device=device)
+    composed = torch.zeros((b, h * w), dtype=torch.float32, device=device)  # ranks + 1, exact in float32
     step = max(1, ELEMENTS_PER_PASS // max(h * w, 1))
     for lo in range(0, n, step):
-        values = inside[lo : lo + step].view(-1, h * w).int() * (rank[lo : lo + step, None].int() + 1)
+        values = inside[lo : lo + step].view(-1, h * w) * (rank[lo : lo + step, None] + 1).float()
         composed.scatter_reduce_(0, image[lo : lo + step, None].expand_as(values), values, "amax")
-    composed = composed.view(b, h, w)
+    composed = composed.view(b, h, w).int()
     sorted_cls = cls.view(-1)[order] if n else cls.view(-1)
     last = per_image - 1
     index = torch.where(composed > 0, composed.long() - 1, last[:, None, None]) if overlap else composed.long() - 1
