@@ -1,6 +1,6 @@
 """DataParallel: only the images are scattered; the loss on the gathered predictions is the single-process loss, for
 every task (so ddp-bench's DataParallel cells run segmentation, pose, obb and classification models too).
-(On GPUs: tests/test_gpu.py; a DataParallel run end to end on the CPU: the dist.fallback=dp test of test_faults.py.)"""
+(On GPUs: tests/test_cuda_step.py; a DataParallel run end to end on the CPU: the dist.fallback=dp test of test_faults.py.)"""
 
 from __future__ import annotations
 
