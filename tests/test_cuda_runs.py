@@ -102,7 +102,7 @@ def test_auto_batch_fits_and_an_epoch_at_it_uses_50_to_70_percent_of_the_gpu(tmp
 def test_the_fast_validator_on_cuda_gives_ultralytics_map(tmp_path, cache_dir):
     """val.engine=fast (fp16, CUDA graphs, batched NMS and matching; the EMA, then its folded copy) against
     Ultralytics' DetectionValidator on the same weights (a head that finds some of the shapes untrained:
-    test_fast_validation's) and split: the same mAP up to fp16 rounding; each engine's images/s printed."""
+    test_validation_split's) and split: the same mAP up to fp16 rounding; each engine's images/s printed."""
     import time
     from types import SimpleNamespace
 
@@ -113,7 +113,7 @@ def test_the_fast_validator_on_cuda_gives_ultralytics_map(tmp_path, cache_dir):
     from launcher.rank.ultralytics import datasets
     from launcher.rank.ultralytics.fast_validation import FastValidator
     from launcher.rank.ultralytics.validation import Validator
-    from tests.test_fast_validation import a_model_that_finds_objects
+    from tests.test_validation_split import a_model_that_finds_objects
 
     spec = ShapesSpec(train_images=2, val_images=64, width=97, height=71, seed=3)
     root = ensure_dataset(tmp_path / "data", spec, workers=1, log=lambda *_: None).parent
