@@ -148,6 +148,7 @@ def test_degenerate_rows():
     assert check(rows) == 0
     assert min_area_rects(torch.from_numpy(rows[:1])).tolist() == [[3.0, 4.0, 0.0, 0.0, pytest.approx(math.pi / 2)]]
     assert min_area_rects(torch.zeros((0, 100, 2))).shape == (0, 5)
+    assert min_area_rects(torch.ones((3, 0, 2))).tolist() == [[0.0] * 5] * 3
 
 
 def test_valid_points_only():

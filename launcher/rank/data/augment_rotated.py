@@ -25,22 +25,25 @@ CHUNK_ELEMENTS = 1 << 22  # rows * M * M per chunk: about 11 such tensors live a
 
 def min_area_rects(points: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
     """ultralytics.utils.ops.xyxyxyxy2xywhr on tensors: (N, M, 2) points, `valid` (N, M) marking the points each row
-    has (all when None), to (N, 5) cx, cy, w, h, theta in the points' dtype and device; (0, 5) for no rows.
+    has (all when None), to (N, 5) cx, cy, w, h, theta in the points' dtype and device (zeros when M is 0).
 
     As xyxyxyxy2xywhr reports cv2.minAreaRect: w is the longer side, theta the angle in radians of the w side in
     [-pi/4, 3pi/4) (y down). On a tie of the sides, w is the side cv2 calls the width, the one whose direction lies in
     [-pi/2, 0) modulo pi, so a square's theta falls in [-pi/4, 0) or [pi/2, 3pi/4). Degenerate rows as cv2 gives them:
-    collinear points have h = 0 and theta along the line; equal points give w = h = 0 and theta = pi/2; a row with
-    no valid point gives its first point's.
+    collinear points have h = 0 (to rounding) and theta along the line; equal points give w = h = 0 and theta = pi/2;
+    a row with no valid point gives its first point's.
 
     Both sides compute in float32, so a near tie may fall the other way than cv2's: a near-square's sides (theta
     pi/2 apart), a long side at the range's ends (theta -pi/4 against 3pi/4), where the rectangle is the same up to
-    its corners' order; or two hull edges whose rectangles have equal areas (exact for every edge-flush rectangle of
-    a triangle with acute base angles, common in polygons clipped at an image corner), where both are minimal."""
+    its corners' order; or two hull edges whose rectangles have equal areas (a rhombus; every edge-flush rectangle of
+    a triangle with acute base angles, common in polygons clipped at an image corner), where both are minimal.
+    Memory: about 11 * 4 * min(N, CHUNK_ELEMENTS / M^2) * M^2 bytes in float32 at once, whatever N."""
     n, m = points.shape[:2]
+    if m == 0:
+        return points.new_zeros((n, 5))
     if valid is None:
         valid = torch.ones((n, m), dtype=torch.bool, device=points.device)
-    rows = max(1, CHUNK_ELEMENTS // max(1, m * m))
+    rows = max(1, CHUNK_ELEMENTS // (m * m))
     chunks = [_rects(points[i:i + rows], valid[i:i + rows]) for i in range(0, n, rows)]
     return torch.cat(chunks) if chunks else points.new_zeros((0, 5))
 
