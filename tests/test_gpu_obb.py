@@ -65,11 +65,12 @@ def check(corners: np.ndarray, w=S, h=S, x0=0.0, y0=0.0, ties: float = 0.0) -> d
     rows may have a rectangle other than Ultralytics': only where the unclipped polygon's minimum-area rectangle is a
     tie (cv2's and min_area_rects' areas equal, their directions not), and then it must be the rectangle bounding the
     same visible part along min_area_rects' direction."""
-    n = len(corners)
+    n, per_row = len(corners), any(np.ndim(b) for b in (w, h, x0, y0))
     w, h, x0, y0 = (np.broadcast_to(np.asarray(b, dtype=np.float32), (n,)) for b in (w, h, x0, y0))
     parts = [reference(corners[i:i + 1], w[i], h[i], x0[i], y0[i]) for i in range(n)]
     ref_boxes, ref_corners, ref_segments, ref_kept = (np.concatenate(p) for p in zip(*parts))
-    boxes, out, visible = clipped_obbs(torch.from_numpy(corners), *(torch.from_numpy(b.copy()) for b in (w, h, x0, y0)))
+    bounds = [torch.from_numpy(b.copy()) for b in (w, h, x0, y0)] if per_row else [float(b[0]) for b in (w, h, x0, y0)]
+    boxes, out, visible = clipped_obbs(torch.from_numpy(corners), *bounds)
     assert boxes.dtype == out.dtype == torch.float32 and visible.dtype == torch.bool
     boxes, out, visible = boxes.numpy(), out.numpy(), visible.numpy()
     np.testing.assert_array_equal(visible, ref_kept)

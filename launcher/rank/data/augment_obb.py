@@ -37,8 +37,11 @@ def clipped_obbs(corners: torch.Tensor, w: torch.Tensor | float, h: torch.Tensor
         Ultralytics takes from cv2.minAreaRect of the unclipped polygon (its longer side, angle in [-pi/2, pi/2)),
         in Ultralytics' order (u2, v2), (u2, v1), (u1, v1), (u1, v2); the box is the visible part's bounds;
       * rows with no visible area (cv2.intersectConvexConvex's area 0): zeros, visible False.
-    The corners' convex hull is clipped by Sutherland-Hodgman on padded (N, 8, 2) vertex tensors."""
-    dt = corners.dtype
+    The corners' convex hull is clipped by Sutherland-Hodgman on padded (N, 8, 2) vertex tensors; the direction is
+    min_area_rects' on the corners, so where the unclipped polygon's minimum-area rectangle is a tie (a triangle, a
+    rhombus, some quads, to float32 rounding) it may be another minimal one than cv2's, and the rectangle with it.
+    A row's corners and Ultralytics' 100 points have the same bounds only to rounding: a corner within about 1e-4 px
+    of the canvas' edge may fall on the other side of the inside test than Ultralytics' warped points do."""
     x0, y0 = _column(x0, corners), _column(y0, corners)
     lo = torch.stack(torch.broadcast_tensors(x0, y0), -1)  # (N or 1, 1, 2)
     p = corners - lo  # Ultralytics' add_padding(-x1, -y1)
@@ -58,13 +61,12 @@ def clipped_obbs(corners: torch.Tensor, w: torch.Tensor | float, h: torch.Tensor
     rect_u, rect_v = torch.stack((u2, u2, u1, u1), 1), torch.stack((v2, v1, v1, v2), 1)
     rect = torch.stack((rect_u * cos - rect_v * sin, rect_u * sin + rect_v * cos), -1)
 
-    cross = ~inside
-    out_corners = torch.where(cross[:, None, None], rect, p)
-    lo_xy, hi_xy = torch.where(cross[:, None], vis_lo, p.amin(1)), torch.where(cross[:, None], vis_hi, p.amax(1))
-    out_corners = out_corners + lo  # Ultralytics' add_padding(x1, y1)
-    boxes = torch.cat((lo_xy, hi_xy), 1) + lo[:, 0].repeat(1, 2)
+    cross = ~inside[:, None]
+    out_corners = torch.where(cross[..., None], rect + lo, corners)  # Ultralytics' add_padding(x1, y1) after
+    boxes = torch.where(cross, torch.cat((vis_lo, vis_hi), 1) + lo[:, 0].repeat(1, 2),
+                        torch.cat((corners.amin(1), corners.amax(1)), 1))
     visible = inside | visible
-    zero = torch.zeros((), dtype=dt, device=corners.device)
+    zero = torch.zeros((), dtype=corners.dtype, device=corners.device)
     return (torch.where(visible[:, None], boxes, zero), torch.where(visible[:, None, None], out_corners, zero),
             visible)
 
