@@ -86,6 +86,13 @@ def run_dir_of(result: subprocess.CompletedProcess) -> Path:
 
 
 # Ultralytics' validation table as its trainer prints it (DetectionValidator.get_desc, print_results)
+def on_cuda(batch: dict) -> dict:
+    """A batch's tensors on the (first) CUDA device, its other entries as they are (the GPU tests)."""
+    import torch
+
+    return {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
 VALIDATION_HEADER = "                 Class     Images  Instances      Box(P          R      mAP50  mAP50-95)"
 TABLE_ROW = re.compile(r"^ *(\S.*?) +(\d+) +(\d+)(?: +[-+.\de]+){4}$")
 

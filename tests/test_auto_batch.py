@@ -1,6 +1,6 @@
 """train.batch_per_device=auto on the rank side (launcher/rank/step/auto_batch.py): the search over a fake memory
 model (a fake step that runs out of memory above a size), the job's agreement, the synthetic batch the real loss
-takes, and the training arguments set once the batch is known. The GPU's own run: tests/test_gpu.py (-k auto)."""
+takes, and the training arguments set once the batch is known. The GPU's own run: tests/test_cuda_runs.py (-k auto)."""
 
 from __future__ import annotations
 

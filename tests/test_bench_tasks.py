@@ -217,6 +217,7 @@ def test_a_classification_race_is_judged_on_the_top1_accuracy_with_no_box_map(tm
     md = (tmp_path / "bench.md").read_text()
     assert "Task classify: Ultralytics' side runs its ClassificationTrainer, and the sides are compared on the " \
            "top-1 accuracy." in md
+    assert "lr0 0.01, validation after every epoch" in md and "close_mosaic" not in md  # a classifier has no mosaic
     assert "| mAP50 | mAP50-95 | top-1 accuracy | data wait |" in md
     assert "| - | - | 0.9000 | 30.0 % |" in md  # Ultralytics' run: no box mAP, its top-1
     assert "30.0 s, top-1 accuracy 0.9000; the defaults'" in md  # a variant's line names the metric compared

@@ -2,7 +2,7 @@
 called image by image: exactly the same counts, on random batches made to be hard (IoUs near the threshold, several
 detections on one target, tied confidences, detections on both sides of `conf`, empty images) and on a case worked
 out by hand. Releases before 8.4.184 match by another rule, and there the fast validator calls process_batch itself
-(rank/ultralytics/releases.py; tests/test_fast_validation.py compares its matrix with DetectionValidator's)."""
+(rank/ultralytics/releases.py; tests/test_validation_split.py compares its matrix with DetectionValidator's)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """DataParallel: only the images are scattered; the loss on the gathered predictions is the single-process loss, for
-every task (so ddp-bench's DataParallel cells run segmentation, pose and obb models too).
-(On GPUs: tests/test_gpu.py; a DataParallel run end to end on the CPU: the dist.fallback=dp test of test_faults.py.)"""
+every task (so ddp-bench's DataParallel cells run segmentation, pose, obb and classification models too).
+(On GPUs: tests/test_cuda_step.py; a DataParallel run end to end on the CPU: the dist.fallback=dp test of test_faults.py.)"""
 
 from __future__ import annotations
 
@@ -65,14 +65,15 @@ def test_a_step_through_the_replicas_is_the_single_process_step():
         torch.testing.assert_close(results[1][k], results[0][k], rtol=1e-4, atol=1e-6, msg=k)
 
 
-@pytest.mark.parametrize("task", ["segment", "pose", "obb"])
+@pytest.mark.parametrize("task", ["segment", "pose", "obb", "classify"])
 def test_a_tasks_loss_on_predictions_gathered_from_two_replicas_is_the_whole_batch_loss(task):
-    """The mask coefficients and prototypes, keypoints or angles gathered along the images as the boxes are: the
-    task's loss (normalised over the ranks, here one) on them is its loss on the whole batch."""
+    """The mask coefficients and prototypes, keypoints, angles or class scores gathered along the images as the
+    boxes are: the task's loss (normalised over the ranks, here one) on them is its loss on the whole batch."""
     from launcher.rank.ultralytics.loss import training_criterion
+    from tests.test_classify import _model_and_batch
     from tests.test_tasks import _task_model_and_batch
 
-    model, batch = _task_model_and_batch(task)
+    model, batch = _model_and_batch() if task == "classify" else _task_model_and_batch(task)
     model.train()
     for m in model.modules():
         if isinstance(m, torch.nn.BatchNorm2d):

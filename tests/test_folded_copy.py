@@ -1,6 +1,6 @@
 """The fast validator's folded copy of the EMA (rank/ultralytics/folded.py) on the CPU, in fp32: it computes the EMA's
 eval output, follows the EMA's weights in place, and leaves the EMA as it was. Its Triton kernels are compared with
-these PyTorch forms on CUDA (tests/test_gpu.py)."""
+these PyTorch forms on CUDA (tests/test_cuda_kernels.py)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The fused training BatchNorm and SiLU (rank/kernels/batchnorm_silu.py) and its swap into Ultralytics' Conv blocks
 (rank/ultralytics/blocks.py, part "bn_act" of rank/step/triton_modules.py): PyTorch's values to float rounding, the
 running statistics and num_batches_tracked as torch.nn.BatchNorm2d keeps them. The Triton kernels run under Triton's
-interpreter in a subprocess (TRITON_INTERPRET=1 before launcher is imported); CUDA: tests/test_gpu.py's graphs."""
+interpreter in a subprocess (TRITON_INTERPRET=1 before launcher is imported); CUDA: tests/test_cuda_kernels.py's graphs."""
 
 from __future__ import annotations
 

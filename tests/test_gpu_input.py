@@ -2,7 +2,7 @@
 PyTorch twins (Triton's interpreter), file bytes and the decodes the workers keep, damaged files, boxes that frame
 their objects through decode, load, mosaic, warp and flips, the mosaic partners' buffer, the file cache, the plan.
 
-The same kernels on CUDA, and nvJPEG against the CPU decoder: tests/test_gpu.py.
+The same kernels on CUDA, and nvJPEG against the CPU decoder: tests/test_cuda_input.py.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from launcher.rank.data.pipeline import MAX_TARGETS
 ROOT = Path(__file__).resolve().parents[1]
 
 
-# --- shared cases (also used by tests/test_gpu.py on CUDA) -----------------------------------------------------------
+# --- shared cases (also used by tests/test_cuda_input.py on CUDA) -----------------------------------------------------
 def render_case(device: torch.device, s: int = 48, b: int = 4, cap: int = 8):
     """warp.render's arguments for a mosaic batch with rotation, scale and perspective: every output variant."""
     g = torch.Generator().manual_seed(0)

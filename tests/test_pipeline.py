@@ -1,6 +1,6 @@
 """A rank's input pipeline (rank/data/pipeline.py): one loader iterator for the run, restarted only where it must
 be, batches fetched during the step, and the loader's delay counted as that batch's data wait. Fake loader and
-clock; the CPU path (on CUDA the fetched batch is copied on a side stream, tests/test_gpu.py trains with it)."""
+clock; the CPU path (on CUDA the fetched batch is copied on a side stream, tests/test_cuda_runs.py trains with it)."""
 
 from __future__ import annotations
 

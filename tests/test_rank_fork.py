@@ -177,7 +177,7 @@ class _FakeDriver:
 def test_a_driver_mapped_but_never_started_lets_the_ranks_fork_and_one_started_or_unreadable_does_not(
         tmp_path, monkeypatch):
     """Importing torch (a CUDA build) maps libcuda.so without starting it: forks of that use the GPU (checked on the
-    H200 machine, tests/test_gpu.py). Only a driver that answers as started, or cannot be asked, refuses."""
+    H200 machine, tests/test_cuda_runs.py). Only a driver that answers as started, or cannot be asked, refuses."""
     from launcher.machine import libraries
 
     imported, rank_env, argv = _imported_and_rank_environments(["gpus=1"], GPU_BOX, tmp_path)

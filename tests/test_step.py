@@ -1,5 +1,5 @@
 """The step's optimizer: the fused kernel changes how it runs, never what it computes; the parameter groups and the
-schedule are Ultralytics'; a checkpoint's state is read back by component. (torch.compile: tests/test_gpu.py.)"""
+schedule are Ultralytics'; a checkpoint's state is read back by component. (torch.compile: tests/test_cuda_step.py.)"""
 
 from __future__ import annotations
 
@@ -201,7 +201,7 @@ def _captured_or_plain_steps(captured: bool, batches: list[dict], amp_scaler: bo
 def test_the_captured_steps_body_takes_the_steps_the_eager_step_takes(amp_scaler):
     """CapturedStep pads the targets to a bucket and writes the gradients into tensors of its own, which no step
     zeroes: three steps (the buckets 8 and 16 among them) end on the weights, BatchNorm statistics, EMA and losses
-    of TrainStep's. (Its CUDA graphs replay this body: tests/test_gpu.py.)"""
+    of TrainStep's. (Its CUDA graphs replay this body: tests/test_cuda_step.py.)"""
     from launcher.rank.data.pipeline import MAX_TARGETS
     from launcher.rank.step.captured_step import bucket
 
@@ -261,7 +261,7 @@ def swapped_modules_against_pytorch(interpreted: bool = False) -> None:
     input; after it the modules are as they were, and the network pickles without ddp-launch. `interpreted` (a
     process under TRITON_INTERPRET=1): the concatenations and the split run as the Triton copies (counted), the
     outputs bit for bit, the gradients to float rounding: the backward hands out packed gradients, on which the
-    CPU's SiLU backward takes its vectorised path, which rounds differently (CUDA's does not: tests/test_gpu.py
+    CPU's SiLU backward takes its vectorised path, which rounds differently (CUDA's does not: tests/test_cuda_kernels.py
     compares the graphs' gradients bit for bit)."""
     import pickle
 

@@ -57,9 +57,9 @@ REACHES = {
 
 # reach -> the tests (files or node ids) that compare what it computes with what Ultralytics computes
 BEHAVIOUR = {
-    "validation.py": ["tests/test_fast_validation.py", "tests/test_e2e_tasks.py"],
+    "validation.py": ["tests/test_validation_split.py", "tests/test_e2e_tasks.py"],
     "results_table.py": ["tests/test_fast_validation.py"],
-    "fast_validation.py": ["tests/test_fast_validation.py", "tests/test_confusion.py"],
+    "fast_validation.py": ["tests/test_validation_split.py", "tests/test_confusion.py"],
     "class_metrics.py": ["tests/test_fast_validation.py"],
     "folded.py": ["tests/test_folded_copy.py"],
     "loss.py": ["tests/test_loss.py", "tests/test_tasks.py::test_the_task_loss_is_ultralytics_own_on_one_process",
@@ -68,7 +68,7 @@ BEHAVIOUR = {
     "datasets.py": ["tests/test_image_cache.py", "tests/test_gpu_augment.py",
                     "tests/test_data_check.py::test_the_split_lists_the_files_ultralytics_lists",
                     "tests/test_ultralytics_reaches.py::test_a_loader_forks_its_workers_at_its_first_iteration",
-                    "tests/test_fast_validation.py::test_a_split_read_ahead_during_training_validates_as_one_read",
+                    "tests/test_validation_split.py::test_a_split_read_ahead_during_training_validates_as_one_read",
                     "tests/test_classify.py::test_the_built_in_shapes_in_class_folders_are_read_by_ultralytics_as_the_plan_read_them"],
     "build.py": ["tests/test_ultralytics_adapter.py"],
     "tasks.py": ["tests/test_e2e_tasks.py"],

@@ -152,8 +152,9 @@ def markdown(out: dict) -> str:
         *([""] if out.get("earlier") else []),
         f"{st['model']}, {st['data']['train_images']} train / {st['data']['val_images']} val images "
         f"({_fmt(st['data']['mean_train_file_kb'], '.0f', suffix=' kB')} per train file), {st['imgsz']} px, "
-        f"{st['epochs']} epochs, batch {st['batch']}, SGD lr0 {st['lr0']}, close_mosaic {st['close_mosaic']}, "
-        f"validation after every epoch, {st['device']}; seeds {st['seeds']}."
+        f"{st['epochs']} epochs, batch {st['batch']}, SGD lr0 {st['lr0']}"
+        + (f", close_mosaic {st['close_mosaic']}" if rules(task).mosaic else "")  # a classifier has no mosaic
+        + f", validation after every epoch, {st['device']}; seeds {st['seeds']}."
         + ("" if task == "detect" else f" Task {task}: Ultralytics' side runs its {trainer(task)}, and the sides "
            f"are compared on the {quality(task)[1]}{beside}"),
         "",

@@ -37,7 +37,7 @@ if a:
 PY
 }
 run auto auto
-python3 -m pytest tests/test_gpu.py -k auto -q -s 2>&1 | tee "$out/gpu-tests.log" | tail -15
+python3 -m pytest -m gpu tests -k auto -q -s 2>&1 | tee "$out/gpu-tests.log" | tail -15
 run auto-expandable auto expandable_segments:True
 run batch64 64
 run batch64-expandable 64 expandable_segments:True
