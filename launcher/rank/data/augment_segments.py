@@ -12,8 +12,9 @@ Ultralytics' rules (ultralytics/data/augment.py, utils/instance.py, utils/ops.py
   * CutMix: a partner box joins when at least 0.01 of its area lies in the pasted area (0.1 when the sample had no
     instance left); its points are clamped into that area, as its box is.
   * RandomFlip up-down then left-right: y -> S - y, x -> S - x.
-The warp, the box rule and the flips serve any polygon payload (an obb dataset's corners would take Ultralytics'
-preserve_obb clip instead of the clamps here); the masks are Format's (segment_masks.py).
+The shift (on_canvas), the warp (warped_points), the box rule and the flips serve any polygon payload (an obb
+dataset's corners take Ultralytics' preserve_obb clip, augment_obb.py, where polygons are clamped here); the masks are
+Format's (segment_masks.py).
 """
 
 from __future__ import annotations
@@ -31,12 +32,24 @@ POINTS_PER_PASS = 2**19  # segment_boxes' polygon points per pass: bounds its te
 def warped_segments(aug: AugmentSettings, raw: RawBatch, p: AugmentParams, tiles: Tiles) -> torch.Tensor:
     """Mosaic's shift and clamp to the canvas, then RandomPerspective's warp: (K, M, 2) points in pixels of the
     unflipped output, per label row of `raw`, not yet clamped to the image (segment_boxes reads them as they are)."""
-    s = aug.imgsz
+    sample = raw.labels[:, 0].long()
+    points = on_canvas(raw, tiles)
+    points = torch.where(p.mosaic[sample, None, None], points.clamp(0.0, 2.0 * aug.imgsz), points)
+    return warped_points(points, p.matrix[sample])
+
+
+def on_canvas(raw: RawBatch, tiles: Tiles) -> torch.Tensor:
+    """Each label row's polygon (RawBatch.segments) shifted with its tile onto the mosaic canvas (without mosaic:
+    its image as it is), (K, M, 2) pixels; Mosaic's clip to the canvas is the caller's (a clamp for polygons)."""
     sample, tile = raw.labels[:, 0].long(), raw.labels[:, 1].long()
     pad = torch.stack((tiles.pad_x[sample, tile], tiles.pad_y[sample, tile]), 1).float()
-    points = raw.segments + pad[:, None]
-    points = torch.where(p.mosaic[sample, None, None], points.clamp(0.0, 2.0 * s), points)
-    xy1 = torch.cat((points, torch.ones_like(points[..., :1])), -1) @ p.matrix[sample].transpose(1, 2)
+    return raw.segments + pad[:, None]
+
+
+def warped_points(points: torch.Tensor, matrix: torch.Tensor) -> torch.Tensor:
+    """Points (K, M, 2) through their row's matrix (K, 3, 3), with the perspective divide
+    (RandomPerspective.apply_segments)."""
+    xy1 = torch.cat((points, torch.ones_like(points[..., :1])), -1) @ matrix.transpose(1, 2)
     return xy1[..., :2] / xy1[..., 2:]
 
 
