@@ -335,3 +335,44 @@ def test_through_decode_and_the_image_buffer_each_mask_covers_its_rectangle(tmp_
                 within.append(float((mask & near).sum() / mask.sum()))
     assert gi.segments.shape[1] == 2 and len(covered) > 10, covered
     assert min(covered) > 0.9 and min(within) > 0.9, (covered, within)
+
+
+def segment_case(device: torch.device, seed: int = 0):
+    """A segmentation batch on `device`: 8 samples of 4 mosaic tiles, each tile with 1 to 5 random polygons (some
+    crossing the borders), strong warps, both flips, MixUp and CutMix partners; its draws made on the CPU and moved
+    there. Returns (GpuAugment, RawBatch, AugmentParams)."""
+    from dataclasses import fields, replace
+
+    rng = np.random.default_rng(seed)
+    b, mixes = 8, 2
+    rows = b * (1 + mixes)
+    polygons, labels = [], []
+    for r in range(rows):
+        for t in range(4):
+            for _ in range(int(rng.integers(1, 6))):
+                centre, radius = rng.uniform(-5, 69, 2), rng.uniform(3, 25)
+                angles = np.sort(rng.uniform(0, 2 * np.pi, int(rng.integers(3, 12))))
+                polygon = centre + radius * np.stack((np.cos(angles), np.sin(angles)), 1)
+                polygons.append(polygon.astype(np.float32))
+                labels.append([r, t, int(rng.integers(0, 3)), *polygon.min(0).clip(0, 64), *polygon.max(0).clip(0, 64)])
+    starts = np.concatenate(([0], np.cumsum([len(p) for p in polygons]))).astype(np.int64)
+    n = rows * 4
+    raw = RawBatch(images=torch.full((n, 64, 64, 3), 114, dtype=torch.uint8), sizes=torch.tensor([[64, 64]] * n),
+                   groups=torch.arange(n).view(rows, 4), labels=torch.tensor(labels, dtype=torch.float32),
+                   im_file=("a.jpg",) * b, ori_shape=((64, 64),) * b, ratio_pad=((1.0, 1.0),) * b,
+                   segments=torch.from_numpy(resample_segments(np.concatenate(polygons), starts, M)))
+    aug = GpuAugment(64, dict(STRONG, mixup=0.5, cutmix=0.7), segments=M)
+    params = aug.draw(raw, torch.Generator().manual_seed(seed))
+    moved = {f.name: getattr(params, f.name).to(device) for f in fields(params)
+             if isinstance(getattr(params, f.name), torch.Tensor)}
+    return aug, raw.to(device), replace(params, **moved)
+
+
+def test_a_segment_batch_is_the_same_on_every_device_it_is_built_on():
+    """The helper the CUDA test compares devices with (tests/test_cuda_input.py): on the CPU twice, the same batch;
+    with polygons crossing the borders, mixed and flipped samples and both mask formats."""
+    for overlap in (True, False):
+        aug, raw, p = segment_case(torch.device("cpu"))
+        aug.overlap_mask = overlap
+        one, two = aug.apply(raw, p), aug.apply(*segment_case(torch.device("cpu"))[1:])
+        assert len(one["cls"]) > 20 and torch.equal(one["masks"], two["masks"]) and torch.equal(one["cls"], two["cls"])

@@ -102,7 +102,8 @@ def _segments(labels: list[dict], counts: list[int], m: int) -> dict:
     label file has none gives its rows no vertices: resample_segments makes them empty)."""
     polygons = []
     for lb, n in zip(labels, counts):
-        segments = lb.get("segments") or []
+        segments = lb.get("segments")
+        segments = [] if segments is None else segments
         polygons += [np.asarray(p, np.float32).reshape(-1, 2) for p in segments] if len(segments) == n else [
             np.zeros((0, 2), np.float32)] * n
     sizes = [len(p) for p in polygons]
