@@ -20,7 +20,9 @@ another, on a side stream, while the steps before it run):
   4. augment: gpu_augment.GpuAugment with the buffer as its images: the boxes (one host read: how many survive in
      each image), then one pass writes the network's input (and a second the mixed samples, when there are some).
 
-The buffer costs capacity x imgsz^2 x 3 bytes of GPU memory (512 slots at 640 px: 0.6 GiB).
+The buffer costs capacity x imgsz^2 x 3 bytes of GPU memory (512 slots at 640 px: 0.6 GiB); a segmentation
+dataset's polygons beside the labels capacity x width x M x 8 bytes (width: the most labels of an image, to the next
+power of two; 512 slots of 64 labels of 100 points: 25 MiB).
 """
 
 from __future__ import annotations
