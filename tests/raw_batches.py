@@ -64,14 +64,15 @@ class RawTrainDataset(Dataset):
             raise ValueError(f"partners must be one of {PARTNERS}, not {partners!r}")
         if getattr(dataset, "rect", False):
             raise ValueError("a rect dataset has no square images to mosaic: build it with rect=False")
-        if not getattr(dataset, "use_segments", False) and any(len(lb.get("segments", [])) for lb in dataset.labels):
+        outlined = getattr(dataset, "use_segments", False) or getattr(dataset, "use_obb", False)  # polygons, corners
+        if not outlined and any(len(lb.get("segments", [])) for lb in dataset.labels):
             warnings.warn(
                 "label files with polygons: loader.gpu_augment warps their boxes, where Ultralytics re-derives "
                 "each box from the warped polygon (tighter under rotation and shear)",
                 stacklevel=2,
             )
         self.dataset, self.seed, self.mosaic, self.partners = dataset, seed, mosaic, partners
-        self.segment_points = segment_points if getattr(dataset, "use_segments", False) else 0  # M, or no polygons
+        self.segment_points = segment_points if outlined else 0  # M, or no outlines
         self.imgsz = int(dataset.imgsz)
 
     def __len__(self) -> int:

@@ -523,10 +523,11 @@ def test_mix_choices_follow_ultralytics_distributions(ul):
 
 
 class Partner:
-    """A dataset of one image for Ultralytics' MixUp and CutMix: the partner GpuAugment rendered."""
+    """A dataset of one image for Ultralytics' MixUp and CutMix: the partner GpuAugment rendered (`use_obb`: an obb
+    dataset's, which CutMix clips with preserve_obb)."""
 
-    def __init__(self, labels: dict):
-        self.labels = labels
+    def __init__(self, labels: dict, use_obb: bool = False):
+        self.labels, self.use_obb = labels, use_obb
 
     def __len__(self) -> int:
         return 1
@@ -545,10 +546,11 @@ def as_ultralytics(ul, img: torch.Tensor, bboxes: torch.Tensor, cls: torch.Tenso
             "instances": Instances(xyxy, bbox_format="xyxy", normalized=False)}
 
 
-def ultralytics_mixed(ul, monkeypatch, hyp_ns, p, b: int, parts: dict, **masks) -> dict:
+def ultralytics_mixed(ul, monkeypatch, hyp_ns, p, b: int, parts: dict, obb: bool = False, **masks) -> dict:
     """Ultralytics' MixUp, CutMix, RandomHSV, RandomFlip and Format, as v8_transforms composes them, on sample b's
     rendered parts (`parts[row]`: its own image, its MixUp partner, its CutMix partner, unflipped, without HSV),
-    given GpuAugment's draws for sample b. `masks`: Format's mask arguments (return_mask=True, ...)."""
+    given GpuAugment's draws for sample b. `obb`: the parts are an obb dataset's; `masks`: Format's further
+    arguments (return_mask=True, ..., return_obb=True)."""
     _, augment = ul
     mixup_draw, cutmix_draw = bool(p.mixup[b]), bool(p.cutmix[b])
     calls = [("uniform", 0.0 if mixup_draw else 1.0)] + [("randint", 0)] * mixup_draw
@@ -565,8 +567,8 @@ def ultralytics_mixed(ul, monkeypatch, hyp_ns, p, b: int, parts: dict, **masks) 
     monkeypatch.setattr(augment.np.random, "uniform", lambda lo, hi, n: unit)
     n = len(p.mixup)
     pipeline = augment.Compose([
-        augment.MixUp(Partner(parts[n + b]), p=hyp_ns.mixup),
-        augment.CutMix(Partner(parts[2 * n + b]), p=hyp_ns.cutmix),
+        augment.MixUp(Partner(parts[n + b], obb), p=hyp_ns.mixup),
+        augment.CutMix(Partner(parts[2 * n + b], obb), p=hyp_ns.cutmix),
         augment.RandomHSV(hgain=hyp_ns.hsv_h, sgain=hyp_ns.hsv_s, vgain=hyp_ns.hsv_v),
         augment.RandomFlip(direction="vertical", p=hyp_ns.flipud),
         augment.RandomFlip(direction="horizontal", p=hyp_ns.fliplr),

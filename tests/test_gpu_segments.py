@@ -31,18 +31,19 @@ def segment_data(tmp_path_factory) -> dict:
 
 def ultralytics_segments(ul, monkeypatch, ds, hyp_ns, params, b: int, tiles: list[int]) -> dict:
     """Ultralytics' segmentation transforms as v8_transforms composes them (no mix, no HSV; CopyPaste at p=0 does
-    nothing), given GpuAugment's draws for sample b."""
+    nothing), given GpuAugment's draws for sample b; an obb dataset's (`ds.use_obb`: preserve_obb, Format's xywhr)."""
     _, augment = ul
+    obb = getattr(ds, "use_obb", False)
+    formats = dict(return_obb=True) if obb else dict(return_mask=True, mask_ratio=hyp_ns.mask_ratio, mask_overlap=True)
     monkeypatch.setattr(augment, "random", Scripted(scripted_calls(params, b, tiles)))
     pipeline = augment.Compose([
         augment.Mosaic(ds, imgsz=hyp_ns.imgsz, p=hyp_ns.mosaic if bool(params.mosaic[b]) else 0.0),
         augment.RandomPerspective(degrees=hyp_ns.degrees, translate=hyp_ns.translate, scale=hyp_ns.scale,
                                   shear=hyp_ns.shear, perspective=hyp_ns.perspective,
-                                  size=(hyp_ns.imgsz, hyp_ns.imgsz)),
+                                  size=(hyp_ns.imgsz, hyp_ns.imgsz), preserve_obb=obb),
         augment.RandomFlip(direction="vertical", p=hyp_ns.flipud),
         augment.RandomFlip(direction="horizontal", p=hyp_ns.fliplr),
-        augment.Format(bbox_format="xywh", normalize=True, return_mask=True, mask_ratio=hyp_ns.mask_ratio,
-                       mask_overlap=True, batch_idx=True),
+        augment.Format(bbox_format="xywh", normalize=True, batch_idx=True, **formats),
     ])
     out = pipeline(ds.get_image_and_label(tiles[0]))
     monkeypatch.undo()
@@ -138,19 +139,11 @@ def test_mixed_samples_are_ultralytics_mixup_and_cutmix_with_their_polygons(ul, 
     from launcher.rank.data.augment_boxes import warped_boxes
     from launcher.rank.data.augment_params import mosaic_tiles
     from launcher.rank.data.augment_segments import clamped_into, warped_segments
-    from launcher.rank.ultralytics.datasets import raw_train_dataset
-    from tests.test_gpu_augment import ultralytics_mixed, with_partners
+    from tests.test_gpu_augment import ultralytics_mixed
     from ultralytics.utils.instance import Instances
 
-    get_cfg, _ = ul
-    hyp_ns = get_cfg(overrides={"imgsz": IMGSZ, "task": "segment", **dict(STRONG, translate=0.3), "mixup": 0.5,
-                                "cutmix": 0.7})
-    ds = RawTrainDataset(raw_train_dataset(hyp_ns, segment_data, 8), 0, segment_points=M)
     b = 16
-    raw_all = ds.collate_fn([ds[(i // len(ds), i % len(ds))] for i in range(3 * b)])
-    raw = with_partners(raw_all, b)
-    aug = GpuAugment(IMGSZ, hyp_ns, segments=M)
-    p = aug.draw(raw, torch.Generator().manual_seed(1))
+    hyp_ns, raw_all, raw, aug, p = outlined_mix(ul, segment_data, "segment", M, b)
     ours = aug.apply(raw, p)
     # every row (samples and partners) rendered unmixed, unflipped: Ultralytics' labels after RandomPerspective
     plain = replace(p, flip_ud=torch.zeros_like(p.flip_ud), flip_lr=torch.zeros_like(p.flip_lr), mixup=None,
@@ -180,6 +173,23 @@ def test_mixed_samples_are_ultralytics_mixup_and_cutmix_with_their_polygons(ul, 
             len(parts[b + i]["cls"]) if p.mixup[i] else 0)
     seen.check()
     assert min(mixed.values()) >= 2, mixed
+
+
+def outlined_mix(ul, data: dict, task: str, points: int, b: int, **augment):
+    """A mixed batch of a dataset whose rows carry outlines (`points` each): b samples of Ultralytics' images and 2 b
+    partners (MixUp's, then CutMix's), strong warps, mixup 0.5, cutmix 0.7. Returns (hyp, the RawBatch of every row,
+    the batch's RawBatch, its GpuAugment (`augment`: its further arguments), its draws)."""
+    from launcher.rank.ultralytics.datasets import raw_train_dataset
+    from tests.test_gpu_augment import with_partners
+
+    get_cfg, _ = ul
+    hyp_ns = get_cfg(overrides={"imgsz": IMGSZ, "task": task, **dict(STRONG, translate=0.3), "mixup": 0.5,
+                                "cutmix": 0.7})
+    ds = RawTrainDataset(raw_train_dataset(hyp_ns, data, 8), 0, segment_points=points)
+    raw_all = ds.collate_fn([ds[(i // len(ds), i % len(ds))] for i in range(3 * b)])
+    raw = with_partners(raw_all, b)
+    aug = GpuAugment(IMGSZ, hyp_ns, segments=points, **augment)
+    return hyp_ns, raw_all, raw, aug, aug.draw(raw, torch.Generator().manual_seed(1))
 
 
 def square(x1, y1, x2, y2) -> list[tuple[float, float]]:

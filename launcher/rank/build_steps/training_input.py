@@ -18,6 +18,7 @@ from launcher.plan.plan import LaunchPlan
 from launcher.plan.settings import Settings
 from launcher.plan.task_rules import rules
 from launcher.rank.data import affinity, image_cache, image_cache_folders
+from launcher.rank.data.augment_obb import OBB_CORNERS
 from launcher.rank.data.augment_segments import SEGMENT_POINTS
 from launcher.rank.data.encoded import EncodedImages, EncodedTrainDataset
 from launcher.rank.data.gpu_augment import GpuAugment
@@ -71,7 +72,8 @@ def training_set(settings: Settings, plan: LaunchPlan, hyp, data: dict, device: 
         if device.type != "cuda":
             (detail or log)("loader.augment_on=gpu on the CPU: the same tensor maths, computed by the training process")
         inner = datasets.raw_train_dataset(hyp, data, plan.batch_per_rank)  # labels, checks
-        outlines = SEGMENT_POINTS if getattr(inner, "use_segments", False) else 0  # a segmentation dataset's
+        obb = getattr(inner, "use_obb", False)  # an obb dataset's corners travel as its rows' outlines
+        outlines = OBB_CORNERS if obb else SEGMENT_POINTS if getattr(inner, "use_segments", False) else 0
         if not outlines and any(len(label.get("segments", [])) for label in inner.labels):
             log("WARNING label files with polygons: the GPU input pipeline warps their boxes, where Ultralytics "
                 "re-derives each box from the warped polygon (tighter under rotation and shear)")
@@ -80,7 +82,7 @@ def training_set(settings: Settings, plan: LaunchPlan, hyp, data: dict, device: 
                                       cache=caches.get("train"))
         pose = getattr(inner, "use_keypoints", False)  # a pose dataset's keypoints travel with its boxes
         augment = GpuAugment(inner.imgsz, hyp, out_dtype=input_dtype, keypoints=data["kpt_shape"][0] if pose else 0,
-                             flip_idx=data.get("flip_idx") if pose else (), segments=outlines)
+                             flip_idx=data.get("flip_idx") if pose else (), segments=outlines, obb=obb)
         gpu_input = GpuInput(augment, Decoder(device, images.files, log), device=device,
                              capacity=buffer_capacity(len(images), plan.batch_per_rank), close_at=close_at,
                              partners_from_batch=not settings.loader.mosaic_buffer)

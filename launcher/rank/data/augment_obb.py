@@ -1,5 +1,6 @@
-"""An oriented-box dataset's label rows clipped to the image and reduced to its targets on the GPU
-(rank/data/gpu_augment.py), for every row at once, with no per-row loop and no copy to the host.
+"""An oriented-box dataset's label rows through the GPU augmentation (rank/data/gpu_augment.py): clipped to the
+canvas, the image and CutMix's area as Ultralytics clips them, and reduced to its targets, for every row at once,
+with no per-row loop and no copy to the host.
 
 An OBB row is carried by its 4 corners. Ultralytics carries it as the polygon ops.resample_segments makes of them
 (data/dataset.py: 100 points, the corners among them), and every warp maps the quad's edges to straight edges, so
@@ -10,6 +11,12 @@ at S and CutMix in the pasted area's frame): a row whose points all lie on the c
 other row's polygon is replaced by the rectangle, along the unclipped polygon's minimum-area rectangle, that bounds
 its visible part (its convex hull intersected with the canvas), and its box by the visible part's bounds; a row with
 no visible area gets zeros (which remove_zero_area_boxes or box_candidates then drop).
+
+The steps (ultralytics/data/augment.py with preserve_obb): Mosaic shifts the corners with their tile, clips at 2S
+and drops rows of no area; RandomPerspective warps them (augment_segments.warped_points), clips at S (the box is
+the visible part's bounds, segment2box's for a row inside) and keeps rows by box_candidates' polygon threshold
+(0.01); CutMix clips its partner's rows in the pasted area's frame and drops those of no area; the flips mirror
+the corners; Format's bboxes are their xywhr (obb_targets).
 """
 
 from __future__ import annotations
@@ -18,8 +25,14 @@ import math
 
 import torch
 
+from launcher.rank.data.augment_boxes import box_candidates
+from launcher.rank.data.augment_params import AugmentParams, Tiles
 from launcher.rank.data.augment_rotated import min_area_rects
+from launcher.rank.data.augment_segments import on_canvas, warped_points
+from launcher.rank.data.augment_settings import AugmentSettings
+from launcher.rank.data.raw_batch import RawBatch
 
+OBB_CORNERS = 4  # M of an obb dataset's payload: each row's corners (Ultralytics resamples them to 100 points)
 MAX_VERTICES = 8  # a convex quad clipped by 4 half-planes: at most one more vertex per half-plane
 
 
@@ -69,6 +82,43 @@ def clipped_obbs(corners: torch.Tensor, w: torch.Tensor | float, h: torch.Tensor
     zero = torch.zeros((), dtype=corners.dtype, device=corners.device)
     return (torch.where(visible[:, None], boxes, zero), torch.where(visible[:, None, None], out_corners, zero),
             visible)
+
+
+def warped_obbs(aug: AugmentSettings, raw: RawBatch, p: AugmentParams, tiles: Tiles
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Mosaic's shift, clip at 2S and zero-area drop, RandomPerspective's warp, clip at S and box_candidates (area
+    threshold 0.01) on the corners (RawBatch.segments (K, 4, 2)) of every label row: per row its rendered sample
+    (the row of `groups`), its box (xyxy) and corners (K, 4, 2) on the unflipped output, in pixels, and whether it
+    survives (augment_boxes.warped_boxes' contract, with the corners)."""
+    s = aug.imgsz
+    sample, tile = raw.labels[:, 0].long(), raw.labels[:, 1].long()
+    mosaic = p.mosaic[sample]
+    corners = on_canvas(raw, tiles)
+    canvas, clipped, _ = clipped_obbs(corners, 2.0 * s, 2.0 * s)  # Mosaic._cat_labels
+    alive = torch.where(mosaic, _has_area(canvas), tile == 0)
+    if raw.valid is not None:
+        alive &= raw.valid
+    before = torch.where(mosaic[:, None], canvas, torch.cat((corners.amin(1), corners.amax(1)), 1))
+    corners = torch.where(mosaic[:, None, None], clipped, corners)
+    boxes, corners, _ = clipped_obbs(warped_points(corners, p.matrix[sample]), float(s), float(s))
+    keep = alive & box_candidates((before[:, 2:] - before[:, :2]) * p.scale[sample, None], boxes, 0.01)
+    return sample, boxes, keep, corners
+
+
+def cutmix_obbs(aug: AugmentSettings, corners: torch.Tensor, host: torch.Tensor, block: torch.Tensor,
+                area: torch.Tensor, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """CutMix.apply_instances with preserve_obb on CutMix's partner rows (the last block): their corners clipped in
+    the frame of their sample's area (`area` (B, 4) x1, y1, x2, y2 on the unflipped output), those left with no
+    area dropped from `keep` (remove_zero_area_boxes; the paste itself stands). The other rows unchanged."""
+    mine = block == aug.mixes
+    a = area[host]
+    boxes, clipped, _ = clipped_obbs(corners, a[:, 2] - a[:, 0], a[:, 3] - a[:, 1], a[:, 0], a[:, 1])
+    return torch.where(mine[:, None, None], clipped, corners), keep & (_has_area(boxes) | ~mine)
+
+
+def _has_area(boxes: torch.Tensor) -> torch.Tensor:
+    """Instances.remove_zero_area_boxes' test on xyxy boxes (N, 4): wider and taller than nothing."""
+    return (boxes[:, 2] > boxes[:, 0]) & (boxes[:, 3] > boxes[:, 1])
 
 
 def obb_targets(corners: torch.Tensor, imgsz: int) -> torch.Tensor:

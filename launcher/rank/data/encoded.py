@@ -49,7 +49,8 @@ class EncodedImages(NamedTuple):
     @classmethod
     def of(cls, dataset, segment_points: int = 0) -> EncodedImages:
         """From an Ultralytics YOLODataset's `im_files` and `labels` (after its checks dropped unreadable files);
-        with `segment_points` M and a segmentation dataset (`use_segments`) its polygons too."""
+        with `segment_points` M and a segmentation dataset (`use_segments`) its polygons too, or an obb dataset's
+        (`use_obb`) corners."""
         labels = dataset.labels
         counts = [len(np.asarray(lb["cls"]).reshape(-1)) for lb in labels]
         starts = np.concatenate(([0], np.cumsum(counts))).astype(np.int64)
@@ -61,8 +62,7 @@ class EncodedImages(NamedTuple):
             xywh=np.concatenate(boxes) if boxes else np.zeros((0, 4), np.float32),
             starts=starts,
             keypoints=_keypoints(labels, dataset) if getattr(dataset, "use_keypoints", False) else None,
-            **(_segments(labels, counts, segment_points) if segment_points and getattr(dataset, "use_segments", False)
-               else {}),
+            **(_segments(labels, counts, segment_points) if segment_points and _outlined(dataset) else {}),
         )
 
     def __len__(self) -> int:
@@ -87,6 +87,11 @@ class EncodedImages(NamedTuple):
         starts = np.concatenate(([0], np.cumsum(sizes))).astype(np.int64)
         flat = np.concatenate(vertices) if vertices else np.zeros((0, 2), np.float32)
         return resample_segments(flat, starts, self.segment_points)
+
+
+def _outlined(dataset) -> bool:
+    """Whether a dataset's label rows carry an outline: a segmentation dataset's polygons, an obb dataset's corners."""
+    return getattr(dataset, "use_segments", False) or getattr(dataset, "use_obb", False)
 
 
 def _keypoints(labels: list[dict], dataset) -> np.ndarray:

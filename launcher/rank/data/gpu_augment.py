@@ -1,4 +1,4 @@
-"""Ultralytics 8.4.190's detection, pose and segmentation training augmentation, on tensors, on the training device
+"""Ultralytics 8.4.190's detection, pose, segmentation and obb training augmentation, on tensors, on the training device
 (loader.augment_on=gpu).
 
 Why: with Ultralytics' loader the CPU decodes, builds the mosaic, warps it, shifts its colours and flips it, several
@@ -50,7 +50,9 @@ Where the device version differs, and why
     as Ultralytics draws from its dataset's buffer of recently loaded ones.
   * Boxes are warped as boxes, except a segmentation dataset's, which come from their warped polygons as
     Ultralytics makes them (area threshold 0.01; augment_segments.py). A detection dataset whose label files hold
-    polygons gets the box rule (0.10): Ultralytics re-derives those boxes from the polygons too.
+    polygons gets the box rule (0.10): Ultralytics re-derives those boxes from the polygons too. An obb dataset's
+    rows travel as their 4 corners (Ultralytics: 100 points along them, with the same hull) and take its preserve_obb
+    clip at the canvas, the image and CutMix's area (augment_obb.py).
   * MixUp's and CutMix's partner is another image of the buffer (Ultralytics: of the whole dataset), with 3 mosaic
     partners and every draw of its own, rendered as an extra row of the batch.
   * RandomHSV comes after the mix and is not linear: a mixed sample's parts are rendered without it (uint8, as
@@ -59,14 +61,14 @@ Where the device version differs, and why
     flipping the mix. Boxes are mixed by Ultralytics' rule before the flips, then flipped with the rest.
   * MixUp blends in float32 (NumPy: float64) before truncating: a grey level apart where the blend lies within
     rounding of an integer. r is the 32nd smallest of 63 uniforms, which is exactly Beta(32, 32).
-  * CutMix keeps partner boxes from 0.1 of their area inside (a segmentation dataset's from 0.01, as Ultralytics);
-    Ultralytics from 0.01 whenever label files hold polygons.
+  * CutMix keeps partner boxes from 0.1 of their area inside (a segmentation or obb dataset's from 0.01, as
+    Ultralytics); Ultralytics from 0.01 whenever label files hold polygons.
   * Not reproduced (refused when configured): copy_paste (it needs polygons), custom `augmentations`. Ultralytics also
     applies Albumentations blur/median blur/grey/CLAHE at p=0.01 each, but only when the albumentations package is
     installed, which it is not in this project's environments. Boxes, a pose dataset's keypoints with them
     (augment_keypoints.py), a segmentation dataset's polygons and Format's masks from them (augment_segments.py,
-    segment_masks.py: drawn by a scanline test, not by cv2.fillPoly, a pixel apart on instances' edges); not rotated
-    boxes. 3-channel images, 2x2 mosaic.
+    segment_masks.py: drawn by a scanline test, not by cv2.fillPoly, a pixel apart on instances' edges), an obb
+    dataset's rotated boxes (augment_obb.py). 3-channel images, 2x2 mosaic.
 
 Syncs: none in the sampling; one device-to-host read per batch, of how many boxes survive in each image (their number
 is data-dependent; the batch carries the counts, and their largest as MAX_TARGETS for the sync-free loss) and, with
@@ -86,6 +88,7 @@ import torch
 from launcher.rank.data.augment_boxes import collated_boxes, mix_boxes, warped_boxes
 from launcher.rank.data.augment_images import mix_images, render_samples, warp_tables
 from launcher.rank.data.augment_keypoints import collated_keypoints, cutmix_keypoints, warped_keypoints
+from launcher.rank.data.augment_obb import cutmix_obbs, obb_targets, warped_obbs
 from launcher.rank.data.augment_params import AugmentParams, draw, mosaic_tiles
 from launcher.rank.data.augment_segments import (clamped_into, cutmix_segments, flipped_segments, segment_boxes,
                                                  warped_segments)
@@ -115,7 +118,8 @@ class GpuAugment(AugmentSettings):
         """The augmented batch, keys and dtypes as YOLODataset.collate_fn returns them for a detection dataset, and
         for a pose dataset (RawBatch.keypoints) its `keypoints` (N, P, 3), normalised as Format(normalize=True), for
         a segmentation dataset (RawBatch.segments) Format's `masks` and `sem_masks` (segment_masks.formatted_masks),
-        the label rows sorted as their overlap masks number them."""
+        the label rows sorted as their overlap masks number them, and for an obb dataset (`obb`) `bboxes` (N, 5) as
+        Format(return_obb=True) makes them (normalised xywhr)."""
         n, s = raw.images.shape[0], self.imgsz
         if raw.images.shape[1:] != (s, s, 3):
             raise ValueError(f"raw images of shape {tuple(raw.images.shape[1:])} for imgsz {s}: expected ({s}, {s}, 3)")
@@ -125,23 +129,31 @@ class GpuAugment(AugmentSettings):
         tiles = mosaic_tiles(self, raw, p)
         # Boxes first: their host sync then waits for a few small kernels, and the image kernels queued after it
         # run while the host goes on to queue the training step.
-        outlines = boxes = None
-        if raw.segments is not None:  # a segmentation dataset's: its boxes are its warped polygons'
-            outlines = warped_segments(self, raw, p, tiles)
-            boxes = segment_boxes(outlines, s)
-            outlines = clamped_into(outlines, boxes)
-        row, xyxy, keep = warped_boxes(self, raw, p, tiles, boxes)
+        outlines = boxes = corners = None
+        if self.obb:  # an obb dataset's rows are their corners, clipped as rotated boxes
+            row, xyxy, keep, corners = warped_obbs(self, raw, p, tiles)
+        else:
+            if raw.segments is not None:  # a segmentation dataset's: its boxes are its warped polygons'
+                outlines = warped_segments(self, raw, p, tiles)
+                boxes = segment_boxes(outlines, s)
+                outlines = clamped_into(outlines, boxes)
+            row, xyxy, keep = warped_boxes(self, raw, p, tiles, boxes)
         points = None if raw.keypoints is None else warped_keypoints(self, raw, p, tiles)  # a pose dataset's
         host, block, mix = row, torch.zeros_like(row), None
         if self.partner_blocks(raw):
-            host, block, xyxy, keep, mix = mix_boxes(self, p, b, row, xyxy, keep, polygons=outlines is not None)
+            host, block, xyxy, keep, mix = mix_boxes(self, p, b, row, xyxy, keep,
+                                                     polygons=outlines is not None or corners is not None)
             if points is not None and self.p_cutmix > 0:
                 points = cutmix_keypoints(self, points, host, block, mix.area)
             if outlines is not None and self.p_cutmix > 0:
                 outlines = cutmix_segments(self, outlines, host, block, mix.area)
+            if corners is not None and self.p_cutmix > 0:
+                corners, keep = cutmix_obbs(self, corners, host, block, mix.area, keep)
         batch_idx, cls, bboxes, counts, (mixed, needed), kept = collated_boxes(self, raw, p, host, block, xyxy, keep,
                                                                                mix)
         out = {} if points is None else {"keypoints": collated_keypoints(self, p, host, points, kept)}
+        if corners is not None:  # Format(return_obb=True): xywhr of the flipped corners
+            bboxes = obb_targets(flipped_segments(self, p, host[kept], corners[kept]), s)
         if outlines is not None:  # Format's masks; with overlap_mask the rows sorted by their mask's area
             inside = rasterized(flipped_segments(self, p, host[kept], outlines[kept]), s // self.mask_ratio,
                                 self.mask_ratio)

@@ -25,7 +25,8 @@ class RawBatch:
     keypoints  (K, P, 3) float32 or None: a pose dataset's P keypoints per label row (x, y in pixels of that tile's
                raw image, visibility 0..1), in the order of `labels`; None for boxes alone.
     segments   (K, M, 2) float32 or None: a segmentation dataset's polygon per label row, M points (x, y in pixels of
-               that tile's raw image) along its outline, in the order of `labels`; None without polygons.
+               that tile's raw image) along its outline, or an obb dataset's 4 corners (M = 4), in the order of
+               `labels`; None without polygons.
     """
 
     images: torch.Tensor

@@ -67,16 +67,16 @@ def train_dataset(hyp, data: dict, batch: int, stride: int):
 
 def raw_train_dataset(hyp, data: dict, batch: int) -> YOLODataset:
     """The training split without Ultralytics' transforms (the GPU input pipeline reads its `labels`, which its
-    checks built, with a pose model's keypoints or a segmentation model's polygons, and the test suite its
-    `load_image`):
-    square, the train split's `fraction` applied, no recent-image buffer filling with copies."""
+    checks built, with a pose model's keypoints, a segmentation model's polygons or an obb model's corners, and the
+    test suite its `load_image`): square, the train split's `fraction` applied, no recent-image buffer filling with
+    copies."""
     if hyp.rect:
         raise ValueError("the GPU input pipeline builds square mosaic batches: rect=True is not supported with it")
     with torch_distributed_zero_first(LOCAL_RANK):
         return YOLODataset(
             img_path=data["train"], imgsz=hyp.imgsz, batch_size=batch, augment=False, hyp=hyp, rect=False,
             cache=hyp.cache or None, single_cls=hyp.single_cls or False, stride=32, pad=0.0, prefix="train: ",
-            task=hyp.task if hyp.task in ("pose", "segment") else "detect", classes=hyp.classes, data=data,
+            task=hyp.task if hyp.task in ("pose", "segment", "obb") else "detect", classes=hyp.classes, data=data,
             fraction=get_split_fraction(hyp.fraction, "train"),
         )
 
