@@ -78,7 +78,7 @@ def test_segment_pose_and_obb_take_ultralytics_paths_where_detection_takes_the_f
     for task in ("segment", "pose", "obb"):
         plan, problems = make_plan(cfg, FEW_CORES, task=task, task_from=MODELS[task])
         assert not problems
-        # auto: the CPU pipeline (pose and segment take the GPU input when asked: the next test)
+        # auto: the CPU pipeline (they take the GPU input when asked: the next test)
         assert (plan.task, plan.augment_on, plan.val_engine, plan.graph_scope, plan.cuda_graphs) == (
             task, "cpu", "ultralytics", "network", True)
         text = describe(plan, None, None)
@@ -87,8 +87,8 @@ def test_segment_pose_and_obb_take_ultralytics_paths_where_detection_takes_the_f
     assert "task            detect" in describe(detect, None, None)
 
 
-@pytest.mark.parametrize("task,carried", [("pose", "keypoints"), ("segment", "polygons")])
-def test_pose_and_segment_take_the_gpu_input_when_asked_and_ultralytics_pipeline_on_cpu(task, carried):
+@pytest.mark.parametrize("task,carried", [("pose", "keypoints"), ("segment", "polygons"), ("obb", "corners")])
+def test_pose_segment_and_obb_take_the_gpu_input_when_asked_and_ultralytics_pipeline_on_cpu(task, carried):
     for value, on in (("gpu", "gpu"), ("cpu", "cpu")):
         cfg = compose_config([f"loader.augment_on={value}", "train.imgsz=640"])
         plan, problems = make_plan(cfg, FEW_CORES, task=task, task_from=MODELS[task])
@@ -111,12 +111,11 @@ def test_settings_that_ask_a_segment_model_for_detections_fast_paths_are_refused
     assert "val.engine=fast with a segment model" in text and "val.engine=ultralytics" in text
     assert "train.batch_per_device=auto with a segment model" in text
     assert "overlap_mask=false with train.accumulate > 1" in text
-    for task in ("obb", "classify"):
-        _, problems = make_plan(compose_config(["loader.augment_on=gpu"]), FEW_CORES, task=task)
-        text = "\n".join(p.message for p in problems)
-        assert f"loader.augment_on=gpu with a {task} model" in text and "use loader.augment_on=cpu" in text
-        if task == "obb":
-            assert "a pose model's keypoints and a segmentation model's polygons only (not rotated corners)" in text
+    _, problems = make_plan(compose_config(["loader.augment_on=gpu"]), FEW_CORES, task="classify")
+    text = "\n".join(p.message for p in problems)
+    assert "loader.augment_on=gpu with a classify model" in text and "use loader.augment_on=cpu" in text
+    assert ("images with label files (boxes, keypoints, polygons, rotated corners) only (a classify model takes class "
+            "folders") in text
     _, problems = make_plan(cfg, FEW_CORES)
     assert "segment" not in "\n".join(p.message for p in problems)
 

@@ -103,10 +103,10 @@ def augment_on(loader: dict, train: dict, device: str, cores_per_rank: int, *,
     image size of GPU_INPUT_FROM_IMGSZ or more: with few cores the CPU pipeline starves the GPU, at 640 px the GPU
     input is ahead, at small images the CPU pipeline is (the GPU input's host work shares the training process's
     interpreter); the figures are in docs/benchmarks/README.md, sections 6 and 8. `gpu` on a CPU run runs the same
-    tensor maths on the CPU (slow; how CI tests it). Detection follows this rule, measured; a pose or segmentation
-    model takes the GPU input when asked (`gpu`), `auto` keeps it on the CPU pipeline until the GPU input is measured
-    ahead for its task; a model of another task takes the CPU pipeline (the GPU one warps boxes, keypoints and
-    polygons only: task_rules.py refuses `gpu` for it)."""
+    tensor maths on the CPU (slow; how CI tests it). Detection follows this rule, measured; a pose, segmentation or
+    obb model takes the GPU input when asked (`gpu`), `auto` keeps it on the CPU pipeline until the GPU input is
+    measured ahead for its task; a classify model takes the CPU pipeline (the GPU one augments images with label
+    files only: task_rules.py refuses `gpu` for it)."""
     value = loader.get("augment_on", "auto")
     if value in ("cpu", "gpu"):
         return value, None

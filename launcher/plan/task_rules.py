@@ -2,16 +2,16 @@
 name with rules(task): the plan, the ranks, the final lines and ddp-bench ask it for a property.
 
 Detection has ddp-launch's fast paths: the input augmented on the GPU, the fast validation engine, the whole step
-captured as one CUDA graph, the auto batch's probe. Pose and segmentation have the GPU input too (a pose model's
-keypoints follow the matrix and flips of their boxes: rank/data/augment_keypoints.py; a segmentation model's
-polygons too, its boxes made from them and its masks drawn on the device: augment_segments.py, segment_masks.py),
-taken when asked: `auto` keeps them on the CPU pipeline until the GPU input is measured ahead for them. Obb
-trains through Ultralytics' own pipeline (its transforms warp rotated corners); pose, segmentation and obb
-through its validator (masks, keypoints and rotated boxes scored as it scores them) and its loss, normalised over
-the ranks but eager (its mask, keypoint and rotated-box terms have shapes that follow the targets); the network
-alone is graphed on GPUs. Classification trains on
-Ultralytics' ClassificationDataset (class folders, its own augmentations; no mosaic: close_mosaic and the mosaic
-buffer mean nothing there), its ClassificationValidator (top-1, top-5) and its cross-entropy, a mean over the batch.
+captured as one CUDA graph, the auto batch's probe. Pose, segmentation and obb have the GPU input too (a pose
+model's keypoints follow the matrix and flips of their boxes: rank/data/augment_keypoints.py; a segmentation model's
+polygons too, its boxes made from them and its masks drawn on the device: augment_segments.py, segment_masks.py; an
+obb model's corners, clipped as rotated boxes: augment_obb.py), taken when asked: `auto` keeps them on the CPU
+pipeline until the GPU input is measured ahead for them. They train through Ultralytics' validator (masks,
+keypoints and rotated boxes scored as it scores them) and its loss, normalised over the ranks but eager (its mask,
+keypoint and rotated-box terms have shapes that follow the targets); the network alone is graphed on GPUs.
+Classification trains on Ultralytics' ClassificationDataset (class folders, its own augmentations; no mosaic:
+close_mosaic and the mosaic buffer mean nothing there), its ClassificationValidator (top-1, top-5) and its
+cross-entropy, a mean over the batch.
 `auto` settings resolve to those paths; a setting that asks for a fast path the task lacks is refused here.
 """
 
@@ -55,7 +55,7 @@ class TaskRules:
     folders: bool = False  # class folders (ClassificationDataset), not images and label files (YOLODataset)
     mosaic: bool = True  # Ultralytics' mosaic (and so close_mosaic and the mosaic buffer)
     mean_loss: bool = False  # Ultralytics' loss is a mean over the batch, not a sum over its images
-    takes: str = "not rotated corners"  # what its input is, as the GPU input's refusal says it
+    takes: str = ""  # what its input is, as the GPU input's refusal says it
     masks: bool = False  # its targets hold masks (train.extra.overlap_mask applies)
     shared_cache: bool = True  # train.cache=shared (the node's cache of detection datasets' images) applies
     multi_scale: bool = True  # train.extra.multi_scale applies
@@ -104,8 +104,11 @@ TASKS = {
                       gpu_pipeline="; the GPU input pipeline (keypoints warped and flipped with their boxes), "
                                    f"Ultralytics' validator and loss ({OWN_EAGER})"),
     # its box metrics (B) are the rotated boxes'
-    "obb": TaskRules("obb", quality=Metric("map50_95", BOX[1].source, "box mAP50-95 (rotated boxes)"),
-                     note=" (rotated boxes)", pipeline=f"; Ultralytics' CPU pipeline, validator and loss ({EAGER})"),
+    "obb": TaskRules("obb", gpu_input=True, quality=Metric("map50_95", BOX[1].source, "box mAP50-95 (rotated boxes)"),
+                     note=" (rotated boxes)",
+                     pipeline=f"; Ultralytics' CPU pipeline, validator and loss ({OWN_EAGER})",
+                     gpu_pipeline="; the GPU input pipeline (corners warped, clipped as rotated boxes and flipped), "
+                                  f"Ultralytics' validator and loss ({OWN_EAGER})"),
     "classify": TaskRules(
         "classify", folders=True, mosaic=False, mean_loss=True,
         takes="a classify model takes class folders (Ultralytics' ClassificationDataset)", shared_cache=False,
@@ -129,9 +132,10 @@ def task_problems(cfg: dict, task: str, *, device: str) -> list[Problem]:
     train, loader, val = cfg["train"], cfg.get("loader") or {}, cfg.get("val") or {}
     problems = []
     if not r.gpu_input and loader.get("augment_on") == "gpu":
-        problems.append(Problem(f"loader.augment_on=gpu with a {task} model: the GPU input pipeline augments upright "
-                                "boxes, a pose model's keypoints and a segmentation model's polygons only "
-                                f"({r.takes}); use loader.augment_on=cpu (or auto)"))
+        takes = f" ({r.takes})" if r.takes else ""
+        problems.append(Problem(f"loader.augment_on=gpu with a {task} model: the GPU input pipeline augments images "
+                                f"with label files (boxes, keypoints, polygons, rotated corners) only{takes}; use "
+                                "loader.augment_on=cpu (or auto)"))
     if not r.fast_paths and val.get("engine") == "fast":
         problems.append(Problem(f"val.engine=fast with a {task} model: the fast engine scores upright boxes only; use "
                                 "val.engine=ultralytics (or auto)"))
