@@ -186,3 +186,19 @@ def test_a_segment_batch_on_cuda_is_the_cpu_batch():
         assert cuda["masks"].dtype == cpu["masks"].dtype and cuda["masks"].shape == cpu["masks"].shape
         assert (cuda["masks"].cpu() != cpu["masks"]).float().mean() < 1e-3
         assert (cuda["sem_masks"].cpu() != cpu["sem_masks"]).float().mean() < 1e-3
+
+
+def test_an_obb_batch_on_cuda_is_the_cpu_batch():
+    """The corners' warp, preserve_obb clips, CutMix, flips and xywhr (rank/data/augment_obb.py) on CUDA tensors
+    against the same draws on the CPU: the same rows in the same order, each rectangle's corners within 1e-3 px up to
+    their order (a near-square's sides may swap with float rounding)."""
+    import numpy as np
+
+    from tests.test_gpu_obb_batches import rect_corners
+    from tests.test_gpu_segments import segment_case
+
+    cuda, cpu = (aug.apply(raw, params) for aug, raw, params in
+                 (segment_case(device, obb=True) for device in (torch.device("cuda", 0), torch.device("cpu"))))
+    assert torch.equal(cuda["batch_idx"].cpu(), cpu["batch_idx"]) and torch.equal(cuda["cls"].cpu(), cpu["cls"])
+    a, b = rect_corners(cuda["bboxes"].cpu(), 64), rect_corners(cpu["bboxes"], 64)
+    assert np.min([np.linalg.norm(a - np.roll(b, k, 1), axis=-1).max(1) for k in range(4)], 0).max() < 1e-3

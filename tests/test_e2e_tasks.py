@@ -37,9 +37,10 @@ CASES = {"segment": ("yolov8n-seg.yaml", "train/seg_loss", "metrics/mAP50-95(M)"
          "classify": ("yolov8n-cls.yaml", "train/loss", "metrics/accuracy_top1", "top1")}
 FINAL = {"segment": "mask mAP50 {:.4f}", "pose": "pose mAP50 {:.4f}", "obb": "mAP50 {:.4f}",  # the final lines
          "classify": "top-1 {:.4f}"}
-INPUT = {"pose": ["loader.augment_on=gpu"], "segment": ["loader.augment_on=gpu"]}  # not the CPU pipeline
+INPUT = {task: ["loader.augment_on=gpu"] for task in ("pose", "segment", "obb")}  # not the CPU pipeline
 PATHS = {"pose": "; the GPU input pipeline (keypoints warped and flipped with their boxes)",  # the plan's task line
-         "segment": "; the GPU input pipeline (polygons warped and flipped, boxes made from them, masks drawn"}
+         "segment": "; the GPU input pipeline (polygons warped and flipped, boxes made from them, masks drawn",
+         "obb": "; the GPU input pipeline (corners warped, clipped as rotated boxes and flipped)"}
 ABOVE = {"classify": 0.5}  # the metric's floor: a classifier's top-1 above chance (a third), the mAPs above zero
 
 

@@ -198,3 +198,15 @@ def test_a_box_pushed_across_the_border_keeps_its_direction():
     mirrored = aug.apply(raw, replace(p, flip_lr=torch.ones_like(p.flip_lr)))["bboxes"]
     a, b = rect_corners(mirrored, 64)[0], rect_corners(out, 64)[0] * [-1, 1] + [64, 0]
     assert min(np.abs(a - np.roll(q, k, 0)).max() for q in (b, b[::-1]) for k in range(4)) < 1e-4
+
+
+def test_an_obb_batch_is_the_same_on_every_device_it_is_built_on():
+    """The case the CUDA test compares devices with (tests/test_cuda_input.py): rotated rectangles, some crossing the
+    borders, mixed and flipped samples; on the CPU twice, the same batch of (N, 5) targets."""
+    from tests.test_gpu_segments import segment_case
+
+    aug, raw, p = segment_case(torch.device("cpu"), obb=True)
+    assert aug.obb and raw.segments.shape[1:] == (4, 2)
+    one, two = aug.apply(raw, p), aug.apply(*segment_case(torch.device("cpu"), obb=True)[1:])
+    assert one["bboxes"].shape == (len(one["cls"]), 5) and len(one["cls"]) > 20
+    assert torch.equal(one["bboxes"], two["bboxes"]) and torch.equal(one["batch_idx"], two["batch_idx"])

@@ -347,10 +347,11 @@ def test_through_decode_and_the_image_buffer_each_mask_covers_its_rectangle(tmp_
     assert min(covered) > 0.9 and min(within) > 0.9, (covered, within)
 
 
-def segment_case(device: torch.device, seed: int = 0):
+def segment_case(device: torch.device, seed: int = 0, obb: bool = False):
     """A segmentation batch on `device`: 8 samples of 4 mosaic tiles, each tile with 1 to 5 random polygons (some
     crossing the borders), strong warps, both flips, MixUp and CutMix partners; its draws made on the CPU and moved
-    there. Returns (GpuAugment, RawBatch, AugmentParams)."""
+    there. With `obb` an obb batch instead: each polygon's 4 corners of a rotated rectangle. Returns (GpuAugment,
+    RawBatch, AugmentParams)."""
     from dataclasses import fields, replace
 
     rng = np.random.default_rng(seed)
@@ -362,6 +363,8 @@ def segment_case(device: torch.device, seed: int = 0):
             for _ in range(int(rng.integers(1, 6))):
                 centre, radius = rng.uniform(-5, 69, 2), rng.uniform(3, 25)
                 angles = np.sort(rng.uniform(0, 2 * np.pi, int(rng.integers(3, 12))))
+                if obb:  # a rectangle's corners: two opposite pairs on the circle
+                    angles = angles[0] + np.array([0.0, angles[1] - angles[0], np.pi, np.pi + angles[1] - angles[0]])
                 polygon = centre + radius * np.stack((np.cos(angles), np.sin(angles)), 1)
                 polygons.append(polygon.astype(np.float32))
                 labels.append([r, t, int(rng.integers(0, 3)), *polygon.min(0).clip(0, 64), *polygon.max(0).clip(0, 64)])
@@ -370,8 +373,8 @@ def segment_case(device: torch.device, seed: int = 0):
     raw = RawBatch(images=torch.full((n, 64, 64, 3), 114, dtype=torch.uint8), sizes=torch.tensor([[64, 64]] * n),
                    groups=torch.arange(n).view(rows, 4), labels=torch.tensor(labels, dtype=torch.float32),
                    im_file=("a.jpg",) * b, ori_shape=((64, 64),) * b, ratio_pad=((1.0, 1.0),) * b,
-                   segments=torch.from_numpy(resample_segments(np.concatenate(polygons), starts, M)))
-    aug = GpuAugment(64, dict(STRONG, mixup=0.5, cutmix=0.7), segments=M)
+                   segments=torch.from_numpy(resample_segments(np.concatenate(polygons), starts, 4 if obb else M)))
+    aug = GpuAugment(64, dict(STRONG, mixup=0.5, cutmix=0.7), segments=4 if obb else M, obb=obb)
     params = aug.draw(raw, torch.Generator().manual_seed(seed))
     moved = {f.name: getattr(params, f.name).to(device) for f in fields(params)
              if isinstance(getattr(params, f.name), torch.Tensor)}
