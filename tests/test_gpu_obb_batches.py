@@ -210,3 +210,51 @@ def test_an_obb_batch_is_the_same_on_every_device_it_is_built_on():
     one, two = aug.apply(raw, p), aug.apply(*segment_case(torch.device("cpu"), obb=True)[1:])
     assert one["bboxes"].shape == (len(one["cls"]), 5) and len(one["cls"]) > 20
     assert torch.equal(one["bboxes"], two["bboxes"]) and torch.equal(one["batch_idx"], two["batch_idx"])
+
+
+def test_through_decode_and_the_image_buffer_each_rotated_box_frames_its_rectangle(tmp_path):
+    """The rank's path: each rectangle's corners as an obb label row (normalised, in the workers' pickled batch), the
+    image buffer's corner store, mosaic, a turning and shearing warp and both flips: each target's rotated box
+    (Format's xywhr, as the loss reads it) holds its rectangle's colour, and a box turned by 0.2 rad would not."""
+    import pickle
+
+    from launcher.rank.data.encoded import EncodedImages, EncodedTrainDataset
+    from launcher.rank.data.gpu_input import Decoder, GpuInput
+    from tests.test_gpu_input import rectangles
+
+    boxes, colours = rectangles(tmp_path, 16)
+    xy, wh = boxes.xywh[:, :2], boxes.xywh[:, 2:] / 2
+    corners = np.stack((xy - wh, xy + wh * [1, -1], xy + wh, xy + wh * [-1, 1]), 1).reshape(-1, 2)
+    images = EncodedImages(*boxes[:4], segments=corners.astype(np.float32),
+                           segment_starts=np.arange(0, len(corners) + 1, 4), segment_points=OBB_CORNERS)
+    ds = EncodedTrainDataset(images, decode_all=True)
+    hyp = dict(mosaic=1.0, degrees=30.0, translate=0.1, scale=0.3, shear=5.0, fliplr=0.5, flipud=0.5,
+               hsv_h=0.0, hsv_s=0.0, hsv_v=0.0)
+    gi = GpuInput(GpuAugment(64, hyp, segments=OBB_CORNERS, obb=True), Decoder(torch.device("cpu"), images.files),
+                  capacity=16, device=torch.device("cpu"))
+    centres = torch.stack(torch.meshgrid(torch.arange(64.0), torch.arange(64.0), indexing="xy"), -1) + 0.5
+
+    def inside(x, y, w, h, theta) -> torch.Tensor:  # the pixels whose centres the rotated box holds, half a pixel out
+        d = centres - torch.tensor([x, y])
+        along = d[..., 0] * math.cos(theta) + d[..., 1] * math.sin(theta)
+        across = d[..., 1] * math.cos(theta) - d[..., 0] * math.sin(theta)
+        return (along.abs() <= w / 2 + 0.5) & (across.abs() <= h / 2 + 0.5)
+
+    held, framed, turned = [], [], []
+    for k in range(2):
+        encoded = pickle.loads(pickle.dumps(ds.collate_fn([ds[(0, i)] for i in range(8 * k, 8 * k + 8)])))
+        batch = gi(encoded, torch.Generator().manual_seed(k))
+        assert batch["bboxes"].shape == (len(batch["cls"]), 5) and "masks" not in batch
+        for j in range(len(batch["cls"])):
+            b, c = int(batch["batch_idx"][j]), int(batch["cls"][j])
+            if ((batch["batch_idx"] == b) & (batch["cls"][:, 0] == c)).sum() > 1:  # a partner drawn twice
+                continue
+            shown = (batch["img"][b] == torch.tensor(colours[c], dtype=torch.uint8)[:, None, None]).all(0)
+            x, y, w, h, theta = (batch["bboxes"][j] * torch.tensor([64.0] * 4 + [1.0])).tolist()
+            if shown.sum() >= 16:
+                box = inside(x, y, w, h, theta)
+                held.append(float((shown & box).sum() / shown.sum()))
+                framed.append(float((shown & box).sum() / box.sum()))  # edges blend: not the exact colour there
+                turned.append(float((shown & inside(x, y, w, h, theta + 0.2)).sum() / shown.sum()))
+    assert len(held) > 10 and min(held) > 0.95 and np.mean(framed) > 0.6, (held, framed)
+    assert min(turned) < 0.9, turned
