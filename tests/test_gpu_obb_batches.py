@@ -215,7 +215,7 @@ def test_an_obb_batch_is_the_same_on_every_device_it_is_built_on():
 def test_through_decode_and_the_image_buffer_each_rotated_box_frames_its_rectangle(tmp_path):
     """The rank's path: each rectangle's corners as an obb label row (normalised, in the workers' pickled batch), the
     image buffer's corner store, mosaic, a turning and shearing warp and both flips: each target's rotated box
-    (Format's xywhr, as the loss reads it) holds its rectangle's colour, and a box turned by 0.2 rad would not."""
+    (Format's xywhr, as the loss reads it) holds its rectangle's colour, which boxes turned by 0.5 rad would not."""
     import pickle
 
     from launcher.rank.data.encoded import EncodedImages, EncodedTrainDataset
@@ -255,6 +255,6 @@ def test_through_decode_and_the_image_buffer_each_rotated_box_frames_its_rectang
                 box = inside(x, y, w, h, theta)
                 held.append(float((shown & box).sum() / shown.sum()))
                 framed.append(float((shown & box).sum() / box.sum()))  # edges blend: not the exact colour there
-                turned.append(float((shown & inside(x, y, w, h, theta + 0.2)).sum() / shown.sum()))
+                turned.append(float((shown & inside(x, y, w, h, theta + 0.5)).sum() / shown.sum()))
     assert len(held) > 10 and min(held) > 0.95 and np.mean(framed) > 0.6, (held, framed)
-    assert min(turned) < 0.9, turned
+    assert np.mean(held) > 0.99 and np.mean(turned) < 0.95, (held, turned)
