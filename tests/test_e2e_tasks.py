@@ -1,9 +1,10 @@
 """A segmentation, a pose, an obb and a classification model trained end to end on two CPU ranks (gloo) through the
 real `ddp-launch`: the README's command for each, shorter and smaller, on the synthetic shapes labelled for their task
 (polygons, four keypoints, rotated boxes, class folders): Ultralytics' pipeline, loss and validator of the task (the
-segmentation and pose runs' input on the GPU pipeline, run on the CPU: the polygons warped and flipped, boxes and
-masks made from them; the keypoints warped and flipped with their boxes), a metric above zero (a classifier's top-1
-above chance), and a best.pt that Ultralytics loads as that task."""
+segmentation, pose and obb runs' input on the GPU pipeline, run on the CPU: the polygons warped and flipped, boxes and
+masks made from them; the keypoints warped and flipped with their boxes; the corners warped, clipped as rotated boxes
+and flipped), a metric above zero (a classifier's top-1 above chance), and a best.pt that Ultralytics loads as that
+task."""
 
 from __future__ import annotations
 
@@ -67,7 +68,7 @@ def test_each_task_trains_on_two_ranks_its_loss_falling_to_a_metric_above_zero(t
     with (run_dir / "results.csv").open() as f:
         rows = list(csv.DictReader(f))
     assert len(rows) == 8 and column in rows[0]  # the task's own metrics beside the boxes', per epoch
-    if task in INPUT:  # the masks or keypoints the GPU input made were learned: their mAP above zero at a validation
+    if task in INPUT:  # the targets the GPU input made were learned: their mAP above zero at a validation
         own = column.replace("mAP50-95", "mAP50")
         assert max(float(r[own]) for r in rows if r[own] != "nan") > 0, rows
     assert float(rows[-1][loss]) < 0.7 * float(rows[0][loss])  # the mask or keypoint term learned

@@ -22,7 +22,7 @@ another, on a side stream, while the steps before it run):
 
 The buffer costs capacity x imgsz^2 x 3 bytes of GPU memory (512 slots at 640 px: 0.6 GiB); a segmentation
 dataset's polygons beside the labels capacity x width x M x 8 bytes (width: the most labels of an image, to the next
-power of two; 512 slots of 64 labels of 100 points: 25 MiB).
+power of two; 512 slots of 64 labels of 100 points: 25 MiB), an obb dataset's corners the same with M = 4.
 """
 
 from __future__ import annotations
@@ -149,7 +149,8 @@ class GpuInput:
         # a pose dataset's keypoints beside each label (x, y in pixels of the slot's image, visibility); None: boxes
         self.points = (torch.zeros((capacity, 8, augment.keypoints, 3), dtype=torch.float32, device=device)
                        if augment.keypoints else None)
-        # a segmentation dataset's polygons beside each label (M points, x, y in pixels of the slot's image)
+        # a segmentation dataset's polygons beside each label (M points, x, y in pixels of the slot's image), or an
+        # obb dataset's 4 corners
         self.segments = (torch.zeros((capacity, 8, augment.segments, 2), dtype=torch.float32, device=device)
                          if augment.segments else None)
         self.counts = torch.zeros(capacity, dtype=torch.int64, device=device)
