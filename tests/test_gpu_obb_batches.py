@@ -200,6 +200,43 @@ def test_a_box_pushed_across_the_border_keeps_its_direction():
     assert min(np.abs(a - np.roll(q, k, 0)).max() for q in (b, b[::-1]) for k in range(4)) < 1e-4
 
 
+def test_a_row_mostly_pushed_out_is_judged_by_the_polygons_area_rule():
+    """box_candidates' 0.01 (Ultralytics' threshold where rows have segments, as an obb dataset's do): a 40 x 20 box
+    with 3 x 20 px of it left in the image (7.5 % of its area) is kept; the box rule's 0.1 would drop it."""
+    raw = one_image([[(10.0, 20.0), (50.0, 20.0), (50.0, 40.0), (10.0, 40.0)]])
+    aug = GpuAugment(64, dict(mosaic=0.0, translate=0.0, scale=0.0, fliplr=0.0), segments=OBB_CORNERS, obb=True)
+    p = aug.draw(raw, torch.Generator().manual_seed(0))
+    p.matrix = torch.tensor([[[1.0, 0, -47], [0, 1, 0], [0, 0, 1]]])  # x from -37 to 3
+    out = aug.apply(raw, p)["bboxes"] * torch.tensor([64.0] * 4 + [1.0])
+    torch.testing.assert_close(out[:, :4], torch.tensor([[1.5, 30.0, 20.0, 3.0]]), atol=1e-4, rtol=0)
+
+
+def test_cutmix_drops_a_partner_row_whose_polygon_misses_the_area_its_box_touches():
+    """CutMix with preserve_obb: a partner's diamond whose box reaches 1 % into the pasted area, the diamond itself
+    not, clips to nothing and is dropped (remove_zero_area_boxes); a partner's row across the area's edge is clipped
+    into it as Ultralytics clips it in the area's frame; the sample's own row is left as it is."""
+    from ultralytics.utils import ops
+    from ultralytics.utils.instance import Instances
+
+    from launcher.rank.data.augment_obb import cutmix_obbs
+
+    aug = GpuAugment(64, dict(cutmix=0.5), segments=OBB_CORNERS, obb=True)
+    own = [(20.0, 16.0), (40.0, 16.0), (40.0, 40.0), (20.0, 40.0)]
+    diamond = [(10.0, 5.0), (15.0, 10.0), (10.0, 15.0), (5.0, 10.0)]  # its box [5, 15]^2 meets the area's corner
+    across = ops.xywhr2xyxyxyxy(np.array([[30.0, 12.0, 16.0, 8.0, 0.5]], np.float32))[0].tolist()
+    corners = torch.tensor([own, diamond, across])
+    area = torch.tensor([[14.0, 14.0, 30.0, 30.0]])
+    out, keep = cutmix_obbs(aug, corners, torch.zeros(3, dtype=torch.int64), torch.tensor([0, 1, 1]), area,
+                            torch.ones(3, dtype=torch.bool))
+    assert keep.tolist() == [True, False, True] and torch.equal(out[0], corners[0])
+    assert not torch.equal(out[2], corners[2])  # clipped
+    segments = np.stack(ops.resample_segments([corners[2].numpy() - 14.0], n=100))
+    theirs = Instances(np.zeros((1, 4), np.float32), segments, bbox_format="xyxy", normalized=False)
+    theirs.clip(16, 16, preserve_obb=True)
+    torch.testing.assert_close(obb_targets(out[2:], 64), obb_targets(torch.from_numpy(theirs.segments + 14.0), 64),
+                               atol=1e-5, rtol=0)
+
+
 def test_an_obb_batch_is_the_same_on_every_device_it_is_built_on():
     """The case the CUDA test compares devices with (tests/test_cuda_input.py): rotated rectangles, some crossing the
     borders, mixed and flipped samples; on the CPU twice, the same batch of (N, 5) targets."""
