@@ -2,8 +2,10 @@
 Ultralytics 8.4.190's transforms: given GpuAugment's draws, Mosaic (its preserve_obb clip at 2S), RandomPerspective
 (segment2box, the preserve_obb clip at S, box_candidates' 0.01), MixUp, CutMix (the clip in the pasted area's frame,
 zero-area rows dropped), both RandomFlips and Format(return_obb=True) give the same rows in the same order, the
-same classes and the same rotated boxes; by hand, on one image: a box pushed across the border keeps its direction
-(a coordinate-wise clip of its corners would turn it). All on CPU tensors.
+same classes and the same rotated boxes; by hand: a box pushed across the border keeps its direction (a
+coordinate-wise clip of its corners would turn it), a row mostly pushed out meets the 0.01 area rule, CutMix drops
+a partner row whose corners miss its area; through decode and the image buffer each rotated box frames its object.
+All on CPU tensors.
 
 Tolerance: each row's rectangle (xywhr in pixels, made into corners) within 2e-3 px of Ultralytics' up to the
 corners' cyclic order, and where it is no near-square (sides 1 % apart) w, h within 2e-3 px and theta within 1e-3
