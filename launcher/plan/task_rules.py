@@ -5,7 +5,8 @@ Detection has ddp-launch's fast paths: the input augmented on the GPU, the fast 
 captured as one CUDA graph, the auto batch's probe. Pose and segmentation have the GPU input too (a pose model's
 keypoints follow the matrix and flips of their boxes: rank/data/augment_keypoints.py; a segmentation model's
 polygons too, its boxes made from them and its masks drawn on the device: augment_segments.py, segment_masks.py),
-taken when asked: `auto` keeps them on the CPU pipeline until the GPU input is measured ahead for them. Obb
+taken when asked: `auto` keeps them on the CPU pipeline until the GPU input is measured ahead for them (a
+classifier too: its own GPU input, rank/data/classify_input.py, Ultralytics' classify transforms on the device). Obb
 trains through Ultralytics' own pipeline (its transforms warp rotated corners); pose, segmentation and obb
 through its validator (masks, keypoints and rotated boxes scored as it scores them) and its loss, normalised over
 the ranks but eager (its mask, keypoint and rotated-box terms have shapes that follow the targets); the network
@@ -107,14 +108,18 @@ TASKS = {
     "obb": TaskRules("obb", quality=Metric("map50_95", BOX[1].source, "box mAP50-95 (rotated boxes)"),
                      note=" (rotated boxes)", pipeline=f"; Ultralytics' CPU pipeline, validator and loss ({EAGER})"),
     "classify": TaskRules(
-        "classify", folders=True, mosaic=False, mean_loss=True,
+        "classify", gpu_input=True, folders=True, mosaic=False, mean_loss=True,
         takes="a classify model takes class folders (Ultralytics' ClassificationDataset)", shared_cache=False,
         multi_scale=False,
         boxes=False, own=(Metric("top1", TOP1, "top-1"), Metric("top5", TOP5, "top-5")),
         quality=Metric("top1", TOP1, "top-1 accuracy"),
         pipeline="; Ultralytics' CPU pipeline (ClassificationDataset on class folders), ClassificationValidator "
-                 f"(top-1, top-5) and cross-entropy loss ({EAGER})"),
+                 f"(top-1, top-5) and cross-entropy loss ({EAGER})",
+        gpu_pipeline="; the GPU input pipeline (class folders decoded and augmented on the device as Ultralytics' "
+                     "classify transforms: crop, flips, RandAugment or ColorJitter, erasing), ClassificationValidator "
+                     f"(top-1, top-5) and cross-entropy loss ({OWN_EAGER})"),
 }
+GPU_AUTO_AUGMENT = ("randaugment",)  # a classifier's auto_augment policies the GPU input builds (or none: ColorJitter)
 
 
 def rules(task: str | None) -> TaskRules:
@@ -146,6 +151,11 @@ def task_problems(cfg: dict, task: str, *, device: str) -> list[Problem]:
     if not r.multi_scale and extra.get("multi_scale"):
         problems.append(Problem(f"train.extra.multi_scale with a {task} model: Ultralytics' classification trainer "
                                 "trains at imgsz alone (its crops are imgsz square); leave multi_scale off"))
+    policy = extra.get("auto_augment")
+    if r.folders and loader.get("augment_on") == "gpu" and policy and policy not in GPU_AUTO_AUGMENT:
+        problems.append(Problem(f"train.extra.auto_augment={policy} with loader.augment_on=gpu: the GPU input builds "
+                                f"{', '.join(GPU_AUTO_AUGMENT)} (or none: ColorJitter) only; use "
+                                "loader.augment_on=cpu for it"))
     accumulate = train.get("accumulate", 1)
     if r.masks and extra.get("overlap_mask") is False and isinstance(accumulate, int) and accumulate > 1:
         problems.append(Problem("train.extra.overlap_mask=false with train.accumulate > 1: the micro-batches split "
