@@ -40,6 +40,9 @@ FINAL = {"segment": "mask mAP50 {:.4f}", "pose": "pose mAP50 {:.4f}", "obb": "mA
 INPUT = {"pose": ["loader.augment_on=gpu"], "segment": ["loader.augment_on=gpu"]}  # not the CPU pipeline
 PATHS = {"pose": "; the GPU input pipeline (keypoints warped and flipped with their boxes)",  # the plan's task line
          "segment": "; the GPU input pipeline (polygons warped and flipped, boxes made from them, masks drawn"}
+# a classifier's run on its own GPU input too (rank/data/classify_input.py: Ultralytics' classify transforms)
+INPUT["classify"] = ["loader.augment_on=gpu"]
+PATHS["classify"] = "; the GPU input pipeline (class folders decoded and augmented on the device"
 ABOVE = {"classify": 0.5}  # the metric's floor: a classifier's top-1 above chance (a third), the mAPs above zero
 
 

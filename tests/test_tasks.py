@@ -111,7 +111,7 @@ def test_settings_that_ask_a_segment_model_for_detections_fast_paths_are_refused
     assert "val.engine=fast with a segment model" in text and "val.engine=ultralytics" in text
     assert "train.batch_per_device=auto with a segment model" in text
     assert "overlap_mask=false with train.accumulate > 1" in text
-    for task in ("obb", "classify"):
+    for task in ("obb",):  # a classifier has its own GPU input (tests/test_gpu_classify.py)
         _, problems = make_plan(compose_config(["loader.augment_on=gpu"]), FEW_CORES, task=task)
         text = "\n".join(p.message for p in problems)
         assert f"loader.augment_on=gpu with a {task} model" in text and "use loader.augment_on=cpu" in text

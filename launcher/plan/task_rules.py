@@ -109,7 +109,7 @@ TASKS = {
                      note=" (rotated boxes)", pipeline=f"; Ultralytics' CPU pipeline, validator and loss ({EAGER})"),
     "classify": TaskRules(
         "classify", gpu_input=True, folders=True, mosaic=False, mean_loss=True,
-        takes="a classify model takes class folders (Ultralytics' ClassificationDataset)", shared_cache=False,
+        shared_cache=False,
         multi_scale=False,
         boxes=False, own=(Metric("top1", TOP1, "top-1"), Metric("top5", TOP5, "top-5")),
         quality=Metric("top1", TOP1, "top-1 accuracy"),

@@ -14,11 +14,13 @@ as PIL does between ops. AugMix and AutoAugment are not built (the plan refuses 
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from launcher.rank.data import classify_colour as colour
 from launcher.rank.data import classify_geometry as geometry
 from launcher.rank.data.classify_params import NUM_OPS, RAND_OPS, SIGNED, ClassifyDraws, draw, magnitude
+from launcher.rank.data.gpu_input import upload
 
 GEOMETRIC = frozenset({"ShearX", "ShearY", "TranslateX", "TranslateY", "Rotate"})
 COLOUR = {"Brightness": lambda x, m: colour.brightness(x, 1.0 + m),  # RandAugment's ops, of the signed magnitude
@@ -29,8 +31,7 @@ COLOUR = {"Brightness": lambda x, m: colour.brightness(x, 1.0 + m),  # RandAugme
           "Solarize": lambda x, m: colour.solarize(x, m),
           "AutoContrast": lambda x, m: colour.autocontrast(x),
           "Equalize": lambda x, m: colour.equalize(x)}
-JITTER = (lambda x, f: colour.brightness(x, f), lambda x, f: colour.contrast(x, f),  # ColorJitter's fn_idx order
-          lambda x, f: colour.saturation(x, f), lambda x, f: colour.hue(x, f))
+JITTER = (colour.brightness, colour.contrast, colour.saturation, colour.hue)  # ColorJitter's fn_idx order
 AUTO_AUGMENT = ("randaugment",)  # the auto_augment policies built here (a false value: ColorJitter instead)
 
 
@@ -57,54 +58,64 @@ class ClassifyAugment:
                     rand_augment=self.rand_augment, jitter=self.jitter, erasing=self.erasing, g=generator)
 
     def __call__(self, images: list[torch.Tensor | None], d: ClassifyDraws, device: torch.device) -> torch.Tensor:
-        """`images`: each (3, h, w) uint8 RGB on `device` (None: undecodable, trains grey), as `d` was drawn for."""
+        """`images`: each (3, h, w) uint8 RGB on `device` (None: undecodable, trains grey), as `d` was drawn for.
+        What the device needs of the draws goes up in one copy (gpu_input.upload): the host never waits for it."""
         b, s = len(images), self.imgsz
+        groups, values, matrices = self._groups(d)
+        flips, values, matrices, erase_boxes, *indices = upload(
+            [torch.stack((d.hflip, d.vflip), 1).long().numpy(), values, matrices, d.erase.numpy(),
+             *(k for _, _, k in groups)], device)
         x = torch.empty((b, 3, s, s), dtype=torch.float32, device=device)
         geometry.crop_resize(images, d.crops.tolist(), s, x)
-        x = geometry.flip(x, d.hflip.to(device), d.vflip.to(device))
-        if d.ops is not None:
-            for slot in range(NUM_OPS):
-                x = self._rand_op(x, d.ops[:, slot], d.signs[:, slot])
-        if d.jitter is not None:
-            for position in range(4):
-                for fn, adjust in enumerate(JITTER):
-                    x = _on(x, d.order[:, position] == fn, lambda sub, k, a=adjust, f=fn: a(
-                        sub, d.jitter[k, f].to(device)))
-        x = erase(x, d.erase) / 255  # ToTensor; Normalize's default mean 0 and std 1 leave it
+        x = geometry.flip(x, flips[:, 0].bool(), flips[:, 1].bool())
+        for (column, op, _), index in zip(groups, indices):  # each op on the images that drew it, in their order
+            sub = x.index_select(0, index)
+            if op in GEOMETRIC:
+                sub = geometry.affine(sub, matrices.index_select(0, index)[:, column])
+            else:
+                sub = (COLOUR[op] if d.ops is not None else JITTER[op])(sub, values.index_select(0, index)[:, column])
+            x = x.index_copy(0, index, sub)
+        x = erase(x, erase_boxes) / 255  # ToTensor; Normalize's default mean 0 and std 1 leave it
         if self.out_dtype is not None:
             return x.to(self.out_dtype).contiguous(memory_format=torch.channels_last)
         return x
 
-    def _rand_op(self, x: torch.Tensor, ops: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
-        """One of RandAugment's ops per image (`ops` (B,) indices into RAND_OPS, `signs` of the signed ones): each op
-        on the images that drew it."""
-        for index, op in enumerate(RAND_OPS):
-            chosen = ops == index
-            if op == "Identity" or not bool(chosen.any()):
-                continue
-            base = self.magnitudes[op]
-            signs = signs if op in SIGNED else torch.ones_like(signs)
-            if op in GEOMETRIC:
-                x = _on(x, chosen, lambda sub, k, o=op, m=base: geometry.affine(sub, torch.tensor(
-                    [geometry.rand_affine(o, m * float(sign), self.imgsz) for sign in signs[k].tolist()])))
-            else:
-                x = _on(x, chosen, lambda sub, k, o=op, m=base: COLOUR[o](sub, (m * signs[k]).to(sub.device)))
-        return x
-
-
-def _on(x: torch.Tensor, chosen: torch.Tensor, fn) -> torch.Tensor:
-    """fn(x's images where `chosen` ((B,) bool on the host), their indices) written back in place of them."""
-    k = chosen.nonzero()[:, 0]
-    if len(k) == 0:
-        return x
-    index = k.to(x.device)
-    return x.index_copy(0, index, fn(x.index_select(0, index), k))
+    def _groups(self, d: ClassifyDraws) -> tuple[list[tuple[int, str | int, np.ndarray]], np.ndarray, np.ndarray]:
+        """(groups, values, matrices): the ops to run in order, each as (its column of the parameters, the op, the
+        images that drew it as host indices); (B, columns) float32 values (RandAugment's signed magnitudes, or
+        ColorJitter's factors) and (B, columns, 6) float32 affine maps (RandAugment's geometric ops)."""
+        b = len(d.crops)
+        groups = []
+        if d.ops is not None:
+            ops, signs = d.ops.numpy(), d.signs.numpy()
+            values = np.zeros((b, NUM_OPS), np.float32)
+            matrices = np.tile(np.array([1, 0, 0, 0, 1, 0], np.float32), (b, NUM_OPS, 1))
+            for slot in range(NUM_OPS):
+                for index, op in enumerate(RAND_OPS):
+                    k = np.flatnonzero(ops[:, slot] == index)
+                    if op == "Identity" or not len(k):
+                        continue
+                    m = self.magnitudes[op] * (signs[k, slot] if op in SIGNED else np.ones(len(k), np.float32))
+                    values[k, slot] = m
+                    if op in GEOMETRIC:
+                        matrices[k, slot] = [geometry.rand_affine(op, float(v), self.imgsz) for v in m]
+                    groups.append((slot, op, k.astype(np.int64)))
+            return groups, values, matrices
+        values = np.ones((b, 4), np.float32) if d.jitter is None else d.jitter.numpy().astype(np.float32)
+        if d.jitter is not None:
+            order = d.order.numpy()
+            for position in range(4):
+                for fn in range(4):
+                    k = np.flatnonzero(order[:, position] == fn)
+                    if len(k):
+                        groups.append((fn, fn, k.astype(np.int64)))
+        return groups, values, np.zeros((b, 4, 6), np.float32)
 
 
 def erase(x: torch.Tensor, boxes: torch.Tensor) -> torch.Tensor:
     """RandomErasing with value 0: each image's box (top, left, height, width; height 0: none) set to 0."""
     b, _, h, w = x.shape
-    top, left, bh, bw = (v.to(x.device).view(b, 1, 1, 1) for v in boxes.unbind(1))
+    top, left, bh, bw = (v.view(b, 1, 1, 1) for v in boxes.to(x.device).unbind(1))
     rows = torch.arange(h, device=x.device).view(1, 1, h, 1)
     cols = torch.arange(w, device=x.device).view(1, 1, 1, w)
     inside = (rows >= top) & (rows < top + bh) & (cols >= left) & (cols < left + bw)
