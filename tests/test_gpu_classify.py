@@ -94,7 +94,7 @@ def test_the_crop_and_resize_equal_torchvisions_pil_resize_to_uint8_rounding(box
     want = _t(TF.resized_crop(Image.fromarray(image), *box, [64, 64], interpolation=BILINEAR, antialias=True))
     got = geometry.crop_resize([_t(image)[0].to(torch.uint8)], [list(box)], 64, torch.zeros(1, 3, 64, 64))
     most, share = _off(got, want)
-    assert most <= 1 and share < 0.25, (most, share)  # PIL's 22-bit fixed-point weights against float
+    assert most <= 1 and share < 0.25, (most, share)  # Pillow's pass order and fixed-point weights against float
 
 
 def test_randaugments_magnitudes_are_torchvisions_bin_9_of_31():
@@ -167,6 +167,26 @@ def test_each_image_takes_its_own_randaugment_ops_as_torchvision_applies_them():
         most, share = _off((out[k : k + 1] * 255).round(), _t(want))
         assert most <= 3 and share < 0.01, (k, [RAND_OPS[o] for o in ops], most, share)
     assert len({tuple(o.flatten().tolist()[:64]) for o in out}) > len(pairs) // 2  # not one choice for the batch
+
+
+def test_the_whole_chain_is_torchvisions_crop_flips_ops_and_erasing_in_ultralytics_order():
+    image, s = _image(60, 50), 32
+    augment = ClassifyAugment(s, SimpleNamespace(**{**HYP, "flipud": 0.5}))
+    d = _forced(2, s, [(RAND_OPS.index("Rotate"), RAND_OPS.index("Contrast"))] * 2, [(-1.0, 1.0)] * 2)
+    d.crops = torch.tensor([[5, 3, 40, 36], [0, 10, 60, 30]])
+    d.hflip, d.vflip = torch.tensor([True, False]), torch.tensor([True, True])
+    d.erase = torch.tensor([[2, 4, 10, 6], [0, 0, 0, 0]])
+    out = augment([_t(image)[0].to(torch.uint8)] * 2, d, torch.device("cpu"))
+    for k in range(2):
+        want = TF.resized_crop(Image.fromarray(image), *d.crops[k].tolist(), [s, s], interpolation=BILINEAR,
+                               antialias=True)
+        want = TF.vflip(TF.hflip(want) if d.hflip[k] else want)
+        want = _apply_op(_apply_op(want, "Rotate", -magnitude("Rotate", s), BILINEAR, None), "Contrast",
+                         magnitude("Contrast", s), BILINEAR, None)
+        want = TF.erase(TF.to_tensor(want), *d.erase[k].tolist(), torch.tensor(0.0)) if d.erase[k, 2] else \
+            TF.to_tensor(want)
+        most, share = _off((out[k] * 255).round(), (want * 255).round())
+        assert most <= 2 and share < 0.25, (k, most, share)  # the resize's level, through the rotation and contrast
 
 
 def test_the_draws_are_per_image_and_a_function_of_the_seed():

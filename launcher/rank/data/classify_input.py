@@ -49,7 +49,8 @@ class ClassifyInput:
                              dtype=torch.int64).view(-1, 2)
         draws = self.augment.draws(sizes, torch.Generator().manual_seed(generator.initial_seed()))
         img = self.augment(images, draws, self.device)
-        cls = batch.cls.long().to(self.device, non_blocking=True)
+        cls = batch.cls.long()
+        cls = cls.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else cls
         if start is not None:
             self._pending.append((start, _recorded(), len(images)))
         return {"img": img, "cls": cls, "im_file": [self.decode.files[i] for i in batch.indices]}
