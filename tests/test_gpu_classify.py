@@ -216,6 +216,11 @@ def test_colour_jitter_takes_each_images_factors_in_its_own_order_when_auto_augm
             want = adjust[fn](want, float(d.jitter[k, fn]))
         most, share = _off((out[k : k + 1] * 255).round(), _t(want))
         assert most <= 6 and share < 0.01, (k, most, share)  # the hue's few levels, scaled by the contrast after it
+    still = ClassifyAugment(s, SimpleNamespace(**{**HYP, "auto_augment": None, "hsv_h": 0.0, "hsv_s": 0.0,
+                                                  "hsv_v": 0.0}))
+    d.jitter, d.ops = still.draws(torch.tensor([[s, s]] * 6), torch.Generator().manual_seed(3)).jitter, None
+    assert torch.equal(still([_t(image)[0].to(torch.uint8)] * 6, d, torch.device("cpu")) * 255,
+                       _t(image).expand(6, -1, -1, -1))  # strengths of 0: no adjustment (not even hue's round trip)
 
 
 def test_a_batch_from_the_gpu_input_has_ultralytics_keys_shapes_types_and_range(tmp_path):

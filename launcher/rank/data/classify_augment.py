@@ -107,7 +107,7 @@ class ClassifyAugment:
             for position in range(4):
                 for fn in range(4):
                     k = np.flatnonzero(order[:, position] == fn)
-                    if len(k):
+                    if len(k) and self.jitter[fn] > 0:  # a strength of 0: torchvision skips the adjustment
                         groups.append((fn, fn, k.astype(np.int64)))
         return groups, values, np.zeros((b, 4, 6), np.float32)
 

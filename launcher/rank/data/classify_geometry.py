@@ -20,9 +20,11 @@ EPS = 1e-3  # the affine transform's values are truncated as PIL does: float err
 
 def crop_resize(images: list[torch.Tensor | None], crops: list[list[int]], imgsz: int, out: torch.Tensor) -> torch.Tensor:
     """Each (3, h, w) uint8 image's crop (top, left, height, width) resized to imgsz square into out[k] (float,
-    (B, 3, imgsz, imgsz)): PIL's bilinear resize (torch's antialiased bilinear interpolation is its port), the rows
-    then the columns, each rounded as PIL rounds them; one call per image and pass, since the filter's width follows
-    each image's own reduction (a padded batch would hold every image at the largest one's size)."""
+    (B, 3, imgsz, imgsz)): PIL's bilinear resize (torch's antialiased bilinear interpolation is its port, in float
+    where PIL's weights are 22-bit fixed point: a value may differ by one level), the rows then the columns, each
+    rounded as PIL rounds them (Pillow resamples a crop much taller than wide columns first; RandomResizedCrop's
+    aspect ratios, 3/4 to 4/3, are rows first). One call per image and pass: the filter's width follows each
+    image's own reduction, and a padded batch would hold every image at the largest one's size."""
     for k, (image, (top, left, h, w)) in enumerate(zip(images, crops)):
         if image is None:
             out[k].fill_(GREY)
@@ -30,11 +32,11 @@ def crop_resize(images: list[torch.Tensor | None], crops: list[list[int]], imgsz
         crop = image[None, :, top : top + h, left : left + w].float()
         if w != imgsz:  # PIL resizes the rows first, into a uint8 image
             crop = F.interpolate(crop, size=(h, imgsz), mode="bilinear", align_corners=False, antialias=True)
-            crop = crop.round_().clamp_(0, 255)
+            crop = crop.add_(0.5).floor_().clamp_(0, 255)  # halves up, as PIL rounds
         if h != imgsz:
             crop = F.interpolate(crop, size=(imgsz, imgsz), mode="bilinear", align_corners=False, antialias=True)
         out[k] = crop[0]
-    return out.round_().clamp_(0, 255)
+    return out.add_(0.5).floor_().clamp_(0, 255)
 
 
 def flip(x: torch.Tensor, hflip: torch.Tensor, vflip: torch.Tensor) -> torch.Tensor:
