@@ -157,7 +157,8 @@ def test_each_image_takes_its_own_randaugment_ops_as_torchvision_applies_them():
     pairs = [(a, (a * 5 + 3) % len(RAND_OPS)) for a in range(len(RAND_OPS))]
     signs = [(1.0 if k % 2 else -1.0, -1.0 if k % 3 else 1.0) for k in range(len(pairs))]
     augment = ClassifyAugment(s, SimpleNamespace(**HYP))
-    out = augment([_t(image)[0].to(torch.uint8)] * len(pairs), _forced(len(pairs), s, pairs, signs), torch.device("cpu"))
+    images = [_t(image)[0].to(torch.uint8)] * len(pairs)
+    out = augment(images, _forced(len(pairs), s, pairs, signs), torch.device("cpu"))
     assert out.shape == (len(pairs), 3, s, s) and out.dtype == torch.float32
     for k, (ops, sign) in enumerate(zip(pairs, signs)):
         want = Image.fromarray(image)

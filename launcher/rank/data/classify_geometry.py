@@ -18,7 +18,8 @@ GREY = 114.0  # an image the device could not decode trains as grey (gpu_input.D
 EPS = 1e-3  # the affine transform's values are truncated as PIL does: float error must not take an integer below
 
 
-def crop_resize(images: list[torch.Tensor | None], crops: list[list[int]], imgsz: int, out: torch.Tensor) -> torch.Tensor:
+def crop_resize(images: list[torch.Tensor | None], crops: list[list[int]], imgsz: int,
+                out: torch.Tensor) -> torch.Tensor:
     """Each (3, h, w) uint8 image's crop (top, left, height, width) resized to imgsz square into out[k] (float,
     (B, 3, imgsz, imgsz)): PIL's bilinear resize (torch's antialiased bilinear interpolation is its port, in float
     where PIL's weights are 22-bit fixed point: a value may differ by one level), the rows then the columns, each
@@ -32,11 +33,11 @@ def crop_resize(images: list[torch.Tensor | None], crops: list[list[int]], imgsz
         crop = image[None, :, top : top + h, left : left + w].float()
         if w != imgsz:  # PIL resizes the rows first, into a uint8 image
             crop = F.interpolate(crop, size=(h, imgsz), mode="bilinear", align_corners=False, antialias=True)
-            crop = crop.add_(0.5).floor_().clamp_(0, 255)  # halves up, as PIL rounds
+            crop = crop.add_(0.5).floor_()  # halves up, as PIL rounds (a bilinear mean stays within 0 to 255)
         if h != imgsz:
             crop = F.interpolate(crop, size=(imgsz, imgsz), mode="bilinear", align_corners=False, antialias=True)
         out[k] = crop[0]
-    return out.add_(0.5).floor_().clamp_(0, 255)
+    return out.add_(0.5).floor_()
 
 
 def flip(x: torch.Tensor, hflip: torch.Tensor, vflip: torch.Tensor) -> torch.Tensor:
