@@ -267,3 +267,6 @@ def test_the_plan_takes_the_gpu_input_for_a_classifier_when_asked_and_auto_keeps
     _, problems = make_plan(compose_config(["loader.augment_on=cpu", "+train.extra.auto_augment=augmix"]),
                             FEW_CORES, task="classify")
     assert not problems
+    _, problems = make_plan(compose_config(["loader.augment_on=gpu", "train.cache=shared"]), FEW_CORES, task="classify")
+    assert len(problems) == 1 and "use train.cache=false (or ram or disk with loader.augment_on=cpu" in \
+        problems[0].message  # not the cache the GPU input refuses

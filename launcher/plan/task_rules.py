@@ -144,9 +144,11 @@ def task_problems(cfg: dict, task: str, *, device: str) -> list[Problem]:
         problems.append(Problem(f"train.batch_per_device=auto with a {task} model: the probe measures the detection "
                                 "step only; give train.batch_per_device as a number"))
     if not r.shared_cache and train.get("cache") == "shared":
+        on_gpu = loader.get("augment_on") == "gpu"  # its caches hold decoded images for the CPU pipeline
         problems.append(Problem(f"train.cache=shared with a {task} model: the node's shared cache holds the detection "
-                                "datasets' images; use train.cache=ram or disk (Ultralytics' ClassificationDataset "
-                                "caches), or false"))
+                                "datasets' images; use train.cache=" + ("false (or ram or disk with "
+                                "loader.augment_on=cpu: Ultralytics' ClassificationDataset caches)" if on_gpu else
+                                "ram or disk (Ultralytics' ClassificationDataset caches), or false")))
     extra = train.get("extra") or {}
     if not r.multi_scale and extra.get("multi_scale"):
         problems.append(Problem(f"train.extra.multi_scale with a {task} model: Ultralytics' classification trainer "
