@@ -105,8 +105,9 @@ def augment_on(loader: dict, train: dict, device: str, cores_per_rank: int, *,
     interpreter); the figures are in docs/benchmarks/README.md, sections 6 and 8. `gpu` on a CPU run runs the same
     tensor maths on the CPU (slow; how CI tests it). Detection follows this rule, measured; a pose or segmentation
     model takes the GPU input when asked (`gpu`), and a classification model its own (rank/data/classify_input.py),
-    `auto` keeps them on the CPU pipeline until the GPU input is measured ahead for their task; a model of another task takes the CPU pipeline (the GPU one warps boxes, keypoints and
-    polygons only: task_rules.py refuses `gpu` for it)."""
+    `auto` keeps them on the CPU pipeline until the GPU input is measured ahead for their task; a model of another
+    task takes the CPU pipeline (the GPU one warps boxes, keypoints and polygons only: task_rules.py refuses `gpu`
+    for it)."""
     value = loader.get("augment_on", "auto")
     if value in ("cpu", "gpu"):
         return value, None
