@@ -56,8 +56,8 @@ def test_it_measures_every_task_ddp_launch_trains_each_baseline_its_task_trainer
 
 def test_a_setting_the_task_lacks_is_refused_before_any_cell_runs(tmp_path, cache_dir):
     cfg = bench_config(["model=custom", "model.cfg=yolov8n-cls.yaml", "gpus=0", "bench.sizes=[1]",
-                        "bench.modes=[single]", "loader.augment_on=gpu", "data=shapes", *TINY])
-    with pytest.raises(PlanError, match="loader.augment_on=gpu with a classify model"):
+                        "bench.modes=[single]", "val.engine=fast", "data=shapes", *TINY])
+    with pytest.raises(PlanError, match="val.engine=fast with a classify model"):
         run_bench(cfg, tmp_path / "run", tmp_path, "ddp-bench")
     assert not (tmp_path / "run" / "cells").exists()
 

@@ -27,7 +27,6 @@ def test_every_task_the_ranks_build_has_a_record_by_the_same_name():
 
 def test_what_each_record_says_of_its_task():
     assert [n for n, r in TASKS.items() if r.fast_paths] == ["detect"]
-    assert [n for n, r in TASKS.items() if r.gpu_input] == ["detect", "segment", "pose", "obb"]
     assert [n for n, r in TASKS.items() if r.auto_gpu_input] == ["detect"]  # the others until measured on GPUs
     c = rules("classify")
     assert c.folders and not c.mosaic and c.mean_loss and not c.shared_cache and not c.multi_scale and not c.boxes

@@ -111,11 +111,6 @@ def test_settings_that_ask_a_segment_model_for_detections_fast_paths_are_refused
     assert "val.engine=fast with a segment model" in text and "val.engine=ultralytics" in text
     assert "train.batch_per_device=auto with a segment model" in text
     assert "overlap_mask=false with train.accumulate > 1" in text
-    _, problems = make_plan(compose_config(["loader.augment_on=gpu"]), FEW_CORES, task="classify")
-    text = "\n".join(p.message for p in problems)
-    assert "loader.augment_on=gpu with a classify model" in text and "use loader.augment_on=cpu" in text
-    assert ("images with label files (boxes, keypoints, polygons, rotated corners) only (a classify model takes class "
-            "folders") in text
     _, problems = make_plan(cfg, FEW_CORES)
     assert "segment" not in "\n".join(p.message for p in problems)
 

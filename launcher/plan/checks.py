@@ -104,9 +104,8 @@ def augment_on(loader: dict, train: dict, device: str, cores_per_rank: int, *,
     input is ahead, at small images the CPU pipeline is (the GPU input's host work shares the training process's
     interpreter); the figures are in docs/benchmarks/README.md, sections 6 and 8. `gpu` on a CPU run runs the same
     tensor maths on the CPU (slow; how CI tests it). Detection follows this rule, measured; a pose, segmentation or
-    obb model takes the GPU input when asked (`gpu`), `auto` keeps it on the CPU pipeline until the GPU input is
-    measured ahead for its task; a classify model takes the CPU pipeline (the GPU one augments images with label
-    files only: task_rules.py refuses `gpu` for it)."""
+    obb model takes the GPU input when asked (`gpu`), and a classification model its own (rank/data/classify_input.py);
+    `auto` keeps them on the CPU pipeline until the GPU input is measured ahead for their task."""
     value = loader.get("augment_on", "auto")
     if value in ("cpu", "gpu"):
         return value, None

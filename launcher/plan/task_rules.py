@@ -5,8 +5,9 @@ Detection has ddp-launch's fast paths: the input augmented on the GPU, the fast 
 captured as one CUDA graph, the auto batch's probe. Pose, segmentation and obb have the GPU input too (a pose
 model's keypoints follow the matrix and flips of their boxes: rank/data/augment_keypoints.py; a segmentation model's
 polygons too, its boxes made from them and its masks drawn on the device: augment_segments.py, segment_masks.py; an
-obb model's corners, clipped as rotated boxes: augment_obb.py), taken when asked: `auto` keeps them on the CPU
-pipeline until the GPU input is measured ahead for them. They train through Ultralytics' validator (masks,
+obb model's corners, clipped as rotated boxes: augment_obb.py), and classification its own (rank/data/classify_input.py:
+Ultralytics' classify transforms on the device), taken when asked: `auto` keeps them on the CPU pipeline until the
+GPU input is measured ahead for them. They train through Ultralytics' validator (masks,
 keypoints and rotated boxes scored as it scores them) and its loss, normalised over the ranks but eager (its mask,
 keypoint and rotated-box terms have shapes that follow the targets); the network alone is graphed on GPUs.
 Classification trains on Ultralytics' ClassificationDataset (class folders, its own augmentations; no mosaic:
@@ -50,12 +51,10 @@ class TaskRules:
 
     name: str  # Ultralytics' task name: detect | segment | pose | obb | classify
     fast_paths: bool = False  # the fast validator, the captured step and the auto batch
-    gpu_input: bool = False  # the GPU input pipeline (loader.augment_on=gpu)
     auto_gpu_input: bool = False  # loader.augment_on=auto may pick it (plan/checks.py): where measured ahead on GPUs
     folders: bool = False  # class folders (ClassificationDataset), not images and label files (YOLODataset)
     mosaic: bool = True  # Ultralytics' mosaic (and so close_mosaic and the mosaic buffer)
     mean_loss: bool = False  # Ultralytics' loss is a mean over the batch, not a sum over its images
-    takes: str = ""  # what its input is, as the GPU input's refusal says it
     masks: bool = False  # its targets hold masks (train.extra.overlap_mask applies)
     shared_cache: bool = True  # train.cache=shared (the node's cache of detection datasets' images) applies
     multi_scale: bool = True  # train.extra.multi_scale applies
@@ -85,7 +84,7 @@ class TaskRules:
     def text(self, task_from: str | None, augment_on: str = "cpu") -> str:
         """The plan's task line: the task, what it was read from, and the paths it takes (its input's by
         `augment_on`, the plan's loader.augment_on resolved)."""
-        paths = self.gpu_pipeline if augment_on == "gpu" and self.gpu_input else self.pipeline
+        paths = self.gpu_pipeline if augment_on == "gpu" else self.pipeline
         return f"{self.name}{f' (from {task_from})' if task_from else ''}{paths}"
 
     def result_line(self, summary: dict) -> str:
@@ -94,30 +93,34 @@ class TaskRules:
 
 
 TASKS = {
-    "detect": TaskRules("detect", fast_paths=True, gpu_input=True, auto_gpu_input=True),
-    "segment": TaskRules("segment", gpu_input=True, masks=True, own=_own("M", "mask"), quality=_own("M", "mask")[1],
+    "detect": TaskRules("detect", fast_paths=True, auto_gpu_input=True),
+    "segment": TaskRules("segment", masks=True, own=_own("M", "mask"), quality=_own("M", "mask")[1],
                          pipeline=f"; Ultralytics' CPU pipeline, validator and loss ({OWN_EAGER})",
                          gpu_pipeline="; the GPU input pipeline (polygons warped and flipped, boxes made from them, "
                                       f"masks drawn on the device), Ultralytics' validator and loss ({OWN_EAGER})"),
-    "pose": TaskRules("pose", gpu_input=True, own=_own("P", "pose"), quality=_own("P", "pose")[1],
+    "pose": TaskRules("pose", own=_own("P", "pose"), quality=_own("P", "pose")[1],
                       pipeline=f"; Ultralytics' CPU pipeline, validator and loss ({OWN_EAGER})",
                       gpu_pipeline="; the GPU input pipeline (keypoints warped and flipped with their boxes), "
                                    f"Ultralytics' validator and loss ({OWN_EAGER})"),
     # its box metrics (B) are the rotated boxes'
-    "obb": TaskRules("obb", gpu_input=True, quality=Metric("map50_95", BOX[1].source, "box mAP50-95 (rotated boxes)"),
+    "obb": TaskRules("obb", quality=Metric("map50_95", BOX[1].source, "box mAP50-95 (rotated boxes)"),
                      note=" (rotated boxes)",
                      pipeline=f"; Ultralytics' CPU pipeline, validator and loss ({OWN_EAGER})",
                      gpu_pipeline="; the GPU input pipeline (corners warped, clipped as rotated boxes and flipped), "
                                   f"Ultralytics' validator and loss ({OWN_EAGER})"),
     "classify": TaskRules(
         "classify", folders=True, mosaic=False, mean_loss=True,
-        takes="a classify model takes class folders (Ultralytics' ClassificationDataset)", shared_cache=False,
+        shared_cache=False,
         multi_scale=False,
         boxes=False, own=(Metric("top1", TOP1, "top-1"), Metric("top5", TOP5, "top-5")),
         quality=Metric("top1", TOP1, "top-1 accuracy"),
         pipeline="; Ultralytics' CPU pipeline (ClassificationDataset on class folders), ClassificationValidator "
-                 f"(top-1, top-5) and cross-entropy loss ({EAGER})"),
+                 f"(top-1, top-5) and cross-entropy loss ({EAGER})",
+        gpu_pipeline="; the GPU input pipeline (class folders decoded and augmented on the device as Ultralytics' "
+                     "classify transforms: crop, flips, RandAugment or ColorJitter, erasing), ClassificationValidator "
+                     f"(top-1, top-5) and cross-entropy loss ({OWN_EAGER})"),
 }
+GPU_AUTO_AUGMENT = ("randaugment",)  # a classifier's auto_augment policies the GPU input builds (or none: ColorJitter)
 
 
 def rules(task: str | None) -> TaskRules:
@@ -131,11 +134,6 @@ def task_problems(cfg: dict, task: str, *, device: str) -> list[Problem]:
     r = rules(task)
     train, loader, val = cfg["train"], cfg.get("loader") or {}, cfg.get("val") or {}
     problems = []
-    if not r.gpu_input and loader.get("augment_on") == "gpu":
-        takes = f" ({r.takes})" if r.takes else ""
-        problems.append(Problem(f"loader.augment_on=gpu with a {task} model: the GPU input pipeline augments images "
-                                f"with label files (boxes, keypoints, polygons, rotated corners) only{takes}; use "
-                                "loader.augment_on=cpu (or auto)"))
     if not r.fast_paths and val.get("engine") == "fast":
         problems.append(Problem(f"val.engine=fast with a {task} model: the fast engine scores upright boxes only; use "
                                 "val.engine=ultralytics (or auto)"))
@@ -143,13 +141,20 @@ def task_problems(cfg: dict, task: str, *, device: str) -> list[Problem]:
         problems.append(Problem(f"train.batch_per_device=auto with a {task} model: the probe measures the detection "
                                 "step only; give train.batch_per_device as a number"))
     if not r.shared_cache and train.get("cache") == "shared":
+        on_gpu = loader.get("augment_on") == "gpu"  # its caches hold decoded images for the CPU pipeline
         problems.append(Problem(f"train.cache=shared with a {task} model: the node's shared cache holds the detection "
-                                "datasets' images; use train.cache=ram or disk (Ultralytics' ClassificationDataset "
-                                "caches), or false"))
+                                "datasets' images; use train.cache=" + ("false (or ram or disk with "
+                                "loader.augment_on=cpu: Ultralytics' ClassificationDataset caches)" if on_gpu else
+                                "ram or disk (Ultralytics' ClassificationDataset caches), or false")))
     extra = train.get("extra") or {}
     if not r.multi_scale and extra.get("multi_scale"):
         problems.append(Problem(f"train.extra.multi_scale with a {task} model: Ultralytics' classification trainer "
                                 "trains at imgsz alone (its crops are imgsz square); leave multi_scale off"))
+    policy = extra.get("auto_augment")
+    if r.folders and loader.get("augment_on") == "gpu" and policy and policy not in GPU_AUTO_AUGMENT:
+        problems.append(Problem(f"train.extra.auto_augment={policy} with loader.augment_on=gpu: the GPU input builds "
+                                f"{', '.join(GPU_AUTO_AUGMENT)} (or none: ColorJitter) only; use "
+                                "loader.augment_on=cpu for it"))
     accumulate = train.get("accumulate", 1)
     if r.masks and extra.get("overlap_mask") is False and isinstance(accumulate, int) and accumulate > 1:
         problems.append(Problem("train.extra.overlap_mask=false with train.accumulate > 1: the micro-batches split "

@@ -3,7 +3,7 @@
 - `image_caches`: the node-shared image caches (train.cache=shared), before the process group;
 - `bind_cores`: this process on its own cores, its loader workers on the others (loader.bind_cores);
 - `training_set`: Ultralytics' augmenting training set (loader.augment_on=cpu), or the files' bytes and labels with
-  the GpuInput that decodes and augments them on the device (gpu);
+  the GpuInput that decodes and augments them on the device (gpu; a classifier's: ClassifyInput);
 - `train_loader`: the DataLoader that serves every epoch, mosaic closed by each batch's epoch;
 - `train_inputs`: the sampler of this rank's shard, and the loop's batches over train_loader.
 """
@@ -20,6 +20,8 @@ from launcher.plan.task_rules import rules
 from launcher.rank.data import affinity, image_cache, image_cache_folders
 from launcher.rank.data.augment_obb import OBB_CORNERS
 from launcher.rank.data.augment_segments import SEGMENT_POINTS
+from launcher.rank.data.classify_augment import ClassifyAugment
+from launcher.rank.data.classify_input import ClassifyInput, class_folder_images
 from launcher.rank.data.encoded import EncodedImages, EncodedTrainDataset
 from launcher.rank.data.gpu_augment import GpuAugment
 from launcher.rank.data.gpu_input import Decoder, GpuInput, buffer_capacity
@@ -71,6 +73,8 @@ def training_set(settings: Settings, plan: LaunchPlan, hyp, data: dict, device: 
     if plan.augment_on == "gpu":
         if device.type != "cuda":
             (detail or log)("loader.augment_on=gpu on the CPU: the same tensor maths, computed by the training process")
+        if rules(plan.task).folders:  # a classifier's class folders: their own augmentation (classify_input.py)
+            return class_folders_on_gpu(hyp, data, device, input_dtype, log)
         inner = datasets.raw_train_dataset(hyp, data, plan.batch_per_rank)  # labels, checks
         obb = getattr(inner, "use_obb", False)  # an obb dataset's corners travel as its rows' outlines
         outlines = OBB_CORNERS if obb else SEGMENT_POINTS if getattr(inner, "use_segments", False) else 0
@@ -93,6 +97,15 @@ def training_set(settings: Settings, plan: LaunchPlan, hyp, data: dict, device: 
     if not settings.loader.mosaic_buffer and rules(plan.task).mosaic:
         datasets.set_mosaic_buffer(dataset, False)
     return dataset, None
+
+
+def class_folders_on_gpu(hyp, data: dict, device: torch.device, input_dtype: torch.dtype, log):
+    """(dataset, gpu_input) of a classifier on the GPU input: the files ClassificationDataset checked, read as bytes,
+    and the ClassifyInput that decodes them and applies Ultralytics' classification transforms on `device`."""
+    images = class_folder_images(datasets.class_folders(hyp, data, "train").samples)
+    dataset = EncodedTrainDataset(images, decode_all=device.type != "cuda")
+    augment = ClassifyAugment(int(hyp.imgsz), hyp, out_dtype=input_dtype)
+    return dataset, ClassifyInput(augment, Decoder(device, images.files, log), device=device)
 
 
 def train_loader(settings: Settings, plan: LaunchPlan, dataset, sampler: EpochBatchSampler, hyp,
