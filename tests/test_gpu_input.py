@@ -1,8 +1,9 @@
-"""The GPU input pipeline (rank/data/encoded.py, gpu_input.py, warp.py) on the CPU: the Triton kernels against their
-PyTorch twins (Triton's interpreter), file bytes and the decodes the workers keep, damaged files, boxes that frame
-their objects through decode, load, mosaic, warp and flips, the mosaic partners' buffer, the file cache, the plan.
+"""The GPU input pipeline's decoding half (rank/data/encoded.py, gpu_input.py, warp.py) on the CPU: the Triton kernels
+against their PyTorch twins (Triton's interpreter), the load against Ultralytics' resize, file bytes and the decodes
+the workers keep, torchvision's operators without torchvision, damaged files, the file cache and the nvJPEG warm-up.
 
-The same kernels on CUDA, and nvJPEG against the CPU decoder: tests/test_cuda_input.py.
+The same kernels on CUDA, and nvJPEG against the CPU decoder: tests/test_cuda_input.py. Batches through the device's
+half on known images: tests/test_gpu_input_batches.py; the plan's choice of input: tests/test_gpu_input_plan.py.
 """
 
 from __future__ import annotations
@@ -13,15 +14,13 @@ import sys
 from pathlib import Path
 
 import numpy as np
-import pytest
 import torch
 from PIL import Image
 
 from launcher.rank.data import image_cache, warp
 from launcher.rank.data.encoded import EncodedImages, EncodedTrainDataset, decode_on_cpu, exif_orientation
 from launcher.rank.data.gpu_augment import GpuAugment
-from launcher.rank.data.gpu_input import Decoder, GpuInput, buffer_capacity, resized_shape, upload
-from launcher.rank.data.pipeline import MAX_TARGETS
+from launcher.rank.data.gpu_input import Decoder, GpuInput, resized_shape
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -286,126 +285,7 @@ def test_a_file_nothing_can_decode_is_named_once_and_trains_grey_without_labels(
     assert (grey == grey.flatten()[0]).all()  # one grey (114, its value moved by RandomHSV)
 
 
-# --- the device's half, end to end on known images ---------------------------------------------------------------------
-def rectangles(folder: Path, n: int, size=(64, 48)):
-    """n PNG files of 2 solid rectangles on dark grey; class = the rectangle's colour index (no two alike)."""
-    from tests.test_gpu_augment import separate_boxes
-
-    rng = np.random.default_rng(3)
-    palette = [c for c in np.ndindex(4, 4, 4) if len(set(c)) > 1]
-    rng.shuffle(palette)
-    colours, files, cls, xywh, starts = [], [], [], [], [0]
-    w, h = size
-    for i in range(n):
-        im = np.full((h, w, 3), 30, np.uint8)
-        for box in separate_boxes(rng, w, h, 2, (12, 22)):
-            colour = tuple(int(85 * c) for c in palette[len(colours)])
-            im[box[1] : box[3], box[0] : box[2]] = colour
-            cls.append(len(colours))
-            colours.append(colour)
-            xywh.append(((box[0] + box[2]) / 2 / w, (box[1] + box[3]) / 2 / h, (box[2] - box[0]) / w, (box[3] - box[1]) / h))
-        files.append(str(folder / f"r{i}.png"))
-        Image.fromarray(im).save(files[-1])
-        starts.append(len(cls))
-    images = EncodedImages(files, np.array(cls, np.float32), np.array(xywh, np.float32), np.array(starts, np.int64))
-    return images, colours
-
-
-def test_every_box_frames_its_object_through_decode_load_mosaic_warp_and_flips(tmp_path):
-    """Known images through the whole device half: each output box is where its rectangle's colour is."""
-    from tests.test_gpu_augment import visible_box
-
-    s = 64
-    images, colours = rectangles(tmp_path, 16)
-    ds = EncodedTrainDataset(images, decode_all=True)
-    hyp = dict(mosaic=1.0, degrees=20.0, translate=0.1, scale=0.3, shear=5.0, fliplr=0.5, flipud=0.5,
-               hsv_h=0.0, hsv_s=0.0, hsv_v=0.0)
-    gi = GpuInput(GpuAugment(s, hyp), Decoder(torch.device("cpu"), images.files), capacity=16, device=torch.device("cpu"))
-    checked = 0
-    for k in range(2):
-        batch = gi(ds.collate_fn([ds[(0, i)] for i in range(8 * k, 8 * k + 8)]), torch.Generator().manual_seed(k))
-        # the sync-free loss pads every image's targets to this: it must be the batch's true largest count
-        assert batch[MAX_TARGETS] == int(torch.bincount(batch["batch_idx"].long(), minlength=8).max()) > 2
-        for j in range(len(batch["cls"])):
-            b, c = int(batch["batch_idx"][j]), int(batch["cls"][j])
-            twins = ((batch["batch_idx"] == b) & (batch["cls"][:, 0] == c)).sum()
-            if twins > 1:  # a partner drawn twice (or the sample itself): the colour shows in two places
-                continue
-            x, y, w, h = (batch["bboxes"][j] * s).tolist()
-            seen = visible_box(batch["img"][b], colours[c])
-            if seen is None or w < 6 or h < 6:  # hidden under the border or too small to see whole
-                continue
-            box, _ = seen
-            mine = torch.tensor([x - w / 2, y - h / 2, x + w / 2, y + h / 2])
-            inter = (torch.minimum(box[2:], mine[2:]) - torch.maximum(box[:2], mine[:2])).clamp(min=0).prod()
-            union = (box[2:] - box[:2]).prod() + (mine[2:] - mine[:2]).prod() - inter
-            assert inter / union > 0.6, (b, c, box.tolist(), mine.tolist())
-            checked += 1
-    assert checked >= 20
-
-
-def test_mosaic_partners_come_from_the_recently_decoded_images_or_from_the_batch(tmp_path):
-    images, _ = rectangles(tmp_path, 24)
-    ds = EncodedTrainDataset(images, decode_all=True)
-    groups = []
-
-    class Spy(GpuAugment):
-        def __call__(self, raw, generator):
-            groups.append(raw.groups.clone())
-            return super().__call__(raw, generator)
-
-    for from_batch in (False, True):
-        groups.clear()
-        gi = GpuInput(Spy(32, {}), Decoder(torch.device("cpu"), images.files), capacity=12,
-                      device=torch.device("cpu"), partners_from_batch=from_batch, close_at=1)
-        for k in range(3):
-            gi(ds.collate_fn([ds[(0, i)] for i in range(8 * k, 8 * k + 8)]), torch.Generator().manual_seed(k))
-        own = [set(g[:, 0].tolist()) for g in groups]
-        assert groups[0][:, 0].tolist() == list(range(8)) and groups[1][:, 0].tolist() == [8, 9, 10, 11, 0, 1, 2, 3]
-        for g, mine, filled in zip(groups, own, (8, 12, 12)):
-            partners = set(g[:, 1:].flatten().tolist())
-            assert partners <= (mine if from_batch else set(range(filled)))
-        if not from_batch:
-            assert not set(groups[1][:, 1:].flatten().tolist()) <= own[1]  # older images are drawn too
-    gi(ds.collate_fn([ds[(1, i)] for i in range(8)]), torch.Generator().manual_seed(0))
-    assert groups[-1].shape == (8, 1)  # a batch of epoch close_at: mosaic closed, whenever it was prepared
-    gi(ds.collate_fn([ds[(0, i)] for i in range(8)]), torch.Generator().manual_seed(0))
-    assert groups[-1].shape == (8, 4)  # prepared after it, but of the epoch before: mosaic still on
-    assert buffer_capacity(4096, 64) == 512 and buffer_capacity(100, 64) == 100 and buffer_capacity(10_000, 256) == 1000
-
-
-def test_mix_partners_come_with_their_own_mosaic_partners_until_close_mosaic(tmp_path):
-    """With mixup and cutmix on, each sample brings a MixUp and a CutMix partner (rows 8..15, 16..23), each another
-    image with 3 mosaic partners, from the buffer or the batch; from epoch close_at on, none (Ultralytics' close_mosaic
-    sets mixup and cutmix to 0 with mosaic). The batch stays Ultralytics' format, its boxes inside the image."""
-    images, _ = rectangles(tmp_path, 24)
-    ds = EncodedTrainDataset(images, decode_all=True)
-    groups, mixed = [], []
-
-    class Spy(GpuAugment):
-        def apply(self, raw, p):
-            groups.append(raw.groups.clone())
-            mixed.append(None if p.mixup is None else int((p.mixup | p.cutmix).sum()))
-            return super().apply(raw, p)
-
-    for from_batch in (False, True):
-        groups.clear()
-        gi = GpuInput(Spy(32, {"mixup": 0.5, "cutmix": 0.5}), Decoder(torch.device("cpu"), images.files), capacity=12,
-                      device=torch.device("cpu"), partners_from_batch=from_batch, close_at=1)
-        for k in range(2):
-            batch = gi(ds.collate_fn([ds[(0, i)] for i in range(8 * k, 8 * k + 8)]), torch.Generator().manual_seed(k))
-            assert batch["img"].shape == (8, 3, 32, 32) and set(batch["batch_idx"].long().tolist()) <= set(range(8))
-            xy, wh = batch["bboxes"][:, :2], batch["bboxes"][:, 2:]
-            assert (wh > 0).all() and (xy - wh / 2 >= -1e-6).all() and (xy + wh / 2 <= 1 + 1e-6).all()
-        assert [g.shape for g in groups] == [(24, 4)] * 2 and mixed[-1] > 0
-        own = set(groups[1][:8, 0].tolist())
-        partners = set(groups[1][8:].flatten().tolist())
-        assert partners <= own if from_batch else not partners <= own  # from the buffer: older images too
-    batch = gi(ds.collate_fn([ds[(1, i)] for i in range(8)]), torch.Generator().manual_seed(0))
-    assert groups[-1].shape == (8, 1) and mixed[-1] is None  # epoch close_at: no mosaic, no mix
-    assert batch["img"].shape == (8, 3, 32, 32)
-
-
+# --- the node-shared cache of the files -------------------------------------------------------------------------------
 def test_the_shared_cache_holds_the_files_bytes(tmp_path):
     files = write_images(tmp_path, ["jpg", "png", "jpg"])
     cache = image_cache.ensure_file_cache(files, dirs=[tmp_path / "cache"], threads=1, log=lambda m: None)
@@ -419,78 +299,7 @@ def test_the_shared_cache_holds_the_files_bytes(tmp_path):
     assert cache.image(0)[0].size == Path(files[0]).stat().st_size
 
 
-# --- the plan -----------------------------------------------------------------------------------------------------------
-def _plan(overrides: list[str], gpus: int = 1, cpus: int = 16):
-    from launcher.machine.hardware import Gpu, Hardware
-    from launcher.plan.plan import make_plan
-    from tests.conftest import compose_config
-
-    hw = Hardware(gpus=tuple(Gpu(i, "NVIDIA H200", 141.0) for i in range(gpus)), cpu_count=cpus, nccl_available=True)
-    return make_plan(compose_config(overrides), hw, None, port_is_free=lambda port: True)
-
-
-def test_auto_takes_the_gpu_input_where_cores_are_few_or_images_large_and_it_needs_four_workers():
-    few, problems = _plan([], cpus=8)
-    assert not problems and few.augment_on == "gpu" and few.workers_per_rank == 4
-    assert [n for n in few.notes if "loader.augment_on=auto: the input on the GPU (8 core(s) per rank" in n]
-    many, problems = _plan([])  # 16 cores at 160 px: Ultralytics' pipeline keeps up
-    assert not problems and many.augment_on == "cpu" and many.workers_per_rank == 12 and not many.notes
-    large, problems = _plan(["train.imgsz=640"])  # 16 cores at 640 px: the GPU decodes and augments faster
-    assert not problems and large.augment_on == "gpu" and [n for n in large.notes if "(640 px: at 512 px" in n]
-    assert _plan([], gpus=8, cpus=64)[0].augment_on == "gpu"  # 8 cores per rank
-    gpu_input, problems = _plan(["loader.augment_on=gpu"])
-    assert not problems and gpu_input.augment_on == "gpu" and gpu_input.workers_per_rank == 4
-    assert _plan([], gpus=0, cpus=2)[0].augment_on == "cpu"  # no GPU: Ultralytics' pipeline in the workers
-    on_cpu, problems = _plan(["loader.augment_on=gpu"], gpus=0, cpus=2)  # the tensor maths on the CPU (CI)
-    assert on_cpu.augment_on == "gpu" and not problems
-
-
-@pytest.mark.parametrize("override", ["+train.extra.copy_paste=0.2", "train.cache=ram"])
-def test_auto_takes_the_cpu_pipeline_for_what_only_it_does_and_says_so(override):
-    plan, problems = _plan([override], cpus=8)
-    assert not problems and plan.augment_on == "cpu"
-    assert [n for n in plan.notes if "loader.augment_on=auto" in n and override.lstrip("+").split("=")[0] in n]
-
-
-@pytest.mark.parametrize(("override", "advice"), [
-    ("+train.extra.copy_paste=0.1", "loader.augment_on=cpu"),
-    ("train.cache=ram", "train.cache=shared"),
-    ("loader.augment_on=gpus", "auto, cpu or gpu"),
-])
-def test_what_the_gpu_input_cannot_do_is_refused_with_the_setting_that_can(override, advice):
-    _, problems = _plan(["loader.augment_on=gpu", override])
-    assert any(advice in p.message for p in problems), [p.message for p in problems]
-
-
-def test_mixup_and_cutmix_are_the_gpu_inputs_too():
-    mix = ["+train.extra.mixup=0.1", "+train.extra.cutmix=0.2"]
-    plan, problems = _plan(["loader.augment_on=gpu", *mix])
-    assert not problems and plan.augment_on == "gpu"
-    plan, problems = _plan(mix, cpus=8)  # auto: nothing in them needs the CPU pipeline
-    assert not problems and plan.augment_on == "gpu"
-
-
-def test_the_dry_run_names_the_input_pipeline(tmp_path, cache_dir):
-    from tests.conftest import ddp_launch
-
-    r = ddp_launch(["dry_run=true", "loader.augment_on=gpu"], cwd=tmp_path)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
-    expected = ("GPU: the workers read the files, nvJPEG decodes, one pass augments" if torch.cuda.is_available()
-                else "the GPU pipeline's tensor maths, run on the CPU")
-    assert f"input           {expected}" in r.stdout
-
-
-def test_the_batch_tables_go_up_in_one_copy_each_where_it_was():
-    devices = [torch.device("cpu")] + ([torch.device("cuda")] if torch.cuda.is_available() else [])
-    for device in devices:
-        arrays = [np.arange(3, dtype=np.int64), np.zeros((0, 6), np.int64), np.full((2, 3, 5), 1.5, np.float32),
-                  np.array([[7, 8]], np.int64), np.arange(3, dtype=np.float32)]  # 12 bytes: the next is realigned
-        moved = upload(arrays, device)
-        for a, t in zip(arrays, moved):
-            assert t.device.type == device.type and t.shape == a.shape
-            assert np.array_equal(t.cpu().numpy(), a)
-
-
+# --- nvJPEG's warm-up -------------------------------------------------------------------------------------------------
 def test_a_failed_nvjpeg_warm_up_is_logged_once_and_stops_nothing(monkeypatch):
     """rank/startup/prewarm.py: the warm-up's error reaches the log at the join, once, and the set-up goes on; on the CPU, or
     with no JPEG decoded on the device, no thread starts."""

@@ -164,7 +164,7 @@ def test_through_decode_and_the_image_buffer_each_point_stays_with_its_box(tmp_p
 
     from launcher.rank.data.encoded import EncodedImages, EncodedTrainDataset
     from launcher.rank.data.gpu_input import Decoder, GpuInput
-    from tests.test_gpu_input import rectangles
+    from tests.test_gpu_input_batches import rectangles
 
     boxes, _ = rectangles(tmp_path, 16)
     images = EncodedImages(*boxes[:4], keypoints=np.concatenate(

@@ -126,7 +126,7 @@ def test_mixed_samples_are_ultralytics_mixup_and_cutmix_with_their_corners(ul, o
 
     from launcher.rank.data.augment_obb import warped_obbs
     from launcher.rank.data.augment_params import mosaic_tiles
-    from tests.test_gpu_augment import ultralytics_mixed
+    from tests.test_gpu_augment_mixes import ultralytics_mixed
     from tests.test_gpu_segments import outlined_mix
 
     b = 16
@@ -259,7 +259,7 @@ def test_through_decode_and_the_image_buffer_each_rotated_box_frames_its_rectang
 
     from launcher.rank.data.encoded import EncodedImages, EncodedTrainDataset
     from launcher.rank.data.gpu_input import Decoder, GpuInput
-    from tests.test_gpu_input import rectangles
+    from tests.test_gpu_input_batches import rectangles
 
     boxes, colours = rectangles(tmp_path, 16)
     xy, wh = boxes.xywh[:, :2], boxes.xywh[:, 2:] / 2

@@ -139,7 +139,7 @@ def test_mixed_samples_are_ultralytics_mixup_and_cutmix_with_their_polygons(ul, 
     from launcher.rank.data.augment_boxes import warped_boxes
     from launcher.rank.data.augment_params import mosaic_tiles
     from launcher.rank.data.augment_segments import clamped_into, warped_segments
-    from tests.test_gpu_augment import ultralytics_mixed
+    from tests.test_gpu_augment_mixes import ultralytics_mixed
     from ultralytics.utils.instance import Instances
 
     b = 16
@@ -180,7 +180,7 @@ def outlined_mix(ul, data: dict, task: str, points: int, b: int, **augment):
     partners (MixUp's, then CutMix's), strong warps, mixup 0.5, cutmix 0.7. Returns (hyp, the RawBatch of every row,
     the batch's RawBatch, its GpuAugment (`augment`: its further arguments), its draws)."""
     from launcher.rank.ultralytics.datasets import raw_train_dataset
-    from tests.test_gpu_augment import with_partners
+    from tests.test_gpu_augment_mixes import with_partners
 
     get_cfg, _ = ul
     hyp_ns = get_cfg(overrides={"imgsz": IMGSZ, "task": task, **dict(STRONG, translate=0.3), "mixup": 0.5,
@@ -313,7 +313,7 @@ def test_through_decode_and_the_image_buffer_each_mask_covers_its_rectangle(tmp_
 
     from launcher.rank.data.encoded import EncodedImages, EncodedTrainDataset
     from launcher.rank.data.gpu_input import Decoder, GpuInput
-    from tests.test_gpu_input import rectangles
+    from tests.test_gpu_input_batches import rectangles
 
     boxes, colours = rectangles(tmp_path, 16)
     xy, wh = boxes.xywh[:, :2], boxes.xywh[:, 2:] / 2

@@ -1,17 +1,15 @@
-"""The plan is a pure function: topology, batch, learning rate, warmup, loader, rendezvous and its problems."""
+"""The plan is a pure function: topology, batch, learning rate, warmup, loader, rendezvous, gradient accumulation and
+train.batch_per_device=auto. Its refusals of bad values and machines: tests/test_plan_problems.py; what it decides for
+the ranks (the step's speed settings, validation, bytecode, CUDA's environment): tests/test_plan_rank_decisions.py.
+This module holds the plan helpers other tests import."""
 
 from __future__ import annotations
-
-import importlib.util
-import py_compile
-import sys
 
 import pytest
 
 from launcher.plan import lr
 from launcher.inputs.data import DatasetInfo
 from launcher.machine.hardware import Gpu, Hardware
-from launcher.plan.checks import check_plan
 from launcher.plan.describe import describe
 from launcher.plan.plan import make_plan
 from tests.conftest import compose_config
@@ -144,112 +142,6 @@ def test_busy_explicit_port_is_an_error_naming_the_port():
     assert "dist.master_port=29612 is already in use" in messages(problems)
 
 
-# --- problems --------------------------------------------------------------------------------------------------
-def test_more_gpus_than_visible_lists_what_is_visible():
-    hw = Hardware(gpus=(Gpu(0, "NVIDIA H200", 141.0),), cpu_count=16, nccl_available=True)
-    _, problems = plan_for(["gpus=4"], hw=hw)
-    text = messages(problems)
-    assert "gpus=4 but this node has 1 visible GPU(s): cuda:0 NVIDIA H200" in text
-    assert all(p.environment for p in problems)
-
-
-def test_gpus_without_cuda_suggests_the_cpu():
-    _, problems = plan_for(["gpus=2"], hw=CPU_BOX)
-    assert "train on the CPU with gpus=0" in messages(problems)
-
-
-def test_dry_run_turns_machine_problems_into_warnings_but_not_config_errors():
-    _, problems = plan_for(["gpus=2", "train.batch_per_device=0"], hw=CPU_BOX)
-    errors, warnings = check_plan(problems, dry_run=True)
-    assert "train.batch_per_device=0: must be >= 1" in messages(errors)
-    assert "gpus=2" in messages(warnings)
-    errors, warnings = check_plan(problems, dry_run=False)
-    assert not warnings and len(errors) == len(problems)
-
-
-@pytest.mark.parametrize(
-    "overrides,expected",
-    [
-        (["train.batch_per_device=0"], "train.batch_per_device=0: must be >= 1"),
-        (["gpus=0", "dist.backend=nccl", "mode=ddp", "nproc=2"], "dist.backend=nccl needs GPUs"),
-        (["gpus=4", "nproc=2"], "ddp-launch runs one rank per GPU"),
-        (["mode=single", "gpus=2"], "mode=single runs one process"),
-        (["nnodes=2", "gpus=1"], "needs dist.master_addr set to node 0's address"),
-        (["optim.name=auto"], "Ultralytics' `auto` picks its own optimizer"),
-        (["optim.lr_scaling=cubic"], "optim.lr_scaling='cubic'"),
-        (["train.amp=fp8"], "train.amp='fp8'"),
-        (["train.imgsz=100"], "multiple of 32"),
-        (["+train.extra.epochs=3"], "train.extra.epochs: ddp-launch sets this itself; use train.epochs"),
-        (["+train.extra.not_an_arg=3"], "train.extra.not_an_arg: not an Ultralytics train argument"),
-        (["dist.nccl.debug=LOUD"], "dist.nccl.debug='LOUD'"),
-        (["train.compile=fastest"], "train.compile='fastest': expected false, true or one of default, reduce-overhead"),
-        (["train.compile=true", "train.cuda_graphs=true"], "choose one (train.compile=reduce-overhead"),
-        (["train.compile=true", "mode=dp"], "train.compile is not supported with mode=dp"),
-        (["train.cuda_graphs=true", "mode=dp"], "train.cuda_graphs=true is not supported with mode=dp"),
-        (["optim.fused=maybe"], "optim.fused='maybe': expected auto, true or false"),
-        (["train.cuda_graphs=always"], "train.cuda_graphs='always': expected auto, true or false"),
-        (["train.graph_scope=step"], "train.graph_scope='step': expected auto or network"),
-        (["train.steps_in_flight=-1"], "train.steps_in_flight=-1: expected a whole number >= 0"),
-        (["train.steps_in_flight=two"], "train.steps_in_flight='two': expected a whole number >= 0"),
-        (["train.cudnn_benchmark=fast"], "train.cudnn_benchmark='fast': expected true or false"),
-        (["train.cuda_connections=0"], "train.cuda_connections=0: expected a whole number from 1 to 32"),
-        (["train.cuda_connections=64"], "train.cuda_connections=64: expected a whole number from 1 to 32"),
-        (["train.cuda_connections=many"], "train.cuda_connections='many': expected a whole number from 1 to 32"),
-        (["val.engine=turbo"], "val.engine='turbo': expected auto, fast or ultralytics"),
-        (["val.batch=0"], "val.batch=0: must be >= 1"),
-        (["val.cuda_graphs=maybe"], "val.cuda_graphs='maybe': expected auto, true or false"),
-        (["val.fold_batchnorm=1"], "val.fold_batchnorm=1: expected true or false"),
-        (["val.fold_batchnorm=yes"], "val.fold_batchnorm='yes': expected true or false"),
-        (["val.engine=fast", "+train.extra.save_json=true"], "the fast validation engine does not write it"),
-    ],
-)
-def test_bad_config_values_are_named(overrides, expected):
-    _, problems = plan_for(overrides)
-    assert expected in messages(problems)
-
-
-def test_the_validation_engine_is_the_fast_one_unless_ultralytics_must_write_files_only_it_writes():
-    from launcher.plan.checks import val_engine
-    from launcher.plan.decisions import val_batch_at
-
-    assert val_engine({"engine": "auto"}, {"extra": {}}) == "fast"
-    assert val_engine({"engine": "auto"}, {"extra": {"save_txt": True}}) == "ultralytics"
-    assert val_engine({"engine": "ultralytics"}, {"extra": {}}) == "ultralytics"
-    assert (val_batch_at(None, 64), val_batch_at(96, 64), val_batch_at(None, 100)) == (128, 96, 128)
-    _, problems = plan_for(["+train.extra.save_json=true"])  # auto gives way: nothing refused
-    assert "validation engine" not in messages(problems)
-
-
-# --- the step's speed settings ----------------------------------------------------------------------------------
-def test_compile_with_cuda_graphs_on_the_cpu_is_refused_with_the_mode_that_works():
-    _, problems = plan_for(["gpus=0", "train.compile=reduce-overhead"], hw=CPU_BOX)
-    assert "on the CPU use train.compile=default" in messages(problems)
-    _, problems = plan_for(["gpus=0", "train.compile=default"], hw=CPU_BOX)
-    assert not problems
-
-
-def test_compile_on_gpus_without_triton_is_a_machine_problem():
-    _, problems = plan_for(["gpus=1", "train.compile=true"], hw=GPU_BOX)
-    (problem,) = [p for p in problems if "Triton" in p.message]
-    assert problem.environment and "train.compile=false" in problem.message
-    with_triton = Hardware(gpus=GPU_BOX.gpus, cpu_count=128, nccl_available=True, triton_available=True)
-    _, problems = plan_for(["gpus=1", "train.compile=reduce-overhead"], hw=with_triton)
-    assert not problems
-
-
-def test_cuda_graphs_are_on_by_default_wherever_they_can_be_and_off_where_they_cannot():
-    assert plan_for(["gpus=1"])[0].cuda_graphs
-    assert plan_for(["gpus=2", "mode=ddp"])[0].cuda_graphs
-    assert not plan_for(["gpus=2", "mode=dp"])[0].cuda_graphs  # DataParallel replicates the network every step
-    assert not plan_for(["gpus=0"], hw=CPU_BOX)[0].cuda_graphs
-    with_triton = Hardware(gpus=GPU_BOX.gpus, cpu_count=128, nccl_available=True, triton_available=True)
-    plan, problems = plan_for(["gpus=1", "train.compile=reduce-overhead"], hw=with_triton)
-    assert not plan.cuda_graphs and not problems  # torch.compile brings its own graphs
-    plan, _ = plan_for(["gpus=1", "train.cuda_graphs=false"])
-    assert not plan.cuda_graphs
-    assert "step            CUDA graphs on" in describe(plan_for(["gpus=1"])[0], None, None)
-
-
 # --- gradient accumulation -------------------------------------------------------------------------------------
 def test_accumulation_multiplies_the_global_batch_and_lr_and_warmup_follow_it():
     cpu = ["gpus=0", "nproc=2", "train.batch_per_device=8", "optim.lr_scaling=linear"]
@@ -330,97 +222,3 @@ def test_auto_batch_on_the_cpu_is_the_default_with_a_note():
 def test_an_auto_batch_that_cannot_be_measured_is_refused_with_what_can(overrides, message):
     _, problems = plan_for(["gpus=2", "train.batch_per_device=auto", *overrides])
     assert any(message in p.message for p in problems), [p.message for p in problems]
-
-
-# --- the ranks' interpreters -----------------------------------------------------------------------------------
-def test_where_torchs_install_keeps_no_bytecode_the_ranks_keep_theirs_in_the_cache():
-    from dataclasses import replace
-
-    bare = replace(GPU_BOX, bytecode_kept=False)
-    plan, problems = plan_for(["gpus=1", "paths.cache=/data/cache"], hw=bare)
-    assert not problems
-    assert plan.env["PYTHONPYCACHEPREFIX"] == "/data/cache/bytecode"
-    assert plan.env["PYTHONDONTWRITEBYTECODE"] == ""  # unset, to Python: the folder is written, not the install
-    assert any("/data/cache/bytecode" in n and "paths.bytecode=null" in n for n in plan.notes)
-    kept, _ = plan_for(["gpus=1", "paths.cache=/data/cache"])
-    assert "PYTHONPYCACHEPREFIX" not in kept.env and not any("bytecode" in n for n in kept.notes)
-    off, _ = plan_for(["gpus=1", "paths.bytecode=null"], hw=bare)
-    assert "PYTHONPYCACHEPREFIX" not in off.env
-    chosen, _ = plan_for(["gpus=1", "paths.bytecode=/fast/pyc"])
-    assert chosen.env["PYTHONPYCACHEPREFIX"] == "/fast/pyc"
-    _, problems = plan_for(["gpus=1", "paths.bytecode=pyc"])
-    assert "paths.bytecode='pyc': give auto, null or an absolute folder" in messages(problems)
-
-
-def test_an_install_without_bytecode_is_found_by_its_files_alone(tmp_path, monkeypatch):
-    from launcher.machine.hardware import bytecode_kept
-
-    package = tmp_path / "somepkg"
-    package.mkdir()
-    (package / "__init__.py").write_text("raise RuntimeError('imported')\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.delenv("PYTHONDONTWRITEBYTECODE", raising=False)
-    monkeypatch.delenv("PYTHONPYCACHEPREFIX", raising=False)
-    monkeypatch.setattr("sys.pycache_prefix", None)
-    real = sys.flags
-
-    class Flags:  # as without -B (or PYTHONDONTWRITEBYTECODE, which sets it) in this interpreter
-        dont_write_bytecode = False
-
-        def __getattr__(self, name):
-            return getattr(real, name)
-
-    monkeypatch.setattr("sys.flags", Flags())
-    read_only = lambda path, mode: False  # noqa: E731 (the install's folders, as in a read-only image)
-    assert bytecode_kept("somepkg", writable=read_only) is False
-    assert bytecode_kept("somepkg") is True  # writable: the first import writes it
-    monkeypatch.setenv("PYTHONDONTWRITEBYTECODE", "1")
-    assert bytecode_kept("somepkg") is False  # writable, but nothing will write it
-    monkeypatch.setenv("PYTHONPYCACHEPREFIX", str(tmp_path / "elsewhere"))
-    assert bytecode_kept("somepkg") is True  # the user keeps it elsewhere
-    monkeypatch.delenv("PYTHONPYCACHEPREFIX")
-    source = str(package / "__init__.py")
-    py_compile.compile(source, cfile=importlib.util.cache_from_source(source))
-    assert bytecode_kept("somepkg", writable=read_only) is True  # compiled in the image
-    assert bytecode_kept("not_installed_anywhere") is True
-
-
-# --- the ranks' CUDA environment -----------------------------------------------------------------------------
-def test_gpu_ranks_get_more_hardware_queues_than_cudas_default():
-    # With CUDA's 8 queues the input's decode kernels waited behind the step's (docs/benchmarks/README.md, section 6)
-    plan, problems = plan_for(["gpus=2"])
-    assert not problems and plan.env["CUDA_DEVICE_MAX_CONNECTIONS"] == "32"
-    plan, _ = plan_for(["gpus=2", "train.cuda_connections=8"])
-    assert plan.env["CUDA_DEVICE_MAX_CONNECTIONS"] == "8"
-
-
-@pytest.mark.parametrize("overrides,hw", [(["gpus=2", "train.cuda_connections=null"], GPU_BOX), (["gpus=0"], CPU_BOX)])
-def test_cuda_connections_left_to_the_environment(overrides, hw):
-    plan, problems = plan_for(overrides, hw=hw)
-    assert not problems and "CUDA_DEVICE_MAX_CONNECTIONS" not in plan.env
-
-
-# --- what the plan decides for the ranks -------------------------------------------------------------------------
-def test_the_plan_decides_the_ranks_precision_graphs_and_validation_once():
-    plan, _ = plan_for(["train.amp=bf16", "val.batch=24", "train.graph_scope=network", "train.cuda_graphs=true"])
-    assert (plan.amp, plan.cuda_graphs, plan.cuda_graphs_required, plan.graph_scope) == ("bf16", True, True, "network")
-    assert (plan.val_engine, plan.val_batch, plan.val_cuda_graphs, plan.fused_optimizer) == ("fast", 24, True, True)
-    plan, _ = plan_for(["gpus=0", "+train.extra.save_json=true"])
-    assert not plan.fused_optimizer
-    assert (plan.amp, plan.cuda_graphs, plan.graph_scope, plan.val_engine, plan.val_cuda_graphs) == (
-        False, False, "network", "ultralytics", False)
-    assert plan.val_batch == min(2 * plan.micro_batch, 128)
-    plan, _ = plan_for(["train.batch_per_device=auto"])
-    assert plan.val_batch is None and plan.val_batch_at(48) == 96 and plan.graph_scope == "step"
-
-
-def test_an_older_plan_json_without_the_ranks_decisions_takes_them_from_its_config():
-    from launcher.plan.plan import LaunchPlan
-
-    cfg = compose_config(["train.amp=bf16", "+train.extra.save_txt=true", "val.cuda_graphs=false"])
-    plan, _ = make_plan(cfg, GPU_BOX)
-    older = {k: v for k, v in plan.to_dict().items()
-             if k not in ("amp", "fused_optimizer", "cudnn_benchmark", "cuda_graphs_required", "graph_scope", "val_engine",
-                          "val_batch_fixed", "val_cuda_graphs")}
-    assert LaunchPlan.from_dict(older, cfg) == plan
-    assert LaunchPlan.from_dict(plan.to_dict(), cfg) == plan

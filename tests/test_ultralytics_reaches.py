@@ -65,7 +65,7 @@ BEHAVIOUR = {
     "loss.py": ["tests/test_loss.py", "tests/test_tasks.py::test_the_task_loss_is_ultralytics_own_on_one_process",
                 "tests/test_tasks.py::test_two_ranks_of_b_take_the_same_step_as_one_process_of_2b",
                 "tests/test_classify.py::test_the_classification_loss_is_ultralytics_mean_summed_over_the_images"],
-    "datasets.py": ["tests/test_image_cache.py", "tests/test_gpu_augment.py",
+    "datasets.py": ["tests/test_image_cache.py", "tests/test_gpu_augment.py", "tests/test_gpu_augment_mixes.py",
                     "tests/test_data_check.py::test_the_split_lists_the_files_ultralytics_lists",
                     "tests/test_ultralytics_reaches.py::test_a_loader_forks_its_workers_at_its_first_iteration",
                     "tests/test_validation_split.py::test_a_split_read_ahead_during_training_validates_as_one_read",
