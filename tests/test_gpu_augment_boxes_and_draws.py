@@ -14,17 +14,7 @@ import torch
 
 from launcher.rank.data.gpu_augment import GpuAugment
 from launcher.rank.data.raw_batch import RawBatch
-from tests.test_gpu_augment import IMGSZ, STRONG, generator, hyp, raw_dataset, textured_shapes, ultralytics_modules
-
-
-@pytest.fixture(scope="module")
-def ul():
-    return ultralytics_modules()
-
-
-@pytest.fixture(scope="module")
-def data(tmp_path_factory) -> dict:
-    return textured_shapes(tmp_path_factory)
+from tests.test_gpu_augment import IMGSZ, STRONG, data, generator, hyp, raw_dataset, ul  # and its fixtures
 
 
 # --- every box frames the object it labels --------------------------------------------------------------------

@@ -16,19 +16,8 @@ import torch
 
 from launcher.rank.data.gpu_augment import GpuAugment
 from launcher.rank.data.raw_batch import RawBatch
-from tests.test_gpu_augment import (IMGSZ, STRONG, Scripted, generator, hyp, raw_dataset, textured_shapes,
-                                    ultralytics_modules)
+from tests.test_gpu_augment import IMGSZ, STRONG, Scripted, data, generator, hyp, raw_dataset, ul  # and fixtures
 from tests.test_gpu_augment_boxes_and_draws import assert_rate, empty_raw
-
-
-@pytest.fixture(scope="module")
-def ul():
-    return ultralytics_modules()
-
-
-@pytest.fixture(scope="module")
-def data(tmp_path_factory) -> dict:
-    return textured_shapes(tmp_path_factory)
 
 
 def with_partners(raw: RawBatch, samples: int) -> RawBatch:
