@@ -257,6 +257,7 @@ def test_the_plan_takes_the_gpu_input_for_a_classifier_when_asked_and_auto_keeps
     assert not problems and plan.augment_on == "gpu"
     text = describe(plan, None, None, cfg=compose_config(["loader.augment_on=gpu"]))
     assert "task            classify; the GPU input pipeline (class folders decoded and augmented" in text
+    assert plan.device != "cuda" or "the device applies the classify transforms" in text  # not detection's one pass
     plan, problems = make_plan(compose_config(["train.imgsz=640"]), FEW_CORES, task="classify")
     assert not problems and plan.augment_on == "cpu"  # auto: Ultralytics' pipeline until measured on GPUs
     for policy in ("augmix", "autoaugment"):
@@ -270,3 +271,13 @@ def test_the_plan_takes_the_gpu_input_for_a_classifier_when_asked_and_auto_keeps
     _, problems = make_plan(compose_config(["loader.augment_on=gpu", "train.cache=shared"]), FEW_CORES, task="classify")
     assert len(problems) == 1 and "use train.cache=false (or ram or disk with loader.augment_on=cpu" in \
         problems[0].message  # not the cache the GPU input refuses
+
+
+def test_an_input_bound_classifier_on_the_gpu_input_is_told_a_setting_it_has():
+    """A classifier has no node-shared cache (train.cache=shared is refused for it): the input-bound line names the
+    loader's workers only, where a detector's names the shared cache too."""
+    from launcher.plan.describe import input_bound_advice
+    from launcher.plan.task_rules import rules
+
+    assert input_bound_advice(True, 4, shared_cache=rules("classify").shared_cache) == "raise loader.workers (now 4)"
+    assert "set train.cache=shared" in input_bound_advice(True, 4, shared_cache=rules("detect").shared_cache)

@@ -152,16 +152,21 @@ def _count_text(data: DatasetInfo) -> str:
 def _input_text(plan: LaunchPlan) -> str:
     if plan.augment_on == "cpu":
         return "CPU: Ultralytics' decode and transforms in the workers"
+    if plan.device == "cuda" and rules(plan.task).folders:
+        return "GPU: the workers read the files, nvJPEG decodes, the device applies the classify transforms"
     if plan.device == "cuda":
         return "GPU: the workers read the files, nvJPEG decodes, one pass augments"
     return "the GPU pipeline's tensor maths, run on the CPU (slow: for tests)"
 
 
-def input_bound_advice(gpu_input: bool, workers: int | None = None) -> str:
+def input_bound_advice(gpu_input: bool, workers: int | None = None, *, shared_cache: bool = True) -> str:
     """The settings to try when a rank waits for data: one text for the rank's warning and ddp-bench's verdict. The
     GPU input's workers only read file bytes, and train.cache=ram would put a run with loader.augment_on=auto back on
-    the CPU pipeline (checks.py), so it gets the node-shared cache of the files' bytes instead."""
+    the CPU pipeline (checks.py), so it gets the node-shared cache of the files' bytes instead, where its task has
+    one (`shared_cache`: TaskRules.shared_cache; a classifier's class folders have none)."""
     now = f" (now {workers})" if workers is not None else ""
+    if gpu_input and not shared_cache:
+        return f"raise loader.workers{now}"
     if gpu_input:
         return (f"set train.cache=shared (the files' bytes mapped once per node) or raise loader.workers{now}; "
                 "not train.cache=ram, which needs the CPU pipeline")

@@ -129,9 +129,11 @@ def clock_text(seconds: float) -> str:
 class InputBoundWarning(Hook):
     """One line, once per run, when this rank waits for data more than INPUT_BOUND of its step time."""
 
-    def __init__(self, meter, workers: int, log, monitor=None, *, gpu_input: bool = False, inputs=None):
+    def __init__(self, meter, workers: int, log, monitor=None, *, gpu_input: bool = False, shared_cache: bool = True,
+                 inputs=None):
         self.meter, self.workers, self.log, self.monitor = meter, workers, log, monitor
         self.gpu_input = gpu_input  # loader.augment_on=gpu: other settings help (describe.input_bound_advice)
+        self.shared_cache = shared_cache  # the task has train.cache=shared (TaskRules.shared_cache)
         self.inputs = inputs  # TrainInputs: with the GPU input, its threads say which of them is the bound
         self.warned = False
 
@@ -146,4 +148,4 @@ class InputBoundWarning(Hook):
         threads = per_batch_ms(self.inputs.thread_times()) if self.inputs is not None else None
         bound = input_thread_bound(threads, m.step_ms) if threads else None
         self.log(f"WARNING input-bound: {100 * m.data_wait:.0f} % of step time waiting for data{busy}; "
-                 f"{bound or input_bound_advice(self.gpu_input, self.workers)}")
+                 f"{bound or input_bound_advice(self.gpu_input, self.workers, shared_cache=self.shared_cache)}")

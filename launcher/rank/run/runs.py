@@ -127,7 +127,7 @@ def train(cfg: dict, plan: LaunchPlan, folder: RunFolder, stamps: dict | None = 
                               metrics=rules(plan.task).results[:2]),
             # once per run, from the meter's window so far
             progress.InputBoundWarning(meter, plan.workers_per_rank, r.log, monitor, gpu_input=r.gpu_input is not None,
-                                       inputs=r.inputs),
+                                       shared_cache=rules(plan.task).shared_cache, inputs=r.inputs),
             # (loader.augment_on=gpu) the input's GPU time and its threads', read at its window's start and the end
             input_time,
             # last after each epoch: the ranks take rank 0's stop decision, after all of rank 0's work of the epoch
