@@ -12,7 +12,7 @@ import torch
 
 from launcher.rank.data.classify_augment import ClassifyAugment
 from launcher.rank.data.encoded import EncodedBatch, EncodedImages
-from launcher.rank.data.gpu_input import Decoded, Decoder
+from launcher.rank.data.gpu_input import Decoded, Decoder, InputTimer
 
 
 def class_folder_images(samples: list) -> EncodedImages:
@@ -31,9 +31,7 @@ class ClassifyInput:
 
     def __init__(self, augment: ClassifyAugment, decoder: Decoder, *, device: torch.device, timed: bool = True):
         self.augment, self.decode, self.device = augment, decoder, device
-        self.timed = timed and device.type == "cuda"
-        self._pending: list[tuple[torch.cuda.Event, torch.cuda.Event, int]] = []
-        self._ms, self._images = 0.0, 0
+        self.timer = InputTimer(device, timed)
 
     def warm_up(self) -> None:
         """Nothing to compile ahead: the augmentation is PyTorch's own kernels."""
@@ -42,7 +40,7 @@ class ClassifyInput:
         return Decoded(batch, *self.decode(batch))
 
     def __call__(self, batch: EncodedBatch | Decoded, generator: torch.Generator) -> dict:
-        start = _recorded() if self.timed else None
+        start = self.timer.start()
         batch, images, _ = batch if isinstance(batch, Decoded) else self.decoded(batch)
         s = self.augment.imgsz
         sizes = torch.tensor([tuple(im.shape[1:]) if im is not None else (s, s) for im in images],
@@ -51,21 +49,10 @@ class ClassifyInput:
         img = self.augment(images, draws, self.device)
         cls = batch.cls.long()
         cls = cls.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else cls
-        if start is not None:
-            self._pending.append((start, _recorded(), len(images)))
+        self.timer.stop(start, len(images))
         return {"img": img, "cls": cls, "im_file": [self.decode.files[i] for i in batch.indices]}
 
     def take_gpu_time(self) -> tuple[float, int]:
         """(GPU milliseconds, images) of the decode and augmentation measured since the last call (the batches
         whose events have completed; never waits)."""
-        while self._pending and self._pending[0][1].query():
-            start, end, n = self._pending.pop(0)
-            self._ms, self._images = self._ms + start.elapsed_time(end), self._images + n
-        taken, (self._ms, self._images) = (self._ms, self._images), (0.0, 0)
-        return taken
-
-
-def _recorded() -> torch.cuda.Event:
-    event = torch.cuda.Event(enable_timing=True)
-    event.record()
-    return event
+        return self.timer.take()

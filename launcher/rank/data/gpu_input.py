@@ -155,10 +155,7 @@ class GpuInput:
                          if augment.segments else None)
         self.counts = torch.zeros(capacity, dtype=torch.int64, device=device)
         self.head = self.filled = 0
-        self.timed = timed and device.type == "cuda"
-        self._events: list[tuple[torch.cuda.Event, torch.cuda.Event, int]] = []
-        self.gpu_ms = 0.0  # GPU time of the batches whose events have completed (decode to augmented batch)
-        self.gpu_images = 0
+        self.timer = InputTimer(device, timed)
 
     @property
     def capacity(self) -> int:
@@ -179,7 +176,7 @@ class GpuInput:
         return Decoded(batch, *self.decode(batch))
 
     def __call__(self, batch: EncodedBatch | Decoded, generator: torch.Generator) -> dict:
-        start = self._event()
+        start = self.timer.start()
         batch, images, failed = batch if isinstance(batch, Decoded) else self.decoded(batch)
         b, s = len(batch.payloads), self.augment.imgsz
         if b > self.capacity:
@@ -222,10 +219,7 @@ class GpuInput:
             if self.augment.mixes:  # MixUp's and CutMix's partners: another image each, with 3 mosaic partners
                 groups = torch.cat((groups, self._partners(groups, b * 4 * self.augment.mixes, generator).view(-1, 4)))
         out = self.augment(self._raw(batch, groups, shapes), generator)
-        if start is not None:
-            end = self._event()
-            self._events.append((start, end, b))
-            self._collect()
+        self.timer.stop(start, b)
         return out
 
     def _partners(self, groups: torch.Tensor, n: int, generator: torch.Generator) -> torch.Tensor:
@@ -295,24 +289,42 @@ class GpuInput:
             ratio_pad=tuple((sh[2] / sh[0], sh[3] / sh[1]) for sh in shapes),
         )
 
-    # --- GPU time ---------------------------------------------------------------------------------------------------
-    def _event(self) -> torch.cuda.Event | None:
-        if not self.timed:
+    def take_gpu_time(self) -> tuple[float, int]:
+        """(GPU milliseconds, images) of the input work measured since the last call."""
+        return self.timer.take()
+
+
+class InputTimer:
+    """The GPU time of an input's batches, decode to augmented batch, read without waiting: `start()` before a
+    batch's work, `stop(start, images)` after it, `take()` what completed since the last take. No events (zero
+    time) on the CPU or when not `timed`."""
+
+    def __init__(self, device: torch.device, timed: bool = True):
+        self.on = timed and device.type == "cuda"
+        self._events: list[tuple[torch.cuda.Event, torch.cuda.Event, int]] = []
+        self.ms, self.images = 0.0, 0  # of the batches whose events have completed
+
+    def start(self) -> torch.cuda.Event | None:
+        if not self.on:
             return None
         event = torch.cuda.Event(enable_timing=True)
         event.record()
         return event
 
+    def stop(self, start: torch.cuda.Event | None, images: int) -> None:
+        if start is not None:
+            self._events.append((start, self.start(), images))
+            self._collect()
+
     def _collect(self) -> None:
         """Add up the batches whose events have completed; never waits."""
         while self._events and self._events[0][1].query():
             start, end, images = self._events.pop(0)
-            self.gpu_ms += start.elapsed_time(end)
-            self.gpu_images += images
+            self.ms += start.elapsed_time(end)
+            self.images += images
 
-    def take_gpu_time(self) -> tuple[float, int]:
-        """(GPU milliseconds, images) of the input work measured since the last call."""
+    def take(self) -> tuple[float, int]:
         self._collect()
-        taken = (self.gpu_ms, self.gpu_images)
-        self.gpu_ms, self.gpu_images = 0.0, 0
+        taken = (self.ms, self.images)
+        self.ms, self.images = 0.0, 0
         return taken
