@@ -119,9 +119,9 @@ def _segments(labels: list[dict], counts: list[int], m: int) -> dict:
 def resample_segments(vertices: np.ndarray, starts: np.ndarray, m: int) -> np.ndarray:
     """Closed polygons (`vertices` (V, 2), polygon j's at starts[j]:starts[j+1]) as m points each along their
     perimeter, (K, m, 2) float32. A polygon of m vertices or fewer keeps every vertex, the other points spread
-    evenly by length along its edges: the same shape (Ultralytics resamples to 1000 points the same way,
-    ultralytics.utils.ops.resample_segments); one of more vertices is sampled evenly by length. A polygon without
-    vertices gives m points at (0, 0)."""
+    evenly by length along its edges: the same shape (ultralytics.utils.ops.resample_segments, to 1000 points, also
+    keeps every vertex and puts the rest on the edges, spread by vertex index); one of more vertices is sampled
+    evenly by length. A polygon without vertices gives m points at (0, 0)."""
     k, n = len(starts) - 1, np.diff(starts)
     out = np.zeros((k, m, 2), np.float32)
     live = n > 0
