@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from launcher.rank.data.augment_params import AugmentParams, Tiles
+from launcher.rank.data.augment_segments import flipped_segments, on_canvas, warped_points
 from launcher.rank.data.augment_settings import AugmentSettings
 from launcher.rank.data.raw_batch import RawBatch
 
@@ -34,12 +35,10 @@ def warped_keypoints(aug: AugmentSettings, raw: RawBatch, p: AugmentParams, tile
     """Mosaic's shift and clip, then RandomPerspective's warp and clip: (K, P, 3) x, y in pixels of the unflipped
     output and visibility, per label row of `raw` (whether the row survives is its box's: warped_boxes)."""
     s = aug.imgsz
-    sample, tile = raw.labels[:, 0].long(), raw.labels[:, 1].long()
-    pad = torch.stack((tiles.pad_x[sample, tile], tiles.pad_y[sample, tile]), 1).float()
-    points = torch.cat((raw.keypoints[..., :2] + pad[:, None], raw.keypoints[..., 2:]), -1)
+    sample = raw.labels[:, 0].long()
+    points = torch.cat((on_canvas(raw, tiles, raw.keypoints[..., :2]), raw.keypoints[..., 2:]), -1)
     points = torch.where(p.mosaic[sample, None, None], clipped(points, 0.0, 2.0 * s), points)
-    xy1 = torch.cat((points[..., :2], torch.ones_like(points[..., 2:])), -1) @ p.matrix[sample].transpose(1, 2)
-    points = torch.cat((xy1[..., :2] / xy1[..., 2:], points[..., 2:]), -1)
+    points = torch.cat((warped_points(points[..., :2], p.matrix[sample]), points[..., 2:]), -1)
     return clipped(points, 0.0, float(s))
 
 
@@ -59,9 +58,7 @@ def collated_keypoints(aug: AugmentSettings, p: AugmentParams, host: torch.Tenso
     s = aug.imgsz
     points, host = points[kept], host[kept]
     lr, ud = p.flip_lr[host][:, None], p.flip_ud[host][:, None]
-    x = torch.where(lr, s - points[..., 0], points[..., 0])
-    y = torch.where(ud, s - points[..., 1], points[..., 1])
-    points = torch.stack((x / s, y / s, points[..., 2]), -1)
+    points = torch.cat((flipped_segments(aug, p, host, points[..., :2]) / s, points[..., 2:]), -1)
     if aug.flip_idx:
         flip = aug.flip_table(points.device)
         order = torch.arange(points.shape[1], device=points.device).expand(len(points), -1)

@@ -38,12 +38,13 @@ def warped_segments(aug: AugmentSettings, raw: RawBatch, p: AugmentParams, tiles
     return warped_points(points, p.matrix[sample])
 
 
-def on_canvas(raw: RawBatch, tiles: Tiles) -> torch.Tensor:
-    """Each label row's polygon (RawBatch.segments) shifted with its tile onto the mosaic canvas (without mosaic:
-    its image as it is), (K, M, 2) pixels; Mosaic's clip to the canvas is the caller's (a clamp for polygons)."""
+def on_canvas(raw: RawBatch, tiles: Tiles, points: torch.Tensor | None = None) -> torch.Tensor:
+    """Each label row's points (K, M, 2): its polygon (RawBatch.segments) unless given (a pose row's keypoints),
+    shifted with its tile onto the mosaic canvas (without mosaic: its image as it is), in pixels; Mosaic's clip to
+    the canvas is the caller's (a clamp for polygons)."""
     sample, tile = raw.labels[:, 0].long(), raw.labels[:, 1].long()
     pad = torch.stack((tiles.pad_x[sample, tile], tiles.pad_y[sample, tile]), 1).float()
-    return raw.segments + pad[:, None]
+    return (raw.segments if points is None else points) + pad[:, None]
 
 
 def warped_points(points: torch.Tensor, matrix: torch.Tensor) -> torch.Tensor:
