@@ -1,6 +1,6 @@
 """A test helper: Ultralytics' own `load_image` as raw_batch.RawBatches (BGR pixels and pixel boxes), so that the
 device augmentation can be compared draw for draw with Ultralytics' pipeline on the very images it loads. (The rank's
-GPU input pipeline reads file bytes instead: rank/data/encoded.py and gpu_input.py.)
+GPU input pipeline reads file bytes instead: rank/data/encoded.py and rank/gpu_data/gpu_input.py.)
 
 Per sample the CPU does only what Ultralytics' `load_image` does -- read (or take from a cache) and resize the long
 side to imgsz -- for the sample's own image and, while mosaic is on, its 3 mosaic partners; mosaic, warp, colour and
@@ -31,8 +31,8 @@ from torch.utils.data import Dataset
 
 from launcher.rank.data.encoded import resample_segments
 from launcher.rank.data.raw_batch import RawBatch
-from launcher.rank.data.warp import BORDER
 from launcher.rank.data.sampler import sample_seed
+from launcher.rank.gpu_data.warp import BORDER
 
 PARTNERS = ("dataset", "batch")
 

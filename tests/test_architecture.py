@@ -35,7 +35,8 @@ NO_TORCH = {"problems", "inputs", "plan"}  # pure: planning runs before anything
 RANK_FLOORS = [
     {"kernels"},  # Triton kernels and their PyTorch twins: nothing else of the rank
     {"group", "loop"},  # this rank among the others; the loop, its hook protocol, its state and checkpoint files
-    {"data", "validate", "metrics"},  # the input pipeline, validation at inference speed, what a rank measures
+    {"data", "validate", "metrics"},  # the host's input pipeline, validation at inference speed, what a rank measures
+    {"gpu_data"},  # the GPU input: the loader's batches decoded and augmented on the device
     {"ultralytics"},  # the one package that talks to Ultralytics (its hooks and validators stand on the loop)
     {"step"},  # the training step, over Ultralytics' network and loss
     {"build_steps", "startup"},  # the composition's build steps; the rank's side of the start-up overlap

@@ -14,7 +14,7 @@ def test_the_input_kernels_on_cuda_compute_what_their_torch_twins_compute():
     """warp.py's Triton kernels against the PyTorch twins that CPU runs use, on the same CUDA tensors."""
     from tests.test_gpu_input import load_case, render_case
 
-    from launcher.rank.data import warp
+    from launcher.rank.gpu_data import warp
 
     for kw in render_case(torch.device("cuda")):
         ours, twin = kw["out"], kw["out"].clone()
@@ -39,7 +39,7 @@ def test_nvjpeg_decodes_what_the_cpu_decodes_and_names_what_it_cannot(tmp_path):
     from tests.test_gpu_input import encoded_batch_of, write_images
 
     from launcher.rank.data.encoded import decode_on_cpu
-    from launcher.rank.data.gpu_input import Decoder
+    from launcher.rank.gpu_data.gpu_input import Decoder
 
     files = write_images(tmp_path, ["jpg", "jpg", "png", "corrupt", "jpg"])
     batch = encoded_batch_of(files, decode_all=False)
@@ -97,8 +97,8 @@ INPUT_LAUNCHES = """
 import pathlib, sys
 import torch
 from launcher.rank.data.encoded import EncodedTrainDataset
-from launcher.rank.data.gpu_augment import GpuAugment
-from launcher.rank.data.gpu_input import Decoder, GpuInput
+from launcher.rank.gpu_data.gpu_augment import GpuAugment
+from launcher.rank.gpu_data.gpu_input import Decoder, GpuInput
 from tests.test_gpu_input import images_of, write_images
 cache, warm, form = pathlib.Path(sys.argv[1]), sys.argv[2] == "warm", sys.argv[3]
 files = write_images(cache.parent, ["jpg"] * 8, size=(96, 72))
@@ -169,7 +169,7 @@ def test_a_split_placed_between_steps_copies_on_its_own_stream_and_arrives_whole
 
 
 def test_a_segment_batch_on_cuda_is_the_cpu_batch():
-    """The polygons' warp, boxes, CutMix clamp, flips and Format's masks (rank/data/augment_segments.py,
+    """The polygons' warp, boxes, CutMix clamp, flips and Format's masks (rank/gpu_data/augment_segments.py,
     segment_masks.py) on CUDA tensors against the same draws on the CPU: the same rows in the same order, boxes within
     1e-4 of the image, masks and sem_masks equal but for a pixel where float rounding moves an edge."""
     from tests.test_gpu_segments import segment_case
@@ -189,7 +189,7 @@ def test_a_segment_batch_on_cuda_is_the_cpu_batch():
 
 
 def test_an_obb_batch_on_cuda_is_the_cpu_batch():
-    """The corners' warp, preserve_obb clips, CutMix, flips and xywhr (rank/data/augment_obb.py) on CUDA tensors
+    """The corners' warp, preserve_obb clips, CutMix, flips and xywhr (rank/gpu_data/augment_obb.py) on CUDA tensors
     against the same draws on the CPU: the same rows in the same order, each rectangle's corners within 1e-3 px up to
     their order (a near-square's sides may swap with float rounding)."""
     import numpy as np

@@ -42,7 +42,7 @@ INPUT = {task: ["loader.augment_on=gpu"] for task in ("pose", "segment", "obb")}
 PATHS = {"pose": "; the GPU input pipeline (keypoints warped and flipped with their boxes)",  # the plan's task line
          "segment": "; the GPU input pipeline (polygons warped and flipped, boxes made from them, masks drawn",
          "obb": "; the GPU input pipeline (corners warped, clipped as rotated boxes and flipped)"}
-# a classifier's run on its own GPU input too (rank/data/classify_input.py: Ultralytics' classify transforms)
+# a classifier's run on its own GPU input too (rank/gpu_data/classify_input.py: Ultralytics' classify transforms)
 INPUT["classify"] = ["loader.augment_on=gpu"]
 PATHS["classify"] = "; the GPU input pipeline (class folders decoded and augmented on the device"
 ABOVE = {"classify": 0.5}  # the metric's floor: a classifier's top-1 above chance (a third), the mAPs above zero

@@ -1,4 +1,4 @@
-"""GPU-side augmentation (rank/data/gpu_augment.py, rendered by warp.py) against Ultralytics 8.4.190's own pipeline.
+"""GPU-side augmentation (rank/gpu_data/gpu_augment.py, rendered by warp.py) against Ultralytics 8.4.190's own pipeline.
 
 All on CPU tensors, on a small generated dataset: the strongest check feeds Ultralytics' Mosaic, RandomPerspective,
 RandomHSV, RandomFlip and Format the random draws GpuAugment made and compares images and boxes; the others compare
@@ -17,10 +17,10 @@ import pytest
 import torch
 
 from launcher.inputs import shapes
-from launcher.rank.data.augment_boxes import box_candidates
-from launcher.rank.data.gpu_augment import GpuAugment
 from launcher.rank.data.pipeline import MAX_TARGETS, TARGETS_PER_IMAGE
-from launcher.rank.data.warp import hsv_shift
+from launcher.rank.gpu_data.augment_boxes import box_candidates
+from launcher.rank.gpu_data.gpu_augment import GpuAugment
+from launcher.rank.gpu_data.warp import hsv_shift
 from tests.raw_batches import RawTrainDataset
 
 IMGSZ = 64

@@ -1,4 +1,4 @@
-"""GpuAugment (rank/data/gpu_augment.py) checked by its own meaning rather than against Ultralytics' pipeline: every
+"""GpuAugment (rank/gpu_data/gpu_augment.py) checked by its own meaning rather than against Ultralytics' pipeline: every
 box frames the object it labels through mosaic, rotation, shear, scale and flips; the random choices follow the
 configured distributions; after close_mosaic each sample is its own image; the generator alone decides. All on CPU
 tensors. Draw for draw against Ultralytics, the batch format and statistics: tests/test_gpu_augment.py; MixUp and
@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from launcher.rank.data.gpu_augment import GpuAugment
 from launcher.rank.data.raw_batch import RawBatch
+from launcher.rank.gpu_data.gpu_augment import GpuAugment
 from tests.test_gpu_augment import IMGSZ, STRONG, data, generator, hyp, raw_dataset, ul  # and its fixtures
 
 

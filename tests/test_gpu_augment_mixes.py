@@ -1,4 +1,4 @@
-"""MixUp and CutMix in GpuAugment (rank/data/gpu_augment.py, rendered by warp.py) against Ultralytics 8.4.190's:
+"""MixUp and CutMix in GpuAugment (rank/gpu_data/gpu_augment.py, rendered by warp.py) against Ultralytics 8.4.190's:
 the mix choices' distributions, each mixed sample against Ultralytics' MixUp, CutMix, RandomHSV, flips and Format on
 the same draws, a flipped mixed sample, solid images whose blend and pasted area are known, a batch without the
 partners its mixes need, and on CUDA the Triton render against the CPU maths. The single-image pipeline against
@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from launcher.rank.data.gpu_augment import GpuAugment
 from launcher.rank.data.raw_batch import RawBatch
+from launcher.rank.gpu_data.gpu_augment import GpuAugment
 from tests.test_gpu_augment import IMGSZ, STRONG, Scripted, data, generator, hyp, raw_dataset, ul  # and fixtures
 from tests.test_gpu_augment_boxes_and_draws import assert_rate, empty_raw
 

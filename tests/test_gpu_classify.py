@@ -19,10 +19,10 @@ from torchvision.transforms.autoaugment import _apply_op
 
 from launcher.plan.describe import describe
 from launcher.plan.plan import make_plan
-from launcher.rank.data import classify_colour as colour
-from launcher.rank.data import classify_geometry as geometry
-from launcher.rank.data.classify_augment import ClassifyAugment
-from launcher.rank.data.classify_params import RAND_OPS, SIGNED, ClassifyDraws, boxes, magnitude
+from launcher.rank.gpu_data import classify_colour as colour
+from launcher.rank.gpu_data import classify_geometry as geometry
+from launcher.rank.gpu_data.classify_augment import ClassifyAugment
+from launcher.rank.gpu_data.classify_params import RAND_OPS, SIGNED, ClassifyDraws, boxes, magnitude
 from tests.test_classify import FEW_CORES
 from tests.conftest import compose_config
 
@@ -227,9 +227,9 @@ def test_colour_jitter_takes_each_images_factors_in_its_own_order_when_auto_augm
 def test_a_batch_from_the_gpu_input_has_ultralytics_keys_shapes_types_and_range(tmp_path):
     import cv2
 
-    from launcher.rank.data.classify_input import ClassifyInput, class_folder_images
     from launcher.rank.data.encoded import EncodedTrainDataset
-    from launcher.rank.data.gpu_input import Decoder
+    from launcher.rank.gpu_data.classify_input import ClassifyInput, class_folder_images
+    from launcher.rank.gpu_data.gpu_input import Decoder
 
     samples = []
     for k, (h, w) in enumerate(((40, 60), (64, 32), (25, 25), (90, 70))):

@@ -1,6 +1,7 @@
-"""The GPU input pipeline's decoding half (rank/data/encoded.py, gpu_input.py, warp.py) on the CPU: the Triton kernels
-against their PyTorch twins (Triton's interpreter), the load against Ultralytics' resize, file bytes and the decodes
-the workers keep, torchvision's operators without torchvision, damaged files, the file cache and the nvJPEG warm-up.
+"""The GPU input pipeline's decoding half (rank/data/encoded.py, rank/gpu_data/gpu_input.py, warp.py) on the CPU:
+the Triton kernels against their PyTorch twins (Triton's interpreter), the load against Ultralytics' resize, file
+bytes and the decodes the workers keep, torchvision's operators without torchvision, damaged files, the file cache and
+the nvJPEG warm-up.
 
 The same kernels on CUDA, and nvJPEG against the CPU decoder: tests/test_cuda_input.py. Batches through the device's
 half on known images: tests/test_gpu_input_batches.py; the plan's choice of input: tests/test_gpu_input_plan.py.
@@ -17,10 +18,11 @@ import numpy as np
 import torch
 from PIL import Image
 
-from launcher.rank.data import image_cache, warp
+from launcher.rank.data import image_cache
 from launcher.rank.data.encoded import EncodedImages, EncodedTrainDataset, decode_on_cpu, exif_orientation
-from launcher.rank.data.gpu_augment import GpuAugment
-from launcher.rank.data.gpu_input import Decoder, GpuInput, resized_shape
+from launcher.rank.gpu_data import warp
+from launcher.rank.gpu_data.gpu_augment import GpuAugment
+from launcher.rank.gpu_data.gpu_input import Decoder, GpuInput, resized_shape
 
 ROOT = Path(__file__).resolve().parents[1]
 

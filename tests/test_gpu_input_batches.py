@@ -1,4 +1,4 @@
-"""The GPU input pipeline's device half (rank/data/gpu_input.py, gpu_augment.py) on the CPU, end to end on known
+"""The GPU input pipeline's device half (rank/gpu_data/gpu_input.py, gpu_augment.py) on the CPU, end to end on known
 images: each box frames its object through decode, load, mosaic, warp and flips; mosaic partners come from the
 recently decoded images or from the batch, mix partners with their own until close_mosaic; the batch tables go up
 in one copy each. Decoding: tests/test_gpu_input.py; the plan's choice of input: tests/test_gpu_input_plan.py."""
@@ -12,9 +12,9 @@ import torch
 from PIL import Image
 
 from launcher.rank.data.encoded import EncodedImages, EncodedTrainDataset
-from launcher.rank.data.gpu_augment import GpuAugment
-from launcher.rank.data.gpu_input import Decoder, GpuInput, buffer_capacity, upload
 from launcher.rank.data.pipeline import MAX_TARGETS
+from launcher.rank.gpu_data.gpu_augment import GpuAugment
+from launcher.rank.gpu_data.gpu_input import Decoder, GpuInput, buffer_capacity, upload
 
 
 def rectangles(folder: Path, n: int, size=(64, 48)):

@@ -1,4 +1,4 @@
-"""A pose dataset's keypoints through the GPU input pipeline (rank/data/augment_keypoints.py, gpu_augment.py,
+"""A pose dataset's keypoints through the GPU input pipeline (rank/gpu_data/augment_keypoints.py, gpu_augment.py,
 gpu_input.py) against Ultralytics 8.4.190's transforms: given GpuAugment's draws, Mosaic, RandomPerspective,
 RandomFlip with flip_idx and Format(normalize=True) give the same keypoints; by hand, on a tiny batch, the flip's
 reordering, visibility 0 outside the image, and keypoints that leave with their boxes. All on CPU tensors."""
@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from launcher.inputs import shapes
-from launcher.rank.data.augment_keypoints import clipped, cutmix_keypoints
-from launcher.rank.data.gpu_augment import GpuAugment
 from launcher.rank.data.raw_batch import RawBatch
+from launcher.rank.gpu_data.augment_keypoints import clipped, cutmix_keypoints
+from launcher.rank.gpu_data.gpu_augment import GpuAugment
 from tests.raw_batches import RawTrainDataset
 from tests.test_gpu_augment import Scripted, scripted_calls
 
@@ -163,7 +163,7 @@ def test_through_decode_and_the_image_buffer_each_point_stays_with_its_box(tmp_p
     import pickle
 
     from launcher.rank.data.encoded import EncodedImages, EncodedTrainDataset
-    from launcher.rank.data.gpu_input import Decoder, GpuInput
+    from launcher.rank.gpu_data.gpu_input import Decoder, GpuInput
     from tests.test_gpu_input_batches import rectangles
 
     boxes, _ = rectangles(tmp_path, 16)

@@ -1,4 +1,4 @@
-"""Oriented boxes clipped and formatted on tensors (rank/data/augment_obb.py) against Ultralytics 8.4.190 itself:
+"""Oriented boxes clipped and formatted on tensors (rank/gpu_data/augment_obb.py) against Ultralytics 8.4.190 itself:
 Instances(...).clip(w, h, preserve_obb=True) on the 100-point polygons ops.resample_segments makes of the same
 float32 corners (as an OBB dataset's labels are), and Format(return_obb=True)'s bboxes.
 
@@ -24,8 +24,8 @@ from ultralytics.data.augment import Format
 from ultralytics.utils import ops
 from ultralytics.utils.instance import Instances
 
-from launcher.rank.data.augment_obb import clipped_obbs, obb_targets
-from launcher.rank.data.augment_rotated import min_area_rects
+from launcher.rank.gpu_data.augment_obb import clipped_obbs, obb_targets
+from launcher.rank.gpu_data.augment_rotated import min_area_rects
 
 ATOL = 2e-3  # px
 S = 640

@@ -1,4 +1,4 @@
-"""An obb dataset's rotated boxes through the GPU input pipeline (rank/data/augment_obb.py, gpu_augment.py) against
+"""An obb dataset's rotated boxes through the GPU input pipeline (rank/gpu_data/augment_obb.py, gpu_augment.py) against
 Ultralytics 8.4.190's transforms: given GpuAugment's draws, Mosaic (its preserve_obb clip at 2S), RandomPerspective
 (segment2box, the preserve_obb clip at S, box_candidates' 0.01), MixUp, CutMix (the clip in the pasted area's frame,
 zero-area rows dropped), both RandomFlips and Format(return_obb=True) give the same rows in the same order, the
@@ -21,10 +21,10 @@ import numpy as np
 import pytest
 import torch
 
-from launcher.rank.data import augment_obb
-from launcher.rank.data.augment_obb import OBB_CORNERS, obb_targets
-from launcher.rank.data.gpu_augment import GpuAugment
 from launcher.rank.data.raw_batch import RawBatch
+from launcher.rank.gpu_data import augment_obb
+from launcher.rank.gpu_data.augment_obb import OBB_CORNERS, obb_targets
+from launcher.rank.gpu_data.gpu_augment import GpuAugment
 from tests.raw_batches import RawTrainDataset
 from tests.test_gpu_keypoints import STRONG, shapes_data, ul  # noqa: F401 - ul: the module's Ultralytics fixture
 from tests.test_gpu_segments import ultralytics_segments
@@ -124,8 +124,8 @@ def test_mixed_samples_are_ultralytics_mixup_and_cutmix_with_their_corners(ul, o
     from ultralytics.utils import ops
     from ultralytics.utils.instance import Instances
 
-    from launcher.rank.data.augment_obb import warped_obbs
-    from launcher.rank.data.augment_params import mosaic_tiles
+    from launcher.rank.gpu_data.augment_obb import warped_obbs
+    from launcher.rank.gpu_data.augment_params import mosaic_tiles
     from tests.test_gpu_augment_mixes import ultralytics_mixed
     from tests.test_gpu_segments import outlined_mix
 
@@ -220,7 +220,7 @@ def test_cutmix_drops_a_partner_row_whose_polygon_misses_the_area_its_box_touche
     from ultralytics.utils import ops
     from ultralytics.utils.instance import Instances
 
-    from launcher.rank.data.augment_obb import cutmix_obbs
+    from launcher.rank.gpu_data.augment_obb import cutmix_obbs
 
     aug = GpuAugment(64, dict(cutmix=0.5), segments=OBB_CORNERS, obb=True)
     own = [(20.0, 16.0), (40.0, 16.0), (40.0, 40.0), (20.0, 40.0)]
@@ -258,7 +258,7 @@ def test_through_decode_and_the_image_buffer_each_rotated_box_frames_its_rectang
     import pickle
 
     from launcher.rank.data.encoded import EncodedImages, EncodedTrainDataset
-    from launcher.rank.data.gpu_input import Decoder, GpuInput
+    from launcher.rank.gpu_data.gpu_input import Decoder, GpuInput
     from tests.test_gpu_input_batches import rectangles
 
     boxes, colours = rectangles(tmp_path, 16)

@@ -1,4 +1,4 @@
-"""An oriented box's rotated rectangle on tensors (rank/data/augment_rotated.py) against Ultralytics 8.4.190's
+"""An oriented box's rotated rectangle on tensors (rank/gpu_data/augment_rotated.py) against Ultralytics 8.4.190's
 ops.xyxyxyxy2xywhr (cv2.minAreaRect per row) on the same float32 points: rotated rectangles resampled to 100 points
 as an OBB dataset's labels are, warped by random affine matrices and clipped as RandomPerspective.apply_segments
 clips segments, random convex and non-convex polygons, squares, rectangles at 0/45/90 degrees and degenerate rows.
@@ -19,8 +19,8 @@ import pytest
 import torch
 from ultralytics.utils import ops
 
-from launcher.rank.data import augment_rotated
-from launcher.rank.data.augment_rotated import min_area_rects
+from launcher.rank.gpu_data import augment_rotated
+from launcher.rank.gpu_data.augment_rotated import min_area_rects
 
 ATOL = 2e-3  # px
 ANGLE_ATOL = 1e-5  # rad

@@ -1,7 +1,7 @@
-"""A segmentation dataset's polygons through the GPU input pipeline (rank/data/augment_segments.py, segment_masks.py,
-gpu_augment.py, gpu_input.py) against Ultralytics 8.4.190's transforms: given GpuAugment's draws, Mosaic,
-RandomPerspective (boxes from the warped polygons), both RandomFlips and Format(return_mask=True, overlap) give the
-same instances, boxes and sort order, and masks of the same pixels but for the rasterisers' edges; by hand, on tiny
+"""A segmentation dataset's polygons through the GPU input pipeline (rank/gpu_data/augment_segments.py,
+segment_masks.py, gpu_augment.py, gpu_input.py) against Ultralytics 8.4.190's transforms: given GpuAugment's draws,
+Mosaic, RandomPerspective (boxes from the warped polygons), both RandomFlips and Format(return_mask=True, overlap) give
+the same instances, boxes and sort order, and masks of the same pixels but for the rasterisers' edges; by hand, on tiny
 batches: the boxes are the polygons' (not the warped corners'), the area sort and its drawing order, overlap_mask=False,
 a flip mirrors the masks, CutMix clamps its partner's polygons. All on CPU tensors."""
 
@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 import torch
 
-from launcher.rank.data import augment_segments, segment_masks
-from launcher.rank.data.augment_segments import cutmix_segments, segment_boxes
 from launcher.rank.data.encoded import resample_segments
-from launcher.rank.data.gpu_augment import GpuAugment
 from launcher.rank.data.raw_batch import RawBatch
+from launcher.rank.gpu_data import augment_segments, segment_masks
+from launcher.rank.gpu_data.augment_segments import cutmix_segments, segment_boxes
+from launcher.rank.gpu_data.gpu_augment import GpuAugment
 from tests.raw_batches import RawTrainDataset
 from tests.test_gpu_augment import Scripted, scripted_calls
 from tests.test_gpu_keypoints import STRONG, shapes_data, ul  # noqa: F401 - ul: the module's Ultralytics fixture
@@ -136,9 +136,9 @@ def test_mixed_samples_are_ultralytics_mixup_and_cutmix_with_their_polygons(ul, 
     masks by Ultralytics, against GpuAugment's mixed batch on the same draws."""
     from dataclasses import replace
 
-    from launcher.rank.data.augment_boxes import warped_boxes
-    from launcher.rank.data.augment_params import mosaic_tiles
-    from launcher.rank.data.augment_segments import clamped_into, warped_segments
+    from launcher.rank.gpu_data.augment_boxes import warped_boxes
+    from launcher.rank.gpu_data.augment_params import mosaic_tiles
+    from launcher.rank.gpu_data.augment_segments import clamped_into, warped_segments
     from tests.test_gpu_augment_mixes import ultralytics_mixed
     from ultralytics.utils.instance import Instances
 
@@ -312,7 +312,7 @@ def test_through_decode_and_the_image_buffer_each_mask_covers_its_rectangle(tmp_
     import pickle
 
     from launcher.rank.data.encoded import EncodedImages, EncodedTrainDataset
-    from launcher.rank.data.gpu_input import Decoder, GpuInput
+    from launcher.rank.gpu_data.gpu_input import Decoder, GpuInput
     from tests.test_gpu_input_batches import rectangles
 
     boxes, colours = rectangles(tmp_path, 16)

@@ -26,7 +26,7 @@ INTEGRATIONS = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflo
 GPU_INPUT_BELOW_CORES = 12  # loader.augment_on=auto: the GPU input for ranks with fewer cores (see augment_on)
 GPU_INPUT_FROM_IMGSZ = 512  # ... and at image sizes from this one up, whatever the cores (see augment_on)
 GPU_INPUT_UNSUPPORTED = ("copy_paste",)  # Ultralytics strengths the GPU pipeline does not do (it needs polygons)
-# (rank/data/augment_settings.py refuses them too, from this tuple)
+# (rank/gpu_data/augment_settings.py refuses them too, from this tuple)
 OPTIMIZERS = ("sgd", "adamw")
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs", "max-autotune")  # torch.compile's
 FUSED_VALUES = ("auto", True, False)
@@ -104,8 +104,9 @@ def augment_on(loader: dict, train: dict, device: str, cores_per_rank: int, *,
     input is ahead, at small images the CPU pipeline is (the GPU input's host work shares the training process's
     interpreter); the figures are in docs/benchmarks/README.md, sections 6 and 8. `gpu` on a CPU run runs the same
     tensor maths on the CPU (slow; how CI tests it). Detection follows this rule, measured; a pose, segmentation or
-    obb model takes the GPU input when asked (`gpu`), and a classification model its own (rank/data/classify_input.py);
-    `auto` keeps them on the CPU pipeline until the GPU input is measured ahead for their task."""
+    obb model takes the GPU input when asked (`gpu`), and a classification model its own
+    (rank/gpu_data/classify_input.py); `auto` keeps them on the CPU pipeline until the GPU input is measured ahead for
+    their task."""
     value = loader.get("augment_on", "auto")
     if value in ("cpu", "gpu"):
         return value, None

@@ -2,14 +2,14 @@
 name with rules(task): the plan, the ranks, the final lines and ddp-bench ask it for a property.
 
 Detection has ddp-launch's fast paths: the input augmented on the GPU, the fast validation engine, the whole step
-captured as one CUDA graph, the auto batch's probe. Pose, segmentation and obb have the GPU input too (a pose
-model's keypoints follow the matrix and flips of their boxes: rank/data/augment_keypoints.py; a segmentation model's
-polygons too, its boxes made from them and its masks drawn on the device: augment_segments.py, segment_masks.py; an
-obb model's corners, clipped as rotated boxes: augment_obb.py), and classification its own (rank/data/classify_input.py:
-Ultralytics' classify transforms on the device), taken when asked: `auto` keeps them on the CPU pipeline until the
-GPU input is measured ahead for them. They train through Ultralytics' validator (masks,
-keypoints and rotated boxes scored as it scores them) and its loss, normalised over the ranks but eager (its mask,
-keypoint and rotated-box terms have shapes that follow the targets); the network alone is graphed on GPUs.
+captured as one CUDA graph, the auto batch's probe. Pose, segmentation and obb have the GPU input too (a pose model's
+keypoints follow the matrix and flips of their boxes: rank/gpu_data/augment_keypoints.py; a segmentation model's
+polygons too, its boxes made from them and its masks drawn on the device: augment_segments.py, segment_masks.py; an obb
+model's corners, clipped as rotated boxes: augment_obb.py), and classification its own (rank/gpu_data/classify_input.py:
+Ultralytics' classify transforms on the device), taken when asked: `auto` keeps them on the CPU pipeline until the GPU
+input is measured ahead for them. They train through Ultralytics' validator (masks, keypoints and rotated boxes scored
+as it scores them) and its loss, normalised over the ranks but eager (its mask, keypoint and rotated-box terms have
+shapes that follow the targets); the network alone is graphed on GPUs.
 Classification trains on Ultralytics' ClassificationDataset (class folders, its own augmentations; no mosaic:
 close_mosaic and the mosaic buffer mean nothing there), its ClassificationValidator (top-1, top-5) and its
 cross-entropy, a mean over the batch.

@@ -18,15 +18,15 @@ from launcher.plan.plan import LaunchPlan
 from launcher.plan.settings import Settings
 from launcher.plan.task_rules import rules
 from launcher.rank.data import affinity, image_cache, image_cache_folders
-from launcher.rank.data.augment_obb import OBB_CORNERS
-from launcher.rank.data.augment_segments import SEGMENT_POINTS
-from launcher.rank.data.classify_augment import ClassifyAugment
-from launcher.rank.data.classify_input import ClassifyInput, class_folder_images
 from launcher.rank.data.encoded import EncodedImages, EncodedTrainDataset
-from launcher.rank.data.gpu_augment import GpuAugment
-from launcher.rank.data.gpu_input import Decoder, GpuInput, buffer_capacity
 from launcher.rank.data.pipeline import TrainInputs
 from launcher.rank.data.sampler import EpochBatchSampler, EpochSeededDataset, worker_init
+from launcher.rank.gpu_data.augment_obb import OBB_CORNERS
+from launcher.rank.gpu_data.augment_segments import SEGMENT_POINTS
+from launcher.rank.gpu_data.classify_augment import ClassifyAugment
+from launcher.rank.gpu_data.classify_input import ClassifyInput, class_folder_images
+from launcher.rank.gpu_data.gpu_augment import GpuAugment
+from launcher.rank.gpu_data.gpu_input import Decoder, GpuInput, buffer_capacity
 from launcher.rank.ultralytics import datasets
 
 

@@ -1,5 +1,5 @@
-"""The batch the loader's side hands the GPU augmentation (rank/data/gpu_augment.py): raw images, which of them form
-each sample and each mix partner, and their labels as pixel boxes."""
+"""The batch the loader's side hands the GPU augmentation (rank/gpu_data/gpu_augment.py): raw images, which of them
+form each sample and each mix partner, and their labels as pixel boxes."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Where the rank's Triton kernels run (kernels.py's, data/warp.py's and validate/scans.py's, one rule for all): on
+"""Where the rank's Triton kernels run (kernels.py's, gpu_data/warp.py's and validate/scans.py's, one rule for all): on
 CUDA tensors, or on any device under Triton's interpreter (TRITON_INTERPRET=1 set before launcher is imported: how
 the CPU tests check the kernels). Elsewhere, or where Triton is not installed, their PyTorch twins run."""
 

@@ -1,4 +1,4 @@
-"""An oriented-box dataset's label rows through the GPU augmentation (rank/data/gpu_augment.py): clipped to the
+"""An oriented-box dataset's label rows through the GPU augmentation (rank/gpu_data/gpu_augment.py): clipped to the
 canvas, the image and CutMix's area as Ultralytics clips them, and reduced to its targets, for every row at once,
 with no per-row loop and no copy to the host.
 
@@ -25,12 +25,12 @@ import math
 
 import torch
 
-from launcher.rank.data.augment_boxes import box_candidates
-from launcher.rank.data.augment_params import AugmentParams, Tiles
-from launcher.rank.data.augment_rotated import min_area_rects
-from launcher.rank.data.augment_segments import on_canvas, warped_points
-from launcher.rank.data.augment_settings import AugmentSettings
 from launcher.rank.data.raw_batch import RawBatch
+from launcher.rank.gpu_data.augment_boxes import box_candidates
+from launcher.rank.gpu_data.augment_params import AugmentParams, Tiles
+from launcher.rank.gpu_data.augment_rotated import min_area_rects
+from launcher.rank.gpu_data.augment_segments import on_canvas, warped_points
+from launcher.rank.gpu_data.augment_settings import AugmentSettings
 
 OBB_CORNERS = 4  # M of an obb dataset's payload: each row's corners (Ultralytics resamples them to 100 points)
 MAX_VERTICES = 8  # a convex quad clipped by 4 half-planes: at most one more vertex per half-plane

@@ -17,10 +17,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from launcher.rank.data import classify_colour as colour
-from launcher.rank.data import classify_geometry as geometry
-from launcher.rank.data.classify_params import NUM_OPS, RAND_OPS, SIGNED, ClassifyDraws, draw, magnitude
-from launcher.rank.data.gpu_input import upload
+from launcher.rank.gpu_data import classify_colour as colour
+from launcher.rank.gpu_data import classify_geometry as geometry
+from launcher.rank.gpu_data.classify_params import NUM_OPS, RAND_OPS, SIGNED, ClassifyDraws, draw, magnitude
+from launcher.rank.gpu_data.gpu_input import upload
 
 GEOMETRIC = frozenset({"ShearX", "ShearY", "TranslateX", "TranslateY", "Rotate"})
 COLOUR = {"Brightness": lambda x, m: colour.brightness(x, 1.0 + m),  # RandAugment's ops, of the signed magnitude

@@ -1,6 +1,6 @@
-"""A GPU-augmented batch's polygons (rank/data/gpu_augment.py): a segmentation dataset's payload of each label row,
-M points along its outline (encoded.resample_segments), moved by the same matrices as its box and turning into the
-box Ultralytics derives from it; the masks are made from them at the end (segment_masks.py).
+"""A GPU-augmented batch's polygons (rank/gpu_data/gpu_augment.py): a segmentation dataset's payload of each label
+row, M points along its outline (rank/data/encoded.py's resample_segments), moved by the same matrices as its box and
+turning into the box Ultralytics derives from it; the masks are made from them at the end (segment_masks.py).
 
 Ultralytics' rules (ultralytics/data/augment.py, utils/instance.py, utils/ops.py), per step:
   * Mosaic: shifted with their tile; Instances.clip to the 2S canvas clamps every point onto it.
@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import torch
 
-from launcher.rank.data.augment_params import AugmentParams, Tiles
-from launcher.rank.data.augment_settings import AugmentSettings
 from launcher.rank.data.raw_batch import RawBatch
+from launcher.rank.gpu_data.augment_params import AugmentParams, Tiles
+from launcher.rank.gpu_data.augment_settings import AugmentSettings
 
 SEGMENT_POINTS = 100  # M: each label's polygon travels as this many points along its outline (Ultralytics: 1000)
 POINTS_PER_PASS = 2**19  # segment_boxes' polygon points per pass: bounds its temporaries (~200 bytes per point)

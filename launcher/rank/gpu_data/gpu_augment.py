@@ -3,8 +3,8 @@
 
 Why: with Ultralytics' loader the CPU decodes, builds the mosaic, warps it, shifts its colours and flips it, several
 milliseconds of one core per 640-pixel image, while one GPU trains yolov8s at over a thousand images a second: a
-dozen busy cores per GPU (docs/benchmarks/README.md). Here the workers only read file bytes (encoded.py), the GPU
-decodes them into an image buffer (gpu_input.py) and this module does the rest:
+dozen busy cores per GPU (docs/benchmarks/README.md). Here the workers only read file bytes (rank/data/encoded.py),
+the GPU decodes them into an image buffer (gpu_input.py) and this module does the rest:
 
     augment = GpuAugment(imgsz, hyp, out_dtype=torch.float16)  # None: uint8, Ultralytics' collated batch
     batch = augment(raw_batch, generator)  # generator: a torch.Generator on the batch's device
@@ -85,17 +85,17 @@ from __future__ import annotations
 
 import torch
 
-from launcher.rank.data.augment_boxes import collated_boxes, mix_boxes, warped_boxes
-from launcher.rank.data.augment_images import mix_images, render_samples, warp_tables
-from launcher.rank.data.augment_keypoints import collated_keypoints, cutmix_keypoints, warped_keypoints
-from launcher.rank.data.augment_obb import cutmix_obbs, obb_targets, warped_obbs
-from launcher.rank.data.augment_params import AugmentParams, draw, mosaic_tiles
-from launcher.rank.data.augment_segments import (clamped_into, cutmix_segments, flipped_segments, segment_boxes,
-                                                 warped_segments)
-from launcher.rank.data.augment_settings import AugmentSettings
 from launcher.rank.data.pipeline import MAX_TARGETS, TARGETS_PER_IMAGE
 from launcher.rank.data.raw_batch import RawBatch
-from launcher.rank.data.segment_masks import formatted_masks, rasterized
+from launcher.rank.gpu_data.augment_boxes import collated_boxes, mix_boxes, warped_boxes
+from launcher.rank.gpu_data.augment_images import mix_images, render_samples, warp_tables
+from launcher.rank.gpu_data.augment_keypoints import collated_keypoints, cutmix_keypoints, warped_keypoints
+from launcher.rank.gpu_data.augment_obb import cutmix_obbs, obb_targets, warped_obbs
+from launcher.rank.gpu_data.augment_params import AugmentParams, draw, mosaic_tiles
+from launcher.rank.gpu_data.augment_segments import (clamped_into, cutmix_segments, flipped_segments, segment_boxes,
+                                                     warped_segments)
+from launcher.rank.gpu_data.augment_settings import AugmentSettings
+from launcher.rank.gpu_data.segment_masks import formatted_masks, rasterized
 
 
 class GpuAugment(AugmentSettings):

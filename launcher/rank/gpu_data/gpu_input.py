@@ -1,18 +1,18 @@
 """The device half of the GPU input pipeline: file bytes in, the network's augmented input out.
 
-Per batch, on the stream that prepares it (pipeline.TrainInputs runs step 1 in a thread of its own, the rest in
-another, on a side stream, while the steps before it run):
-  1. decode: the JPEGs in one batched nvJPEG call (torchvision's operator: torchvision_ops.py); images the workers
-     decoded (non-JPEG files, rotated JPEGs: encoded.py) are copied up; a batch nvJPEG refuses is retried image by
-     image, and an image it still refuses is decoded on the CPU. A file nothing can decode is named in the rank's log
-     once and trains as a grey image without labels: the run goes on, and says so.
+Per batch, on the stream that prepares it (rank/data/pipeline.py's TrainInputs runs step 1 in a thread of its own,
+the rest in another, on a side stream, while the steps before it run):
+  1. decode: the JPEGs in one batched nvJPEG call (torchvision's operator: rank/data/torchvision_ops.py); images the
+     workers decoded (non-JPEG files, rotated JPEGs: rank/data/encoded.py) are copied up; a batch nvJPEG refuses is
+     retried image by image, and an image it still refuses is decoded on the CPU. A file nothing can decode is named in
+     the rank's log once and trains as a grey image without labels: the run goes on, and says so.
   2. load: each image resized into a slot of the image buffer (warp.load_into_slots: Ultralytics' load_image), its
      labels stored beside it in the slot's pixels; what the host knows of the batch (slots, sizes, labels) goes up
      in one pinned copy (`upload`).
   3. mosaic partners: drawn uniformly from the buffer's filled slots, the images decoded most recently, as
      Ultralytics' Mosaic draws from its dataset's buffer of recently loaded images (min(n, 8 batches, 1000) of them).
      With mixup or cutmix on, each sample also gets a partner per mix (another image of the buffer, with 3 mosaic
-     partners of its own), rendered as an extra row (raw_batch.RawBatch.groups).
+     partners of its own), rendered as an extra row (rank/data/raw_batch.py's RawBatch.groups).
      With loader.mosaic_buffer=false all of them from the same batch, so that a batch depends on its keys and the
      seed alone (a resumed run repeats the uninterrupted one). From epoch `close_at` on (close_mosaic) there are
      none, and so no mosaic, mixup or cutmix: the batch says its epoch, so batches prepared ahead across that
@@ -34,10 +34,10 @@ import numpy as np
 import torch
 
 from launcher.rank.data.encoded import EncodedBatch, decode_on_cpu
-from launcher.rank.data.gpu_augment import GpuAugment
 from launcher.rank.data.raw_batch import RawBatch
 from launcher.rank.data.torchvision_ops import decode_jpegs_cuda
-from launcher.rank.data.warp import BORDER, load_into_slots, warm_up
+from launcher.rank.gpu_data.gpu_augment import GpuAugment
+from launcher.rank.gpu_data.warp import BORDER, load_into_slots, warm_up
 
 
 def buffer_capacity(images: int, batch: int) -> int:
@@ -135,8 +135,8 @@ class Decoded(NamedTuple):
 
 class GpuInput:
     """`GpuInput(...)(encoded_batch, generator)` -> the training batch, images already the network's input.
-    `decoded(encoded_batch)` is step 1 alone (pipeline.TrainInputs runs it in a thread of its own: it waits for
-    nvJPEG); then `GpuInput(...)(decoded, generator)` does the rest."""
+    `decoded(encoded_batch)` is step 1 alone (rank/data/pipeline.py's TrainInputs runs it in a thread of its own: it
+    waits for nvJPEG); then `GpuInput(...)(decoded, generator)` does the rest."""
 
     def __init__(self, augment: GpuAugment, decoder: Decoder, *, capacity: int, device: torch.device,
                  close_at: int | None = None, partners_from_batch: bool = False, timed: bool = True):

@@ -1,4 +1,4 @@
-"""A GPU-augmented batch's boxes (rank/data/gpu_augment.py): Mosaic's shift and clip, RandomPerspective's warp and
+"""A GPU-augmented batch's boxes (rank/gpu_data/gpu_augment.py): Mosaic's shift and clip, RandomPerspective's warp and
 box_candidates, MixUp's and CutMix's rules, the flips and Format, on every label row at once; one host read per batch,
 of how many boxes each sample keeps."""
 
@@ -8,9 +8,9 @@ from dataclasses import dataclass
 
 import torch
 
-from launcher.rank.data.augment_params import AugmentParams, Tiles
-from launcher.rank.data.augment_settings import AugmentSettings
 from launcher.rank.data.raw_batch import RawBatch
+from launcher.rank.gpu_data.augment_params import AugmentParams, Tiles
+from launcher.rank.gpu_data.augment_settings import AugmentSettings
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""A GPU-augmented batch's keypoints (rank/data/gpu_augment.py): a pose dataset's payload of each label row, moved
+"""A GPU-augmented batch's keypoints (rank/gpu_data/gpu_augment.py): a pose dataset's payload of each label row, moved
 by the same maths as its box (augment_boxes.py), on every point of every row at once.
 
 Ultralytics' rules (ultralytics/data/augment.py and utils/instance.py), per step:
@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import torch
 
-from launcher.rank.data.augment_params import AugmentParams, Tiles
-from launcher.rank.data.augment_segments import flipped_segments, on_canvas, warped_points
-from launcher.rank.data.augment_settings import AugmentSettings
 from launcher.rank.data.raw_batch import RawBatch
+from launcher.rank.gpu_data.augment_params import AugmentParams, Tiles
+from launcher.rank.gpu_data.augment_segments import flipped_segments, on_canvas, warped_points
+from launcher.rank.gpu_data.augment_settings import AugmentSettings
 
 
 def clipped(points: torch.Tensor, lo: torch.Tensor | float, hi: torch.Tensor | float) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""A GPU-augmented batch's random choices (rank/data/gpu_augment.py), all drawn at once on the batch's device, and
+"""A GPU-augmented batch's random choices (rank/gpu_data/gpu_augment.py), all drawn at once on the batch's device, and
 the mosaic layout they make."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
-from launcher.rank.data.augment_settings import AugmentSettings
 from launcher.rank.data.raw_batch import RawBatch
+from launcher.rank.gpu_data.augment_settings import AugmentSettings
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""The GPU augmentation's settings (rank/data/gpu_augment.py), read once from Ultralytics' training arguments."""
+"""The GPU augmentation's settings (rank/gpu_data/gpu_augment.py), read once from Ultralytics' training arguments."""
 
 from __future__ import annotations
 

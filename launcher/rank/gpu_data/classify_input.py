@@ -1,8 +1,8 @@
 """The GPU input pipeline of a classification model (loader.augment_on=gpu with a -cls model): the loader's workers
-read the class folders' file bytes (encoded.EncodedTrainDataset, each image's class as its one label), the device
-decodes them (gpu_input.Decoder: nvJPEG, the CPU for what it refuses) and classify_augment.ClassifyAugment augments
-the whole batch there, with Ultralytics' classification transforms. No image buffer: a classifier's batch is its
-own images alone (no mosaic partners).
+read the class folders' file bytes (rank/data/encoded.py's EncodedTrainDataset, each image's class as its one
+label), the device decodes them (gpu_input.Decoder: nvJPEG, the CPU for what it refuses) and
+classify_augment.ClassifyAugment augments the whole batch there, with Ultralytics' classification transforms. No image
+buffer: a classifier's batch is its own images alone (no mosaic partners).
 """
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from launcher.rank.data.classify_augment import ClassifyAugment
 from launcher.rank.data.encoded import EncodedBatch, EncodedImages
-from launcher.rank.data.gpu_input import Decoded, Decoder, InputTimer
+from launcher.rank.gpu_data.classify_augment import ClassifyAugment
+from launcher.rank.gpu_data.gpu_input import Decoded, Decoder, InputTimer
 
 
 def class_folder_images(samples: list) -> EncodedImages:
@@ -24,10 +24,10 @@ def class_folder_images(samples: list) -> EncodedImages:
 
 
 class ClassifyInput:
-    """`ClassifyInput(...)(encoded_batch, generator)` -> Ultralytics' classification batch ({img, cls, im_file}),
-    `img` already the network's input. `decoded(encoded_batch)` is the decode alone (pipeline.TrainInputs runs it in
-    a thread of its own). The draws come from a CPU generator seeded with `generator`'s seed: a batch is a function
-    of the seed, its step and its rank (rank/components.py seeds it)."""
+    """`ClassifyInput(...)(encoded_batch, generator)` -> Ultralytics' classification batch ({img, cls, im_file}), `img`
+    already the network's input. `decoded(encoded_batch)` is the decode alone (rank/data/pipeline.py's TrainInputs runs
+    it in a thread of its own). The draws come from a CPU generator seeded with `generator`'s seed: a batch is a
+    function of the seed, its step and its rank (rank/components.py seeds it)."""
 
     def __init__(self, augment: ClassifyAugment, decoder: Decoder, *, device: torch.device, timed: bool = True):
         self.augment, self.decode, self.device = augment, decoder, device

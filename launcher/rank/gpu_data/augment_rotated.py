@@ -1,5 +1,5 @@
-"""An oriented-box dataset's rotated boxes on the GPU (rank/data/gpu_augment.py): each label row's polygon reduced to
-its minimum-area rectangle, as Format(return_obb=True) does with ultralytics.utils.ops.xyxyxyxy2xywhr
+"""An oriented-box dataset's rotated boxes on the GPU (rank/gpu_data/gpu_augment.py): each label row's polygon reduced
+to its minimum-area rectangle, as Format(return_obb=True) does with ultralytics.utils.ops.xyxyxyxy2xywhr
 (cv2.minAreaRect per row), for every row at once and with no copy to the host.
 
 The minimum-area rectangle of a point set has a side along an edge of its convex hull. Seen from a hull vertex, the

@@ -1,4 +1,4 @@
-"""Format's masks of a GPU-augmented segmentation batch (rank/data/gpu_augment.py), from the polygons that survived
+"""Format's masks of a GPU-augmented segmentation batch (rank/gpu_data/gpu_augment.py), from the polygons that survived
 (augment_segments.py), on the batch's device, every instance at once.
 
 Ultralytics (data/augment.py Format._format_segments, data/utils.py polygon2mask, polygons2masks_overlap) fills each

@@ -1,15 +1,15 @@
-"""A GPU-augmented batch's images (rank/data/gpu_augment.py): the tables warp.render reads, the output samples in one
-pass, and the mixed samples' second pass (their parts rendered without HSV, blended or pasted, then shaded)."""
+"""A GPU-augmented batch's images (rank/gpu_data/gpu_augment.py): the tables warp.render reads, the output samples in
+one pass, and the mixed samples' second pass (their parts rendered without HSV, blended or pasted, then shaded)."""
 
 from __future__ import annotations
 
 import torch
 
-from launcher.rank.data.augment_boxes import Mix
-from launcher.rank.data.augment_params import AugmentParams, Tiles
-from launcher.rank.data.augment_settings import AugmentSettings
 from launcher.rank.data.raw_batch import RawBatch
-from launcher.rank.data.warp import PIXELS_PER_PASS, render, shade
+from launcher.rank.gpu_data.augment_boxes import Mix
+from launcher.rank.gpu_data.augment_params import AugmentParams, Tiles
+from launcher.rank.gpu_data.augment_settings import AugmentSettings
+from launcher.rank.gpu_data.warp import PIXELS_PER_PASS, render, shade
 
 
 def warp_tables(aug: AugmentSettings, p: AugmentParams,
