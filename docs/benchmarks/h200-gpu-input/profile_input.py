@@ -23,8 +23,8 @@ from torch.profiler import ProfilerActivity, profile
 
 from launcher.inputs import shapes
 from launcher.rank.data.encoded import EncodedImages, EncodedTrainDataset
-from launcher.rank.data.gpu_augment import GpuAugment
-from launcher.rank.data.gpu_input import Decoder, GpuInput, buffer_capacity
+from launcher.rank.gpu_data.gpu_augment import GpuAugment
+from launcher.rank.gpu_data.gpu_input import Decoder, GpuInput, buffer_capacity
 from launcher.rank.data.sampler import EpochBatchSampler
 
 
