@@ -22,14 +22,13 @@ Either way a batch is a pure function of its keys: the same whatever the number 
 
 from __future__ import annotations
 
-import warnings
 from typing import NamedTuple
 
 import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from launcher.rank.data.encoded import resample_segments
+from launcher.rank.data.encoded import outlined, resample_segments
 from launcher.rank.data.raw_batch import RawBatch
 from launcher.rank.data.sampler import sample_seed
 from launcher.rank.gpu_data.warp import BORDER
@@ -64,15 +63,8 @@ class RawTrainDataset(Dataset):
             raise ValueError(f"partners must be one of {PARTNERS}, not {partners!r}")
         if getattr(dataset, "rect", False):
             raise ValueError("a rect dataset has no square images to mosaic: build it with rect=False")
-        outlined = getattr(dataset, "use_segments", False) or getattr(dataset, "use_obb", False)  # polygons, corners
-        if not outlined and any(len(lb.get("segments", [])) for lb in dataset.labels):
-            warnings.warn(
-                "label files with polygons: loader.gpu_augment warps their boxes, where Ultralytics re-derives "
-                "each box from the warped polygon (tighter under rotation and shear)",
-                stacklevel=2,
-            )
         self.dataset, self.seed, self.mosaic, self.partners = dataset, seed, mosaic, partners
-        self.segment_points = segment_points if outlined else 0  # M, or no outlines
+        self.segment_points = segment_points if outlined(dataset) else 0  # M, or no outlines (encoded.outlined)
         self.imgsz = int(dataset.imgsz)
 
     def __len__(self) -> int:

@@ -18,7 +18,7 @@ from launcher.plan.plan import LaunchPlan
 from launcher.plan.settings import Settings
 from launcher.plan.task_rules import rules
 from launcher.rank.data import affinity, image_cache, image_cache_folders
-from launcher.rank.data.encoded import EncodedImages, EncodedTrainDataset
+from launcher.rank.data.encoded import EncodedImages, EncodedTrainDataset, outlined
 from launcher.rank.data.pipeline import TrainInputs
 from launcher.rank.data.sampler import EpochBatchSampler, EpochSeededDataset, worker_init
 from launcher.rank.gpu_data.augment_obb import OBB_CORNERS
@@ -77,16 +77,15 @@ def training_set(settings: Settings, plan: LaunchPlan, hyp, data: dict, device: 
             return class_folders_on_gpu(hyp, data, device, input_dtype, log)
         inner = datasets.raw_train_dataset(hyp, data, plan.batch_per_rank)  # labels, checks
         obb = getattr(inner, "use_obb", False)  # an obb dataset's corners travel as its rows' outlines
-        outlines = OBB_CORNERS if obb else SEGMENT_POINTS if getattr(inner, "use_segments", False) else 0
-        if not outlines and any(len(label.get("segments", [])) for label in inner.labels):
-            log("WARNING label files with polygons: the GPU input pipeline warps their boxes, where Ultralytics "
-                "re-derives each box from the warped polygon (tighter under rotation and shear)")
+        # polygons travel with their rows: a segmentation dataset's, and a detection dataset's, whose boxes they make
+        outlines = OBB_CORNERS if obb else SEGMENT_POINTS if outlined(inner) else 0
         images = EncodedImages.of(inner, segment_points=outlines)
         dataset = EncodedTrainDataset(images, labels=inner.labels, decode_all=device.type != "cuda",
                                       cache=caches.get("train"))
         pose = getattr(inner, "use_keypoints", False)  # a pose dataset's keypoints travel with its boxes
         augment = GpuAugment(inner.imgsz, hyp, out_dtype=input_dtype, keypoints=data["kpt_shape"][0] if pose else 0,
-                             flip_idx=data.get("flip_idx") if pose else (), segments=outlines, obb=obb)
+                             flip_idx=data.get("flip_idx") if pose else (), segments=outlines,
+                             masks=getattr(inner, "use_segments", False), obb=obb)
         gpu_input = GpuInput(augment, Decoder(device, images.files, log), device=device,
                              capacity=buffer_capacity(len(images), plan.batch_per_rank), close_at=close_at,
                              partners_from_batch=not settings.loader.mosaic_buffer)

@@ -49,8 +49,7 @@ class EncodedImages(NamedTuple):
     @classmethod
     def of(cls, dataset, segment_points: int = 0) -> EncodedImages:
         """From an Ultralytics YOLODataset's `im_files` and `labels` (after its checks dropped unreadable files);
-        with `segment_points` M and a segmentation dataset (`use_segments`) its polygons too, or an obb dataset's
-        (`use_obb`) corners."""
+        with `segment_points` M the label rows' outlines too (outlined): polygons, or an obb dataset's corners."""
         labels = dataset.labels
         counts = [len(np.asarray(lb["cls"]).reshape(-1)) for lb in labels]
         starts = np.concatenate(([0], np.cumsum(counts))).astype(np.int64)
@@ -62,7 +61,7 @@ class EncodedImages(NamedTuple):
             xywh=np.concatenate(boxes) if boxes else np.zeros((0, 4), np.float32),
             starts=starts,
             keypoints=_keypoints(labels, dataset) if getattr(dataset, "use_keypoints", False) else None,
-            **(_segments(labels, counts, segment_points) if segment_points and _outlined(dataset) else {}),
+            **(_segments(labels, counts, segment_points) if segment_points and outlined(dataset) else {}),
         )
 
     def __len__(self) -> int:
@@ -89,9 +88,13 @@ class EncodedImages(NamedTuple):
         return resample_segments(flat, starts, self.segment_points)
 
 
-def _outlined(dataset) -> bool:
-    """Whether a dataset's label rows carry an outline: a segmentation dataset's polygons, an obb dataset's corners."""
-    return getattr(dataset, "use_segments", False) or getattr(dataset, "use_obb", False)
+def outlined(dataset) -> bool:
+    """Whether a dataset's label rows carry an outline: a segmentation dataset's polygons, an obb dataset's corners,
+    or a detection dataset's polygons (label files of polygons, as Ultralytics' COCO labels are: Ultralytics makes
+    their boxes from the warped polygons, and keeps a dataset's polygons only where every row has one)."""
+    if getattr(dataset, "use_segments", False) or getattr(dataset, "use_obb", False):
+        return True
+    return any(len(lb.get("segments") if lb.get("segments") is not None else []) for lb in dataset.labels)
 
 
 def _keypoints(labels: list[dict], dataset) -> np.ndarray:

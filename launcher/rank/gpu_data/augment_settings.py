@@ -24,13 +24,15 @@ class AugmentSettings:
     `keypoints`: P, the keypoints per label of a pose dataset (its kpt_shape[0]; 0: boxes alone); `flip_idx`: its
     data YAML's flip_idx, which both flips apply to the keypoints' order. As v8_transforms does, a pose dataset
     without flip_idx is not flipped, and a flip_idx whose length is not P is refused (ValueError). `segments`: M,
-    the points each label's polygon travels as (a segmentation dataset: its boxes come from the warped polygons
-    and Format makes its masks, by hyp's overlap_mask and mask_ratio; 0: none). `obb`: an obb dataset, whose
-    payload (`segments` = 4) is each row's corners, clipped as rotated boxes and formatted as xywhr (augment_obb.py).
+    the points each label's polygon travels as (its boxes come from the warped polygons; 0: none). `masks`: Format
+    makes the polygons' masks, by hyp's overlap_mask and mask_ratio (default: with polygons, a segmentation dataset;
+    False for a detection dataset whose label files hold polygons, whose boxes alone come from them). `obb`: an obb
+    dataset, whose payload (`segments` = 4) is each row's corners, clipped as rotated boxes and formatted as xywhr
+    (augment_obb.py).
     """
 
     def __init__(self, imgsz: int, hyp, out_dtype: torch.dtype | None = None, *, keypoints: int = 0,
-                 flip_idx=(), segments: int = 0, obb: bool = False):
+                 flip_idx=(), segments: int = 0, masks: bool | None = None, obb: bool = False):
         hyp = _hyp_dict(hyp)
         self.out_dtype = out_dtype  # None: uint8 images as Ultralytics collates them; else the network's input
         used = [k for k in GPU_INPUT_UNSUPPORTED if hyp.get(k)] + (["augmentations"] if hyp.get("augmentations") else [])
@@ -50,10 +52,13 @@ class AugmentSettings:
         self.keypoints, self.flip_idx = int(keypoints), tuple(int(i) for i in flip_idx or ())
         self._flip_tables: dict[torch.device, torch.Tensor] = {}
         self.segments, self.obb = int(segments), bool(obb)
+        self.masks = bool(self.segments and not self.obb) if masks is None else bool(masks)
+        if self.masks and (self.obb or not self.segments):
+            raise ValueError("masks are drawn from a segmentation dataset's polygons: segments=M, and not obb")
         if self.obb and self.segments != 4:
             raise ValueError(f"an obb dataset's rows travel as their 4 corners, not segments={self.segments}")
         self.overlap_mask, self.mask_ratio = bool(hyp.get("overlap_mask", True)), int(hyp.get("mask_ratio", 4))
-        if self.segments and not self.obb and not 1 <= self.mask_ratio <= self.imgsz:
+        if self.masks and not 1 <= self.mask_ratio <= self.imgsz:
             raise ValueError(f"mask_ratio={self.mask_ratio} downsamples imgsz={self.imgsz} masks to zero size; use "
                              f"mask_ratio <= {self.imgsz}")
         if self.keypoints and not self.flip_idx:

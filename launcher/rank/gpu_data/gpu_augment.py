@@ -48,9 +48,11 @@ Where the device version differs, and why
   * Randomness comes from a torch.Generator on the device (same distributions, different numbers from Python's
     `random` and NumPy). Mosaic partners are chosen by gpu_input.py from its buffer of recently decoded images,
     as Ultralytics draws from its dataset's buffer of recently loaded ones.
-  * Boxes are warped as boxes, except a segmentation dataset's, which come from their warped polygons as
-    Ultralytics makes them (area threshold 0.01; augment_segments.py). A detection dataset whose label files hold
-    polygons gets the box rule (0.10): Ultralytics re-derives those boxes from the polygons too. An obb dataset's
+  * Boxes are warped as boxes, except where the label files hold polygons (a segmentation dataset, or a detection
+    dataset labelled with polygons, as Ultralytics' COCO labels are): those boxes come from the warped polygons as
+    Ultralytics makes them (area threshold 0.01; augment_segments.py), and only a segmentation model's batch gets
+    their masks. Ultralytics resamples a detection dataset's polygons to 1000 points, ours travel as 100
+    (encoded.resample_segments: every vertex of a polygon of 100 or fewer). An obb dataset's
     rows travel as their 4 corners (Ultralytics: 100 points along them, with the same hull) and take its preserve_obb
     clip at the canvas, the image and CutMix's area (augment_obb.py).
   * MixUp's and CutMix's partner is another image of the buffer (Ultralytics: of the whole dataset), with 3 mosaic
@@ -117,9 +119,9 @@ class GpuAugment(AugmentSettings):
     def apply(self, raw: RawBatch, p: AugmentParams) -> dict:
         """The augmented batch, keys and dtypes as YOLODataset.collate_fn returns them for a detection dataset, and
         for a pose dataset (RawBatch.keypoints) its `keypoints` (N, P, 3), normalised as Format(normalize=True), for
-        a segmentation dataset (RawBatch.segments) Format's `masks` and `sem_masks` (segment_masks.formatted_masks),
-        the label rows sorted as their overlap masks number them, and for an obb dataset (`obb`) `bboxes` (N, 5) as
-        Format(return_obb=True) makes them (normalised xywhr)."""
+        a segmentation dataset (RawBatch.segments and `masks`) Format's `masks` and `sem_masks`
+        (segment_masks.formatted_masks), the label rows sorted as their overlap masks number them, and for an obb
+        dataset (`obb`) `bboxes` (N, 5) as Format(return_obb=True) makes them (normalised xywhr)."""
         n, s = raw.images.shape[0], self.imgsz
         if raw.images.shape[1:] != (s, s, 3):
             raise ValueError(f"raw images of shape {tuple(raw.images.shape[1:])} for imgsz {s}: expected ({s}, {s}, 3)")
@@ -133,7 +135,7 @@ class GpuAugment(AugmentSettings):
         if self.obb:  # an obb dataset's rows are their corners, clipped as rotated boxes
             row, xyxy, keep, corners = warped_obbs(self, raw, p, tiles)
         else:
-            if raw.segments is not None:  # a segmentation dataset's: its boxes are its warped polygons'
+            if raw.segments is not None:  # a dataset with polygons: its boxes are its warped polygons'
                 outlines = warped_segments(self, raw, p, tiles)
                 boxes = segment_boxes(outlines, s)
                 outlines = clamped_into(outlines, boxes)
@@ -145,7 +147,7 @@ class GpuAugment(AugmentSettings):
                                                      polygons=outlines is not None or corners is not None)
             if points is not None and self.p_cutmix > 0:
                 points = cutmix_keypoints(self, points, host, block, mix.area)
-            if outlines is not None and self.p_cutmix > 0:
+            if outlines is not None and self.masks and self.p_cutmix > 0:
                 outlines = cutmix_segments(self, outlines, host, block, mix.area)
             if corners is not None and self.p_cutmix > 0:
                 corners, keep = cutmix_obbs(self, corners, host, block, mix.area, keep)
@@ -154,7 +156,7 @@ class GpuAugment(AugmentSettings):
         out = {} if points is None else {"keypoints": collated_keypoints(self, p, host, points, kept)}
         if corners is not None:  # Format(return_obb=True): xywhr of the flipped corners
             bboxes = obb_targets(flipped_segments(self, p, host[kept], corners[kept]), s)
-        if outlines is not None:  # Format's masks; with overlap_mask the rows sorted by their mask's area
+        if outlines is not None and self.masks:  # Format's masks; with overlap_mask the rows sorted by mask area
             inside = rasterized(flipped_segments(self, p, host[kept], outlines[kept]), s // self.mask_ratio,
                                 self.mask_ratio)
             order, out["masks"], out["sem_masks"] = formatted_masks(inside, batch_idx.long(), counts, cls,
