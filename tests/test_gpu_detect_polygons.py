@@ -13,7 +13,7 @@ from launcher.rank.data.encoded import outlined
 from launcher.rank.gpu_data import augment_segments
 from launcher.rank.gpu_data.gpu_augment import GpuAugment
 from tests.raw_batches import RawTrainDataset
-from tests.test_gpu_augment import Scripted, scripted_calls
+from tests.test_gpu_augment import ultralytics_sample  # Ultralytics' detection transforms on our draws
 from tests.test_gpu_keypoints import STRONG, shapes_data, ul  # noqa: F401 - ul: the module's Ultralytics fixture
 
 IMGSZ = 128
@@ -29,25 +29,6 @@ def polygon_data(tmp_path_factory) -> dict:
 def hyp(ul):
     get_cfg, _ = ul
     return get_cfg(overrides={"imgsz": IMGSZ, "task": "detect", **STRONG})
-
-
-def ultralytics_detect(ul, monkeypatch, ds, hyp_ns, params, b: int, tiles: list[int]) -> dict:
-    """Ultralytics' detection transforms as v8_transforms composes them (no mix, no HSV), given GpuAugment's draws
-    for sample b."""
-    _, augment = ul
-    monkeypatch.setattr(augment, "random", Scripted(scripted_calls(params, b, tiles)))
-    pipeline = augment.Compose([
-        augment.Mosaic(ds, imgsz=hyp_ns.imgsz, p=hyp_ns.mosaic if bool(params.mosaic[b]) else 0.0),
-        augment.RandomPerspective(degrees=hyp_ns.degrees, translate=hyp_ns.translate, scale=hyp_ns.scale,
-                                  shear=hyp_ns.shear, perspective=hyp_ns.perspective,
-                                  size=(hyp_ns.imgsz, hyp_ns.imgsz)),
-        augment.RandomFlip(direction="vertical", p=hyp_ns.flipud),
-        augment.RandomFlip(direction="horizontal", p=hyp_ns.fliplr),
-        augment.Format(bbox_format="xywh", normalize=True, batch_idx=True),
-    ])
-    out = pipeline(ds.get_image_and_label(tiles[0]))
-    monkeypatch.undo()
-    return out
 
 
 @pytest.mark.parametrize("mosaic", [True, False])
@@ -70,7 +51,7 @@ def test_a_detection_datasets_polygons_make_its_boxes_as_ultralytics_makes_them(
     as_boxes = GpuAugment(IMGSZ, hyp).apply(replace(raw, segments=None), params)  # the corners' boxes instead
     differs = False
     for b, sample in enumerate(samples):
-        theirs = ultralytics_detect(ul, monkeypatch, dataset, hyp, params, b, [t.index for t in sample.tiles])
+        theirs = ultralytics_sample(ul, monkeypatch, raw_ds, hyp, params, b, [t.index for t in sample.tiles])
         mine = ours["batch_idx"] == b
         boxes, cls = ours["bboxes"][mine], ours["cls"][mine]
         assert len(boxes) == len(theirs["bboxes"]), b
