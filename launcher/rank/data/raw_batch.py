@@ -24,7 +24,7 @@ class RawBatch:
     im_file, ori_shape, ratio_pad: per output sample, of its own image (what Ultralytics' batch carries).
     keypoints  (K, P, 3) float32 or None: a pose dataset's P keypoints per label row (x, y in pixels of that tile's
                raw image, visibility 0..1), in the order of `labels`; None for boxes alone.
-    segments   (K, M, 2) float32 or None: a segmentation dataset's polygon per label row, M points (x, y in pixels of
+    segments   (K, M, 2) float32 or None: a polygon per label row (polygon labels), M points (x, y in pixels of
                that tile's raw image) along its outline, or an obb dataset's 4 corners (M = 4), in the order of
                `labels`; None without polygons.
     """

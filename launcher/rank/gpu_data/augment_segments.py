@@ -1,6 +1,7 @@
-"""A GPU-augmented batch's polygons (rank/gpu_data/gpu_augment.py): a segmentation dataset's payload of each label
-row, M points along its outline (rank/data/encoded.py's resample_segments), moved by the same matrices as its box and
-turning into the box Ultralytics derives from it; the masks are made from them at the end (segment_masks.py).
+"""A GPU-augmented batch's polygons (rank/gpu_data/gpu_augment.py): the payload of each label row of a dataset
+labelled with polygons (a segmentation dataset's, or a detection dataset's), M points along its outline
+(rank/data/encoded.py's resample_segments), moved by the same matrices as its box and turning into the box Ultralytics
+derives from it; a segmentation batch's masks are made from them at the end (segment_masks.py).
 
 Ultralytics' rules (ultralytics/data/augment.py, utils/instance.py, utils/ops.py), per step:
   * Mosaic: shifted with their tile; Instances.clip to the 2S canvas clamps every point onto it.
