@@ -49,7 +49,8 @@ class EncodedImages(NamedTuple):
     @classmethod
     def of(cls, dataset, segment_points: int = 0) -> EncodedImages:
         """From an Ultralytics YOLODataset's `im_files` and `labels` (after its checks dropped unreadable files);
-        with `segment_points` M the label rows' outlines too (outlined): polygons, or an obb dataset's corners."""
+        with `segment_points` M the label rows' outlines too, for a dataset whose rows carry them (the caller asks
+        `outlined`): polygons, or an obb dataset's corners."""
         labels = dataset.labels
         counts = [len(np.asarray(lb["cls"]).reshape(-1)) for lb in labels]
         starts = np.concatenate(([0], np.cumsum(counts))).astype(np.int64)
@@ -61,7 +62,7 @@ class EncodedImages(NamedTuple):
             xywh=np.concatenate(boxes) if boxes else np.zeros((0, 4), np.float32),
             starts=starts,
             keypoints=_keypoints(labels, dataset) if getattr(dataset, "use_keypoints", False) else None,
-            **(_segments(labels, counts, segment_points) if segment_points and outlined(dataset) else {}),
+            **(_segments(labels, counts, segment_points) if segment_points else {}),
         )
 
     def __len__(self) -> int:
