@@ -145,7 +145,7 @@ def test_every_rank_takes_the_smallest_batch_of_the_job_with_its_why():
 
 
 def test_the_synthetic_batch_is_one_the_training_loss_takes():
-    from launcher.rank.ultralytics.loss import training_criterion
+    from launcher.rank.ultralytics.task_loss import training_criterion
     from tests.test_ddp_equivalence import make_model_and_batch
 
     model, _ = make_model_and_batch()

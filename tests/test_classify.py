@@ -157,7 +157,7 @@ def _model_and_batch(images: int = 4):
 def test_the_classification_loss_is_ultralytics_mean_summed_over_the_images():
     import torch
 
-    from launcher.rank.ultralytics.loss import ClassificationLoss, training_criterion
+    from launcher.rank.ultralytics.task_loss import ClassificationLoss, training_criterion
 
     net, batch = _model_and_batch()
     net.train()

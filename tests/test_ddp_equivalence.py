@@ -56,7 +56,7 @@ def shard(batch: dict, rank: int, world: int) -> dict:
 def with_training_loss(model, sync_free: bool = True):
     """The model with the criterion ddp-launch trains with (the global normaliser, the sync-free parts)."""
     from launcher.rank.step.wrap import unwrap
-    from launcher.rank.ultralytics.loss import training_criterion
+    from launcher.rank.ultralytics.task_loss import training_criterion
 
     net = unwrap(model)
     net.criterion, _ = training_criterion(net, sync_free=sync_free)

@@ -69,7 +69,7 @@ def test_a_step_through_the_replicas_is_the_single_process_step():
 def test_a_tasks_loss_on_predictions_gathered_from_two_replicas_is_the_whole_batch_loss(task):
     """The mask coefficients and prototypes, keypoints, angles or class scores gathered along the images as the
     boxes are: the task's loss (normalised over the ranks, here one) on them is its loss on the whole batch."""
-    from launcher.rank.ultralytics.loss import training_criterion
+    from launcher.rank.ultralytics.task_loss import training_criterion
     from tests.test_classify import _model_and_batch
     from tests.test_tasks import _task_model_and_batch
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from launcher.rank.data.pipeline import MAX_TARGETS, max_targets_per_image
-from launcher.rank.ultralytics.loss import (DenseBboxLoss, DenseTaskAlignedAssigner, DetectionLoss, OBBLoss,
-                                            training_criterion)
+from launcher.rank.ultralytics.loss import DenseBboxLoss, DenseTaskAlignedAssigner, DetectionLoss
+from launcher.rank.ultralytics.task_loss import OBBLoss, training_criterion
 
 IMGSZ, BATCH = 128, 6
 
@@ -81,7 +81,7 @@ def test_the_training_loss_equals_ultralytics_loss(counts, host_count, sync_free
 def test_each_detection_familys_loss_gets_the_global_normaliser_and_the_sync_free_parts():
     from ultralytics.utils.loss import BboxLoss, E2ELoss, TaskAlignedAssigner, v8OBBLoss, v8SegmentationLoss
 
-    from launcher.rank.ultralytics.loss import SegmentationLoss
+    from launcher.rank.ultralytics.task_loss import SegmentationLoss
 
     v8, _ = training_criterion(_model())
     assert type(v8.assigner) is DenseTaskAlignedAssigner and type(v8.bbox_loss) is DenseBboxLoss

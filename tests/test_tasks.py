@@ -190,7 +190,7 @@ def test_the_task_loss_is_ultralytics_own_on_one_process(task):
     import torch
     from ultralytics.cfg import get_cfg
 
-    from launcher.rank.ultralytics.loss import OBBLoss, TaskLoss, training_criterion
+    from launcher.rank.ultralytics.task_loss import OBBLoss, TaskLoss, training_criterion
     from launcher.rank.ultralytics.tasks import task_of
 
     torch.manual_seed(0)

@@ -21,7 +21,7 @@ from launcher.rank.loop import checkpoint_io
 from launcher.rank.loop.state import upgrade
 from launcher.rank.step.optimizer import fused_optimizer
 from launcher.rank.ultralytics import build
-from launcher.rank.ultralytics.loss import training_criterion
+from launcher.rank.ultralytics.task_loss import training_criterion
 
 
 def network(hyp, data: dict, weights: str | None, device: torch.device,
@@ -52,7 +52,7 @@ def scaler(amp_dtype: torch.dtype | None) -> torch.amp.GradScaler:
 
 def ema_and_loss(net: nn.Module, sync_free: bool, log=None):
     """The EMA copy first, then net.criterion set to the training loss (sync-free as train.sync_free_loss says);
-    said through `log` when that loss is Ultralytics' own, normalised per rank (loss.training_criterion)."""
+    said through `log` when that loss is Ultralytics' own, normalised per rank (task_loss.training_criterion)."""
     ema = build.ema(net)
     net.criterion, over_ranks = training_criterion(net, sync_free=sync_free)
     if not over_ranks and log is not None:

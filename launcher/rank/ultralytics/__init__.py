@@ -22,10 +22,12 @@ Reaches into internals, each in one place:
   saved (FastValidator(folded=True), off by default).
 - loss.py: v8DetectionLoss.get_assigned_targets_and_loss and .preprocess re-implemented (the global normaliser, the
   host's target count); TaskAlignedAssigner.get_box_metrics / select_candidates_in_gts and BboxLoss.forward overridden;
-  v8SegmentationLoss's and v8PoseLoss's get_assigned_targets_and_loss (their box terms, which their .loss calls
-  first) handed to that detection loss, and their calculate_segmentation_loss / calculate_keypoints_loss rescaled
-  to the ranks' foreground; v8OBBLoss's assigner wrapped (its target weight read) and its .loss rescaled to the
-  ranks' mean target weight; v8ClassificationLoss's mean multiplied by the batch's images.
+  DFLoss.__call__ re-stated.
+- task_loss.py: v8SegmentationLoss's and v8PoseLoss's get_assigned_targets_and_loss (their box terms, which their
+  .loss calls first) handed to that detection loss, and their calculate_segmentation_loss / calculate_keypoints_loss
+  rescaled to the ranks' foreground; calculate_segmentation_loss re-stated over the whole batch (single_mask_loss
+  per foreground anchor, crop_mask called); v8OBBLoss's assigner wrapped (its target weight read) and its .loss
+  rescaled to the ranks' mean target weight; v8ClassificationLoss's mean multiplied by the batch's images.
 - datasets.py: BaseDataset.get_img_files on a stand-in (the files of a split); the image lists and mosaic buffer of
   BaseDataset and Mosaic.buffer_enabled (the node-shared cache, loader.mosaic_buffer); imread and load_image's
   resize rule (the cache's pixels); InfiniteDataLoader.iterator set from torch's DataLoader._get_iterator (the

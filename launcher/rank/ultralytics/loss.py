@@ -4,9 +4,8 @@
 the total weight of the targets assigned *in the batch at hand*. Under DDP each rank would divide by its own shard's
 total, so the averaged gradient would not be the gradient of the same loss on the whole global batch. Here every
 rank divides by the mean of the ranks' totals (one scalar all-reduce per step, no host sync): a DDP step at world
-size W x batch b equals a single-process step at batch W x b (tests/test_ddp_equivalence.py). Segmentation and
-pose losses take their box terms from it and their mask and keypoint terms over the ranks' foreground (TaskLoss);
-the rotated-box loss divides each of its terms by the ranks' mean target weight the same way (OBBLoss).
+size W x batch b equals a single-process step at batch W x b (tests/test_ddp_equivalence.py). The other tasks'
+losses, built on this one, and the criterion a rank's step takes are task_loss.py's.
 
 **Accumulated micro-batches** (train.accumulate) are normalised the same way, over the whole step: after
 `defer_normaliser()` the loss divides by 1 and keeps each micro-batch's raw target weight; the step then divides the
@@ -44,13 +43,10 @@ DFLoss.__call__. E2ELoss (YOLO26) takes the loss class as an argument, so its tw
 
 from __future__ import annotations
 
-from functools import partial
-
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from ultralytics.utils.loss import (BboxLoss, E2ELoss, v8ClassificationLoss, v8DetectionLoss, v8OBBLoss, v8PoseLoss,
-                                   v8SegmentationLoss)
+from ultralytics.utils.loss import BboxLoss, v8DetectionLoss
 from ultralytics.utils.metrics import bbox_iou
 from ultralytics.utils.ops import xywh2xyxy, xyxy2xywh
 from ultralytics.utils.tal import TaskAlignedAssigner, bbox2dist, make_anchors
@@ -72,38 +68,6 @@ def global_normaliser(raw_local: torch.Tensor) -> torch.Tensor:
     total = raw_local.detach().clone()
     dist.all_reduce(total)
     return total.clamp(min=1) / dist.get_world_size()
-
-
-def training_criterion(model, sync_free: bool = True):
-    """(the criterion the training step uses, whether it is normalised over the ranks), for the loss Ultralytics
-    would build for `model` (init_criterion): a v8DetectionLoss, or YOLO26's E2ELoss of two, becomes DetectionLoss;
-    v8SegmentationLoss and v8PoseLoss take their box, class and DFL terms from one (TaskLoss), v8OBBLoss its
-    normaliser (OBBLoss); v8ClassificationLoss, a mean, is summed over the images (ClassificationLoss). Any other loss
-    (YOLO26's segmentation, pose and obb) is Ultralytics' own, normalised per rank."""
-    default = model.init_criterion()
-    if type(default) is v8ClassificationLoss:
-        return ClassificationLoss(), True
-    loss = partial(DetectionLoss, sync_free=sync_free)
-    if type(default) is v8DetectionLoss:
-        return loss(model, tal_topk=default.assigner.topk, tal_topk2=default.assigner.topk2), True
-    if type(default) is E2ELoss and type(default.one2many) is v8DetectionLoss:
-        return E2ELoss(model, loss), True
-    if type(default) in TASK_LOSSES:
-        return TASK_LOSSES[type(default)](model, tal_topk=default.assigner.topk, tal_topk2=default.assigner.topk2,
-                                          sync_free=sync_free), True
-    return default, False
-
-
-class ClassificationLoss(v8ClassificationLoss):
-    """Ultralytics' cross-entropy (a mean over the batch) as the step takes every loss: summed over the rank's images
-    (the mean times their number); the step's loss scale divides it by the rank's batch (plan/task_rules.py
-    TaskRules.loss_base), and DDP's gradient average over equal batches is then the mean over the global batch, the
-    gradient one process takes on the whole of it. Nothing is shared between the ranks. Its item stays Ultralytics'
-    mean."""
-
-    def __call__(self, preds, batch: dict) -> tuple:
-        loss, items = super().__call__(preds, batch)
-        return loss * len(batch["cls"]), items
 
 
 class DetectionLoss(v8DetectionLoss):
@@ -277,68 +241,6 @@ class DenseBboxLoss(BboxLoss):
         loss_dfl = (torch.where(fg, dfl, 0) * weight).sum() / target_scores_sum
         return loss_iou, loss_dfl
 
-
-class TaskLoss:
-    """Ultralytics' segmentation or pose loss (the class after this one in the bases), normalised over the ranks.
-
-    Its box, class and DFL terms come from a DetectionLoss (get_assigned_targets_and_loss, which both call first):
-    normalised over the ranks and sync-free as for detection, and the assignment they return is the one the mask and
-    keypoint terms use. Those terms are divided by the rank's foreground anchors (the mask term) or averaged over
-    them (the keypoint terms): here by the mean over the ranks of the foreground anchors instead (one more scalar
-    all-reduce per step), so that a DDP step at world size W x batch b equals a single-process step at W x b
-    (tests/test_tasks.py). Nothing is deferred over accumulated micro-batches (no defer_normaliser): each is
-    normalised on its own, as YOLO26's end-to-end loss is."""
-
-    def __init__(self, model, tal_topk: int = 10, tal_topk2: int | None = None, *, sync_free: bool = True):
-        super().__init__(model, tal_topk, tal_topk2)
-        self.boxes = DetectionLoss(model, tal_topk, tal_topk2, sync_free=sync_free)
-        self.foreground: torch.Tensor | None = None  # this step's foreground anchors, the ranks' mean
-
-    def get_assigned_targets_and_loss(self, preds: dict, batch: dict, **assign_kwargs) -> tuple:
-        assigned = self.boxes.get_assigned_targets_and_loss(preds, batch, **assign_kwargs)
-        fg_mask = assigned[0][0]
-        self.foreground = global_normaliser(fg_mask.sum().float())  # on every rank, every step: a collective
-        return assigned
-
-    def share(self, fg_mask: torch.Tensor) -> torch.Tensor:
-        """What turns a term normalised by this rank's foreground anchors into one normalised by the ranks' mean."""
-        return fg_mask.sum() / self.foreground
-
-
-class SegmentationLoss(TaskLoss, v8SegmentationLoss):
-    def calculate_segmentation_loss(self, fg_mask, *args):
-        return super().calculate_segmentation_loss(fg_mask, *args) * self.share(fg_mask)
-
-
-class PoseLoss(TaskLoss, v8PoseLoss):
-    def calculate_keypoints_loss(self, masks, *args):
-        location, visibility = super().calculate_keypoints_loss(masks, *args)
-        share = self.share(masks)
-        return location * share, visibility * share
-
-
-class OBBLoss(v8OBBLoss):
-    """Ultralytics' rotated-box loss, normalised over the ranks: each of its terms (box, class, DFL, angle) is
-    divided by the rank's clamped target weight (target_scores_sum); rescaled here to the global normaliser's
-    division. Its own code runs (eager, with its host syncs); the assigner is wrapped to read the raw weight."""
-
-    def __init__(self, model, tal_topk: int = 10, tal_topk2: int | None = None, *, sync_free: bool = True):
-        super().__init__(model, tal_topk, tal_topk2)
-        self._assign, self.assigner = self.assigner, self._assigned
-        self._weight: torch.Tensor | None = None  # this batch's raw target weight, read off the assignment
-
-    def _assigned(self, *args, **kwargs):
-        out = self._assign(*args, **kwargs)
-        self._weight = out[2].sum().detach()  # target_scores, as Ultralytics sums it
-        return out
-
-    def loss(self, preds: dict, batch: dict) -> tuple:
-        loss, items = super().loss(preds, batch)
-        share = self._weight.clamp(min=1) / global_normaliser(self._weight)  # on every rank, every step
-        return loss * share, {k: v * share for k, v in items.items()}
-
-
-TASK_LOSSES = {v8SegmentationLoss: SegmentationLoss, v8PoseLoss: PoseLoss, v8OBBLoss: OBBLoss}  # Ultralytics' -> ours
 
 
 def dfl_loss(pred_dist: torch.Tensor, target: torch.Tensor, reg_max: int) -> torch.Tensor:

@@ -5,13 +5,14 @@ A task gives the network's class (ultralytics.nn.tasks), the arguments its const
 switches, set once: the hyperparameters' `task` (build.hyperparameters) makes build_yolo_dataset load polygons
 (use_segments), keypoints (use_keypoints) or rotated boxes (use_obb: the corners' rows turned into x, y, w, h,
 angle) and YOLODataset.collate_fn batch the masks or keypoints; the network's init_criterion gives the loss
-(v8SegmentationLoss, v8PoseLoss, v8OBBLoss), which loss.training_criterion normalises over the ranks; the checkpoint
-holds the network of that class with `task` in its arguments, so YOLO("best.pt").task is it.
+(v8SegmentationLoss, v8PoseLoss, v8OBBLoss), which task_loss.training_criterion normalises over the ranks; the
+checkpoint holds the network of that class with `task` in its arguments, so YOLO("best.pt").task is it.
 
 Classification (TaskRules.folders) reads class folders, not labels: Ultralytics' ClassificationDataset (its
 augmentations at imgsz, the default collation of {img, cls}) for both splits (datasets.py), the ClassificationModel
-with the hyperparameters' dropout on its head, v8ClassificationLoss (a mean over the batch: loss.ClassificationLoss)
-and the ClassificationValidator's top-1 and top-5. It has no mosaic, no max_det and no per-box class weights.
+with the hyperparameters' dropout on its head, v8ClassificationLoss (a mean over the batch:
+task_loss.ClassificationLoss) and the ClassificationValidator's top-1 and top-5. It has no mosaic, no max_det and no
+per-box class weights.
 
 Which tasks the plan lets through, and what they change (their paths, input, loss and metrics), is the plan's
 record of each task (plan/task_rules.py TaskRules, by the same name); this module holds only Ultralytics' classes.
