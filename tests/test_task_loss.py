@@ -66,3 +66,23 @@ def test_the_batched_mask_term_is_ultralytics_per_image_loop(counts, overlap):
     for name in ("proto", "pred_masks"):
         assert theirs_in[name].grad.abs().sum() > 0
         torch.testing.assert_close(ours_in[name].grad, theirs_in[name].grad, rtol=1e-4, atol=1e-8, msg=name)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "mask-per-object"])
+def test_on_cuda_under_autocast_the_batched_mask_term_is_ultralytics_per_image_loop(overlap):
+    """As the step runs it: on the GPU, the prototypes' products in fp16 under autocast."""
+    counts = [3, 0, 7, 1, 2, 5, 40, 0]
+    ours_in, theirs_in = (_on_cuda(_inputs(counts, overlap, seed=1)) for _ in range(2))
+    with torch.autocast("cuda", dtype=torch.float16):
+        ours, theirs = mask_loss(*ours_in.values(), overlap=overlap), _ultralytics(theirs_in, overlap)
+    torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-6)
+    ours.backward()
+    theirs.backward()
+    for name in ("proto", "pred_masks"):
+        torch.testing.assert_close(ours_in[name].grad, theirs_in[name].grad, rtol=1e-3, atol=1e-6, msg=name)
+
+
+def _on_cuda(inputs: dict) -> dict:
+    return {k: v.detach().cuda().requires_grad_(v.requires_grad) for k, v in inputs.items()}
