@@ -118,7 +118,7 @@ def bench(overrides: list[str] | None = None, *, run_dir: str | Path | None = No
 
     overrides = _overrides(overrides, keywords)
     cfg, folder, _ = _compose("bench", overrides, run_dir)
-    code = run_bench(cfg, folder, Path(os.getcwd()), "ddp-bench " + " ".join(overrides))
+    code = run_bench(cfg, folder, Path(os.getcwd()), "ddp-bench " + " ".join(overrides), overrides)
     if cfg.get("dry_run"):
         return None
     if code != 0:

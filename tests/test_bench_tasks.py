@@ -177,19 +177,17 @@ def _cls(name: str, seed: int, wall: float, top1: float, wait: float) -> dict:
 
 def test_a_classifier_side_records_its_top1_as_its_quality_and_no_box_map(tmp_path, monkeypatch):
     """run_side on a finished ddp-launch side whose summary.json is a classifier's (its mAP fields 0)."""
-    import subprocess
-
     from launcher.bench import time_to_model as ttm
     from tests.test_time_to_model import T0, ddp_launch_timeline
 
-    def finished(cmd, **kwargs):  # the side's command, faked: its run folder's summary.json
+    def finished(cmd, **kwargs):  # the side's command, faked: its run folder's summary.json, no signal meanwhile
         run = tmp_path / "side" / "run"
         run.mkdir(parents=True)
         (run / "summary.json").write_text(json.dumps({"map50": 0.0, "map50_95": 0.0, "top1": 0.8125, "top5": 1.0,
                                                       "timeline": ddp_launch_timeline()}))
-        return subprocess.CompletedProcess(cmd, 0)
+        return 0, None
 
-    monkeypatch.setattr(ttm.subprocess, "run", finished)
+    monkeypatch.setattr(ttm, "run_side_process", finished)
     monkeypatch.setattr(ttm.time, "time", lambda: T0)
     cfg = bench_config(["+experiment=time_to_model", "model=custom", "model.cfg=yolov8n-cls.yaml", "gpus=0"])
     record = ttm.run_side("ddp_launch", 0, tmp_path / "side", cfg, None, tmp_path / "folders", False, {},

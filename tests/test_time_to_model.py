@@ -271,3 +271,66 @@ def test_the_benchmark_on_the_cpu_reports_both_sides_and_parts_that_add_up(tmp_p
     lines = [line.split(":")[0].strip() for line in planned.stdout.splitlines() if " seed 1: " in line]
     assert lines == ["ddp_launch seed 1", "ultralytics seed 1"], planned.stdout[-3000:]
 
+
+
+def test_the_launch_settings_given_to_ddp_bench_reach_the_ddp_launch_sides_and_a_variant_replaces_them():
+    """`ddp-bench +experiment=time_to_model loader.augment_on=gpu` runs its ddp-launch sides with the GPU input; the
+    shared settings and ddp-bench's own groups reach the sides otherwise, and a variant's key wins over the same key."""
+    given = ["+experiment=time_to_model", "data=shapes_time_to_model", "data.synthetic.train_images=3000",
+             "model=custom", "model.cfg=yolov8s-seg.yaml", "train.imgsz=320", "seed=3", "gpus=1", "bench.seeds=[0,1]",
+             "hydra.run.dir=/x", "paths.cache=/c", "dry_run=true", "loader.augment_on=gpu",
+             "+train.extra.degrees=10", "optim.momentum=0.9"]
+    assert ttm.launch_overrides(given) == ["loader.augment_on=gpu", "+train.extra.degrees=10", "optim.momentum=0.9"]
+    variants = {"cpu_input": ["loader.augment_on=cpu"]}
+    assert ttm._overrides("ddp_launch", variants, given) == ttm.launch_overrides(given)
+    assert ttm._overrides("ddp_launch-cpu_input", variants, given) == ["+train.extra.degrees=10", "optim.momentum=0.9",
+                                                                       "loader.augment_on=cpu"]
+    assert ttm._overrides("ultralytics", variants, given) == ttm.launch_overrides(given)  # run_side reads them not
+
+
+def _processes_with(tag: str) -> list[int]:
+    """The processes whose environment holds `tag` (what a test's ddp-bench and all it started inherit)."""
+    import os
+    from pathlib import Path
+
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and tag.encode() in (entry / "environ").read_bytes():
+                found.append(int(entry.name))
+        except OSError:
+            continue
+    return [pid for pid in found if pid != os.getpid()]
+
+
+def test_sigterm_to_ddp_bench_stops_the_side_it_is_running_and_leaves_no_process(tmp_path, cache_dir):
+    """What `timeout` and a scheduler send: ddp-bench forwards it to the side in progress (here the first, Ultralytics'
+    trainer, in its first epochs), waits for it, says so in a line, and exits 143; nothing it started is left running."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    import uuid
+    from pathlib import Path
+
+    name, value = "DDP_BENCH_TEST_TAG", uuid.uuid4().hex
+    out = tmp_path / "b"
+    args = ["bench.kind=time_to_model", "gpus=0", "data=shapes", "train.epochs=100", f"paths.cache={cache_dir}", *TINY,
+            f"hydra.run.dir={out}"]
+    bench = subprocess.Popen([str(Path(sys.executable).parent / "ddp-bench"), *args], cwd=tmp_path,
+                             env={**os.environ, name: value}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    results = out / "ultralytics-seed0" / "ultralytics" / "results.csv"  # written after each epoch
+    deadline = time.time() + 180
+    while time.time() < deadline and not results.is_file():
+        assert bench.poll() is None, bench.stdout.read()
+        time.sleep(0.5)
+    assert results.is_file(), "Ultralytics' side never finished an epoch"
+    bench.send_signal(signal.SIGTERM)
+    said, _ = bench.communicate(timeout=120)
+    assert bench.returncode == 128 + signal.SIGTERM, said[-3000:]
+    assert "ddp-bench: stopped by SIGTERM" in said, said[-3000:]
+    deadline = time.time() + 30
+    while _processes_with(f"{name}={value}") and time.time() < deadline:
+        time.sleep(0.5)
+    assert _processes_with(f"{name}={value}") == [], "processes ddp-bench started outlived it"

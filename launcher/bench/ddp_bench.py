@@ -11,7 +11,6 @@ the settings, as ddp-launch decides it, before any cell runs; the step and the c
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import NamedTuple
@@ -22,6 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from launcher.bench import bench_tasks, report, time_to_model, trust, variants
 from launcher.bench.cells import Cell, plan_cells
+from launcher.bench.side_process import run_side_process
 from launcher.entry import (GROUPS, Jobs, RunFolderGuard, conf_dir, interrupted, print_help_if_asked,
                             translated_or_exit)
 from launcher.inputs.data import resolve_data
@@ -55,7 +55,9 @@ def progress_line(line: str) -> bool:
     return line.startswith("[rank 0]") or "Error" in line or line.startswith("Traceback")
 
 
-def run_bench(cfg: dict, run_dir: Path, base_dir: Path, command: str) -> int:
+def run_bench(cfg: dict, run_dir: Path, base_dir: Path, command: str, given: list[str] = ()) -> int:
+    """The benchmark `cfg` asks for; `given`: the command line's overrides (time_to_model's sides take its launch
+    settings)."""
     hw = hardware.detect()
     gpus = cfg["gpus"]
     on_gpu = hw.gpu_count > 0 if gpus == "auto" else int(gpus) > 0
@@ -104,7 +106,7 @@ def run_bench(cfg: dict, run_dir: Path, base_dir: Path, command: str) -> int:
     if kind == "time_to_model":
         for w in warnings if dry_run else []:
             say(f"WARNING: {w.message} (a real run would refuse)")
-        return time_to_model.run(cfg, run_dir, model, data, on_gpu, command, dry_run, base_dir, task.name)
+        return time_to_model.run(cfg, run_dir, model, data, on_gpu, command, dry_run, base_dir, task.name, given)
 
     to_run = [c for c in cells if not c.skip]
     say(f"ddp-bench: {len(to_run)} cell(s), task {task.name}, on "
@@ -214,14 +216,10 @@ def run_baseline(cell_dir: Path, env: dict) -> tuple[int, int | None]:
     streamer = LogStreamer([log], prefix=False, keep=progress_line)
     streamer.start()
     with open(log, "ab") as out:
-        proc = subprocess.run(
-            [sys.executable, "-m", BASELINE_MODULE, str(cell_dir)],
-            env={**os.environ, **env, "PYTHONUNBUFFERED": "1"},
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
+        code, signum = run_side_process([sys.executable, "-m", BASELINE_MODULE, str(cell_dir)],
+                                        env={**os.environ, **env, "PYTHONUNBUFFERED": "1"}, log=out)
     streamer.stop()
-    return proc.returncode, None
+    return code, signum
 
 
 jobs = Jobs()
@@ -231,8 +229,9 @@ jobs = Jobs()
 def _hydra_entry(cfg: DictConfig) -> int:
     run_dir = RunFolderGuard.meant(Path(HydraConfig.get().runtime.output_dir))
     resolved = OmegaConf.to_container(cfg, resolve=True)
-    command = "ddp-bench " + " ".join(HydraConfig.get().overrides.task)
-    return jobs.run(lambda: run_bench(resolved, run_dir, Path(os.getcwd()), command.strip()))
+    given = list(HydraConfig.get().overrides.task)
+    command = "ddp-bench " + " ".join(given)
+    return jobs.run(lambda: run_bench(resolved, run_dir, Path(os.getcwd()), command.strip(), given))
 
 
 def main() -> None:

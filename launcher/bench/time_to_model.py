@@ -4,7 +4,8 @@ trainer against ddp-launch's defaults, and where each side's time went.
 Both sides run one after the other in this invocation, per seed of `bench.seeds` (the side that goes first alternates
 from seed to seed), on the same data (a data YAML written for them; a classifier's class folders as given, Ultralytics'
 data=path/to/folder), model, image size, epochs, batch, optimizer (SGD), lr0 (optim.base_lr), close_mosaic and seed,
-validating after every epoch; every other setting is each side's own default:
+validating after every epoch; every other setting is each side's own default, but for the launch settings given on
+ddp-bench's command line (launch_overrides), which the ddp_launch sides take too:
 - ultralytics: `YOLO(model, task=TASK).train(...)` in a fresh process (rank/ultralytics/time_to_model_ultralytics.py):
   Ultralytics' trainer of the model's task (bench_tasks.TRAINERS), bench.baseline_workers workers, no cache, AMP, its
   rectangular validation;
@@ -35,6 +36,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -44,6 +46,7 @@ import yaml
 
 from launcher.bench import report, time_to_model_earlier
 from launcher.bench.bench_tasks import quality, trainer
+from launcher.bench.side_process import run_side_process
 from launcher.bench.variants import shape_problems
 from launcher.bench.time_to_model_report import (PARTS, SIDES, maps_text, markdown, own_metric, side_names,
                                                  summarize, write)
@@ -181,10 +184,21 @@ def timeline_in_order(command: float, timeline: dict) -> list[str]:
 
 
 # --- running the sides -----------------------------------------------------------------------------------------------
+# the launch settings both sides share (ddp_launch_command, ultralytics_settings), and the groups ddp-bench reads itself
+SHARED = ("gpus", "seed", "train.imgsz", "train.epochs", "train.batch_per_device", "train.close_mosaic", "optim.base_lr")
+OWN = ("bench", "hydra", "data", "model", "paths", "experiment", "dry_run")
+
+
+def launch_overrides(overrides) -> list[str]:
+    """Of ddp-bench's command line, the launch settings the ddp_launch sides take as given (loader.augment_on=gpu):
+    all but the shared ones and those of ddp-bench's own groups, which reach both sides otherwise."""
+    return [o for o in overrides if "=" in o and _key(o) not in SHARED and _key(o).split(".")[0] not in OWN]
+
+
 def ddp_launch_command(cfg: dict, data_path: Path, seed: int, on_gpu: bool, run_dir: Path,
                        overrides: list[str] = ()) -> list[str]:
-    """The ddp-launch command of the comparison: its defaults, plus the shared settings; a variant's `overrides`
-    replace a shared setting of the same key, or are added."""
+    """The ddp-launch command of the comparison: its defaults, plus the shared settings; `overrides` (the command
+    line's launch settings, then a variant's) replace a shared setting of the same key, or are added."""
     exe = Path(sys.executable).parent / "ddp-launch"
     head = [str(exe)] if exe.exists() else [sys.executable, "-m", "launcher.cli"]
     t, m = cfg["train"], cfg["model"]
@@ -222,7 +236,8 @@ def ultralytics_settings(cfg: dict, model, data_path: Path, seed: int, on_gpu: b
 
 
 def run(cfg: dict, run_dir: Path, model, data, on_gpu: bool, command: str, dry_run: bool, base_dir: Path,
-        task: str = "detect") -> int:
+        task: str = "detect", given: list[str] = ()) -> int:
+    """The sides, seed by seed, then the report; `given`: ddp-bench's command line (launch_overrides)."""
     seeds = list(cfg["bench"].get("seeds") or [cfg["seed"]])
     variants = dict(cfg["bench"].get("variants") or {})
     settings, environment = _settings(cfg, model, data, seeds, on_gpu, variants, task), report.environment()
@@ -246,7 +261,7 @@ def run(cfg: dict, run_dir: Path, model, data, on_gpu: bool, command: str, dry_r
         for side, seed in order:
             if side != "ultralytics":
                 command_line = ddp_launch_command(cfg, data_path, seed, on_gpu, run_dir / f"{side}-seed{seed}" / "run",
-                                                  _overrides(side, variants))
+                                                  _overrides(side, variants, given))
                 say(f"  {side} seed {seed}: {' '.join(command_line)}")
             else:
                 shared = ultralytics_settings(cfg, model, data_path, seed, on_gpu, task)
@@ -268,11 +283,16 @@ def run(cfg: dict, run_dir: Path, model, data, on_gpu: bool, command: str, dry_r
     for i, (side, seed) in enumerate(order):
         side_dir = run_dir / f"{side}-seed{seed}"
         say(f"--- {side} seed {seed} ---")
-        record = run_side(side, seed, side_dir, cfg, model, data_path, on_gpu, env, _overrides(side, variants), task)
+        record = run_side(side, seed, side_dir, cfg, model, data_path, on_gpu, env, _overrides(side, variants, given),
+                          task)
         record["order"] = i
         sides.append(record)
+        if "signal" in record:
+            say(f"ddp-bench: stopped by {signal.Signals(record['signal']).name}; the sides so far are in {run_dir}")
+            return 128 + record["signal"]
         if "error" in record:
-            say(f"    {side} seed {seed}: failed ({record['error']})")
+            say(f"    {side} seed {seed}: failed ({record['error']}), its log ending:")
+            say("\n".join(f"      {line}" for line in last_lines(Path(record["log"]))))
         else:
             say(f"    {side} seed {seed}: {record['wall_s']:.1f} s to the weights, "
                 f"{maps_text(record, own_metric(task), '.4f')}, "
@@ -286,8 +306,24 @@ def run(cfg: dict, run_dir: Path, model, data, on_gpu: bool, command: str, dry_r
     return 0 if all("error" not in s for s in sides) else 1
 
 
-def _overrides(side: str, variants: dict) -> list[str]:
-    return list(variants[side.removeprefix("ddp_launch-")]) if side.startswith("ddp_launch-") else []
+def last_lines(log: Path, count: int = 4) -> list[str]:
+    """The last `count` non-blank lines of a side's console log: why it failed, where it says so."""
+    try:
+        lines = log.read_text(errors="replace").splitlines()
+    except OSError:
+        return [f"({log} could not be read)"]
+    return [line for line in lines if line.strip()][-count:]
+
+
+def _overrides(side: str, variants: dict, given: list[str] = ()) -> list[str]:
+    """A side's overrides: the command line's launch settings, then its variant's, which replace them key by key."""
+    variant = list(variants[side.removeprefix("ddp_launch-")]) if side.startswith("ddp_launch-") else []
+    keys = {_key(o) for o in variant}
+    return [o for o in launch_overrides(given) if _key(o) not in keys] + variant
+
+
+def _key(override: str) -> str:
+    return override.split("=", 1)[0].lstrip("+~")
 
 
 def run_side(side: str, seed: int, side_dir: Path, cfg: dict, model, data_path: Path, on_gpu: bool, env: dict,
@@ -301,9 +337,11 @@ def run_side(side: str, seed: int, side_dir: Path, cfg: dict, model, data_path: 
     log = side_dir / "console.log"
     with open(log, "wb") as out:
         started = time.time()  # the wall clock starts here: the command, as a user types it
-        code = subprocess.run(cmd, env=env, cwd=side_dir, stdout=out, stderr=subprocess.STDOUT).returncode
+        code, signum = run_side_process(cmd, env=env, cwd=side_dir, log=out)
         exited = time.time()
     record = {"name": side, "seed": seed, "command_line": cmd, "log": str(log), "exit_code": code}
+    if signum is not None:
+        return {**record, "error": f"stopped by {signal.Signals(signum).name}", "signal": signum}
     result = side_dir / ("result.json" if side == "ultralytics" else "run/summary.json")
     if code != 0 or not result.is_file():
         return {**record, "error": f"exit code {code}; see {log}"}

@@ -19,6 +19,7 @@ import sys
 import tempfile
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 from launcher.launch.logs import LogStreamer, QuietStop, say
@@ -137,12 +138,28 @@ def run_torchrun(
     stderr = threading.Thread(target=(stderr_filter or QuietStop(sys.stderr)).copy, args=(proc.stderr,), daemon=True)
     stderr.start()
     streamer.start()
+    try:
+        with signals_forwarded(proc, "ddp-launch: got {signal}, stopping the ranks (they save a checkpoint)") as received:
+            code = proc.wait()
+    finally:
+        time.sleep(0.3)  # the last lines a rank wrote before exiting
+        streamer.stop()
+        stderr.join(timeout=5)  # a grandchild may still hold the pipe; it is a daemon thread
+        if scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)
+    return code, (received[0] if received else None)
+
+
+@contextmanager
+def signals_forwarded(proc: subprocess.Popen, announce: str):
+    """Inside: SIGINT, SIGTERM, SIGHUP and SIGUSR1 reach `proc` as SIGTERM, once, the first said on a line of its
+    own (`announce`, its {signal} the signal's name). Yields the list the signal is put in (empty while none came)."""
     received: list[int] = []
 
     def forward(signum, _frame):
         if not received:
             received.append(signum)
-            say(f"\nddp-launch: got {signal.Signals(signum).name}, stopping the ranks (they save a checkpoint)")
+            say("\n" + announce.format(signal=signal.Signals(signum).name))
             try:
                 proc.send_signal(signal.SIGTERM)
             except ProcessLookupError:
@@ -150,13 +167,7 @@ def run_torchrun(
 
     previous = {s: signal.signal(s, forward) for s in FORWARDED}
     try:
-        code = proc.wait()
+        yield received
     finally:
         for s, h in previous.items():
             signal.signal(s, h)
-        time.sleep(0.3)  # the last lines a rank wrote before exiting
-        streamer.stop()
-        stderr.join(timeout=5)  # a grandchild may still hold the pipe; it is a daemon thread
-        if scratch is not None:
-            shutil.rmtree(scratch, ignore_errors=True)
-    return code, (received[0] if received else None)
