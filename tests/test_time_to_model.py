@@ -334,3 +334,16 @@ def test_sigterm_to_ddp_bench_stops_the_side_it_is_running_and_leaves_no_process
     while _processes_with(f"{name}={value}") and time.time() < deadline:
         time.sleep(0.5)
     assert _processes_with(f"{name}={value}") == [], "processes ddp-bench started outlived it"
+
+
+def test_a_folder_that_holds_a_benchmark_is_refused_before_any_side_runs(tmp_path):
+    """hydra.run.dir given twice: the second invocation is refused in one line, not after Ultralytics' side has run
+    and ddp-launch's has refused its run folder."""
+    for earlier in ("bench.json", "ddp_launch-seed0/", "cells/"):
+        out = tmp_path / earlier.strip("/").replace(".", "_")
+        (out / earlier).mkdir(parents=True) if earlier.endswith("/") else (out.mkdir(), (out / earlier).write_text("{}"))
+        result = ddp_launch(["bench.kind=time_to_model", "gpus=0", "data=shapes", f"hydra.run.dir={out}"], cwd=tmp_path,
+                            timeout=120, tool="ddp-bench")
+        assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
+        assert f"{out} already holds a benchmark; choose another hydra.run.dir=PATH" in result.stderr
+        assert "--- ultralytics" not in result.stdout

@@ -63,6 +63,9 @@ def run_bench(cfg: dict, run_dir: Path, base_dir: Path, command: str, given: lis
     on_gpu = hw.gpu_count > 0 if gpus == "auto" else int(gpus) > 0
     if on_gpu and hw.gpu_count == 0:
         raise PlanError([Problem(f"gpus={gpus} but {hw.describe_gpus()}; benchmark CPU ranks with gpus=0")])
+    if earlier_benchmark(run_dir):  # its cells or sides would refuse their folders one by one, after the first ran
+        raise PlanError([Problem(f"{run_dir} already holds a benchmark; choose another hydra.run.dir=PATH (each "
+                                 "ddp-bench invocation writes its cells or sides into a folder of its own)")])
     b = cfg["bench"]
     kind = b.get("kind") or "throughput"
     if kind == "throughput":
@@ -178,6 +181,11 @@ def run_bench(cfg: dict, run_dir: Path, base_dir: Path, command: str, given: lis
         say(f"WARNING: {line}")
     say(f"report: {run_dir / 'bench.md'}, {run_dir / 'bench.json'}, {run_dir / 'bench.png'}")
     return 0 if all("error" not in c for c in results) else 1
+
+
+def earlier_benchmark(run_dir: Path) -> bool:
+    """Whether an earlier ddp-bench wrote into `run_dir`: its report, its cells' or its sides' folders."""
+    return (run_dir / "bench.json").exists() or (run_dir / "cells").is_dir() or any(run_dir.glob("*-seed*/"))
 
 
 def run_cell(cell: Cell, cfg: dict, cell_dir: Path, hw, model, data, on_gpu: bool,
