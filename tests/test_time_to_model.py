@@ -305,7 +305,8 @@ def _processes_with(tag: str) -> list[int]:
 
 def test_sigterm_to_ddp_bench_stops_the_side_it_is_running_and_leaves_no_process(tmp_path, cache_dir):
     """What `timeout` and a scheduler send: ddp-bench forwards it to the side in progress (here the first, Ultralytics'
-    trainer, in its first epochs), waits for it, says so in a line, and exits 143; nothing it started is left running."""
+    trainer, in its first epochs), waits for it, says so in a line, writes the report of what ran, and exits 143;
+    nothing it started is left running."""
     import os
     import signal
     import subprocess
@@ -330,6 +331,8 @@ def test_sigterm_to_ddp_bench_stops_the_side_it_is_running_and_leaves_no_process
     said, _ = bench.communicate(timeout=120)
     assert bench.returncode == 128 + signal.SIGTERM, said[-3000:]
     assert "ddp-bench: stopped by SIGTERM" in said, said[-3000:]
+    report = json.loads((out / "bench.json").read_text())  # what ran so far, the stopped side failed
+    assert [(s["name"], s["error"]) for s in report["sides"]] == [("ultralytics", "stopped by SIGTERM")]
     deadline = time.time() + 30
     while _processes_with(f"{name}={value}") and time.time() < deadline:
         time.sleep(0.5)

@@ -279,7 +279,7 @@ def run(cfg: dict, run_dir: Path, model, data, on_gpu: bool, command: str, dry_r
     if scan.returncode != 0:
         say(f"ddp-bench: scanning the dataset's labels failed:\n{scan.stdout[-2000:]}{scan.stderr[-2000:]}")
         return 1
-    sides = []
+    sides, stopped = [], None
     for i, (side, seed) in enumerate(order):
         side_dir = run_dir / f"{side}-seed{seed}"
         say(f"--- {side} seed {seed} ---")
@@ -287,9 +287,10 @@ def run(cfg: dict, run_dir: Path, model, data, on_gpu: bool, command: str, dry_r
                           task)
         record["order"] = i
         sides.append(record)
-        if "signal" in record:
-            say(f"ddp-bench: stopped by {signal.Signals(record['signal']).name}; the sides so far are in {run_dir}")
-            return 128 + record["signal"]
+        if "signal" in record:  # the report holds the sides run so far, this one failed
+            stopped = record["signal"]
+            say(f"ddp-bench: stopped by {signal.Signals(stopped).name}; the report holds the sides run so far")
+            break
         if "error" in record:
             say(f"    {side} seed {seed}: failed ({record['error']}), its log ending:")
             say("\n".join(f"      {line}" for line in last_lines(Path(record["log"]))))
@@ -303,6 +304,8 @@ def run(cfg: dict, run_dir: Path, model, data, on_gpu: bool, command: str, dry_r
     write(out, run_dir)
     say("\n" + markdown(out))
     say(f"report: {run_dir / 'bench.md'}, {run_dir / 'bench.json'}, {run_dir / 'bench.png'}")
+    if stopped is not None:
+        return 128 + stopped
     return 0 if all("error" not in s for s in sides) else 1
 
 
