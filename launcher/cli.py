@@ -37,7 +37,9 @@ def command_line_overrides(cfg) -> dict:
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import OmegaConf
 
-    keys = [o.split("=", 1)[0].lstrip("+~") for o in HydraConfig.get().overrides.task]
+    from launcher.entry import override_key
+
+    keys = [override_key(o) for o in HydraConfig.get().overrides.task]
     return {k: OmegaConf.select(cfg, k) for k in keys}
 
 

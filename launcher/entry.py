@@ -79,6 +79,11 @@ def interrupted() -> None:
     os._exit(EXIT_INTERRUPTED)
 
 
+def override_key(override: str) -> str:
+    """The config key a command-line override sets (`+train.extra.degrees=10` -> train.extra.degrees)."""
+    return override.split("=", 1)[0].lstrip("+~")
+
+
 def unreadable_overrides(args: list[str]) -> list[str]:
     """A line per command-line override that Hydra's grammar cannot read (a path with a space or a character outside
     ASCII, unquoted), saying how to quote it; Hydra's own message comes without the hint."""

@@ -305,39 +305,23 @@ def test_the_launch_settings_given_to_ddp_bench_reach_the_ddp_launch_sides_and_a
     assert ttm._overrides("ultralytics", variants, given) == ttm.launch_overrides(given)  # run_side reads them not
 
 
-def _processes_with(tag: str) -> list[int]:
-    """The processes whose environment holds `tag` (what a test's ddp-bench and all it started inherit)."""
-    import os
-    from pathlib import Path
-
-    found = []
-    for entry in Path("/proc").iterdir():
-        try:
-            if entry.name.isdigit() and tag.encode() in (entry / "environ").read_bytes():
-                found.append(int(entry.name))
-        except OSError:
-            continue
-    return [pid for pid in found if pid != os.getpid()]
-
-
 def test_sigterm_to_ddp_bench_stops_the_side_it_is_running_and_leaves_no_process(tmp_path, cache_dir):
     """What `timeout` and a scheduler send: ddp-bench forwards it to the side in progress (here the first, Ultralytics'
     trainer, in its first epochs), waits for it, says so in a line, writes the report of what ran, and exits 143;
-    nothing it started is left running."""
-    import os
+    nothing it started is left running (its sides' command lines, and their workers', hold the run folder)."""
     import signal
     import subprocess
     import sys
     import time
-    import uuid
     from pathlib import Path
 
-    name, value = "DDP_BENCH_TEST_TAG", uuid.uuid4().hex
+    from tests.test_faults import gone_within
+
     out = tmp_path / "b"
     args = ["bench.kind=time_to_model", "gpus=0", "data=shapes", "train.epochs=100", f"paths.cache={cache_dir}", *TINY,
             f"hydra.run.dir={out}"]
     bench = subprocess.Popen([str(Path(sys.executable).parent / "ddp-bench"), *args], cwd=tmp_path,
-                             env={**os.environ, name: value}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     results = out / "ultralytics-seed0" / "ultralytics" / "results.csv"  # written after each epoch
     deadline = time.time() + 180
     while time.time() < deadline and not results.is_file():
@@ -350,10 +334,7 @@ def test_sigterm_to_ddp_bench_stops_the_side_it_is_running_and_leaves_no_process
     assert "ddp-bench: stopped by SIGTERM" in said, said[-3000:]
     report = json.loads((out / "bench.json").read_text())  # what ran so far, the stopped side failed
     assert [(s["name"], s["error"]) for s in report["sides"]] == [("ultralytics", "stopped by SIGTERM")]
-    deadline = time.time() + 30
-    while _processes_with(f"{name}={value}") and time.time() < deadline:
-        time.sleep(0.5)
-    assert _processes_with(f"{name}={value}") == [], "processes ddp-bench started outlived it"
+    assert gone_within(out, 30) == [], "processes ddp-bench started outlived it"
 
 
 def test_a_folder_that_holds_a_benchmark_is_refused_before_any_side_runs(tmp_path):

@@ -48,6 +48,7 @@ from launcher.bench import report, time_to_model_earlier
 from launcher.bench.bench_tasks import quality, trainer
 from launcher.bench.side_process import run_side_process
 from launcher.bench.variants import shape_problems
+from launcher.entry import override_key
 from launcher.bench.time_to_model_report import (PARTS, SIDES, maps_text, markdown, own_metric, side_names,
                                                  summarize, write)
 from launcher.inputs.labels import list_images
@@ -192,7 +193,8 @@ OWN = ("bench", "hydra", "data", "model", "paths", "experiment", "dry_run")
 def launch_overrides(overrides) -> list[str]:
     """Of ddp-bench's command line, the launch settings the ddp_launch sides take as given (loader.augment_on=gpu):
     all but the shared ones and those of ddp-bench's own groups, which reach both sides otherwise."""
-    return [o for o in overrides if "=" in o and _key(o) not in SHARED and _key(o).split(".")[0] not in OWN]
+    return [o for o in overrides
+            if "=" in o and override_key(o) not in SHARED and override_key(o).split(".")[0] not in OWN]
 
 
 def ddp_launch_command(cfg: dict, data_path: Path, seed: int, on_gpu: bool, run_dir: Path,
@@ -202,7 +204,7 @@ def ddp_launch_command(cfg: dict, data_path: Path, seed: int, on_gpu: bool, run_
     exe = Path(sys.executable).parent / "ddp-launch"
     head = [str(exe)] if exe.exists() else [sys.executable, "-m", "launcher.cli"]
     t, m = cfg["train"], cfg["model"]
-    replaced = {o.split("=", 1)[0] for o in overrides}
+    replaced = {override_key(o) for o in overrides}
     shared = [
         f"gpus={1 if on_gpu else 0}",
         f"model={m['name']}",
@@ -221,7 +223,7 @@ def ddp_launch_command(cfg: dict, data_path: Path, seed: int, on_gpu: bool, run_
         f"paths.cache={cfg['paths']['cache']}",
         f"hydra.run.dir={run_dir}",
     ]
-    return head + [a for a in shared if a.split("=", 1)[0] not in replaced] + list(overrides)
+    return head + [a for a in shared if override_key(a) not in replaced] + list(overrides)
 
 
 def _value(v) -> str:
@@ -321,12 +323,8 @@ def last_lines(log: Path, count: int = 4) -> list[str]:
 def _overrides(side: str, variants: dict, given: list[str] = ()) -> list[str]:
     """A side's overrides: the command line's launch settings, then its variant's, which replace them key by key."""
     variant = list(variants[side.removeprefix("ddp_launch-")]) if side.startswith("ddp_launch-") else []
-    keys = {_key(o) for o in variant}
-    return [o for o in launch_overrides(given) if _key(o) not in keys] + variant
-
-
-def _key(override: str) -> str:
-    return override.split("=", 1)[0].lstrip("+~")
+    keys = {override_key(o) for o in variant}
+    return [o for o in launch_overrides(given) if override_key(o) not in keys] + variant
 
 
 def run_side(side: str, seed: int, side_dir: Path, cfg: dict, model, data_path: Path, on_gpu: bool, env: dict,

@@ -137,7 +137,7 @@ def mask_loss(fg_mask, masks, target_gt_idx, target_bboxes, batch_idx, proto, pr
     would take 32 times the masks' memory). The targets are grouped by image in image order, as collated."""
     _, _, mask_h, mask_w = proto.shape
     image, anchor = fg_mask.nonzero(as_tuple=True)  # the one wait: image-major, each image's anchors in order
-    sizes = fg_mask.sum(1).tolist()
+    sizes = fg_mask.sum(1).tolist()  # read once the queue has drained there
     gt_idx = target_gt_idx[image, anchor]
     box = target_bboxes[image, anchor] / imgsz[[1, 0, 1, 0]]  # xyxy, 0-1
     area = xyxy2xywh(box)[:, 2:].prod(1)
