@@ -28,6 +28,13 @@ REACHES = {
                             "DetectionValidator.plot_predictions", "DetectionValidator.print_results"),
                            ("ultralytics.utils.metrics", "DetMetrics.clear_stats", "DetMetrics.results_dict",
                             "ConfusionMatrix.process_batch")],
+    "deferred_plots.py": [("ultralytics.engine.validator", "BaseValidator.plot_val_samples",
+                           "BaseValidator.plot_predictions", "BaseValidator.get_stats", "BaseValidator.finalize_metrics"),
+                          ("ultralytics.models.yolo.detect", "DetectionValidator.get_stats",
+                           "DetectionValidator.finalize_metrics"),
+                          ("ultralytics.models.yolo.classify", "ClassificationValidator.finalize_metrics"),
+                          ("ultralytics.utils.metrics", "DetMetrics.process", "SegmentMetrics", "PoseMetrics",
+                           "OBBMetrics", "ConfusionMatrix.plot")],
     "class_metrics.py": [("ultralytics.utils.metrics", "DetMetrics.process", "ap_per_class", "compute_ap", "smooth")],
     "folded.py": [("ultralytics.nn.modules", "Conv.forward_fuse", "DWConv"), ("ultralytics.nn.tasks", "BaseModel.fuse")],
     "loss.py": [("ultralytics.utils.loss", "v8DetectionLoss.get_assigned_targets_and_loss", "v8DetectionLoss.preprocess",
@@ -62,6 +69,7 @@ BEHAVIOUR = {
     "validation.py": ["tests/test_validation_split.py", "tests/test_e2e_tasks.py"],
     "results_table.py": ["tests/test_fast_validation.py"],
     "fast_validation.py": ["tests/test_validation_split.py", "tests/test_confusion.py"],
+    "deferred_plots.py": ["tests/test_deferred_plots.py"],
     "class_metrics.py": ["tests/test_fast_validation.py"],
     "folded.py": ["tests/test_folded_copy.py"],
     "loss.py": ["tests/test_loss.py"],
@@ -118,6 +126,15 @@ def test_the_reaches_keep_the_signatures_the_adapter_calls():
     assert {"updates"} <= set(parameters(strip_optimizer))
     assert {"conf"} <= set(parameters(ConfusionMatrix.process_batch))
     assert "preprocess" in vars(v8DetectionLoss)
+    from ultralytics.engine.validator import BaseValidator
+    from ultralytics.utils.metrics import DetMetrics, OBBMetrics, PoseMetrics, SegmentMetrics
+
+    # deferred_plots: the validator's plot calls by position, the metrics' drawing by name
+    assert parameters(BaseValidator.plot_val_samples)[:3] == ["self", "batch", "ni"]
+    assert parameters(BaseValidator.plot_predictions)[:4] == ["self", "batch", "preds", "ni"]
+    for metrics in (DetMetrics, SegmentMetrics, PoseMetrics, OBBMetrics):
+        assert "names" in parameters(metrics.__init__)
+        assert {"save_dir", "plot", "on_plot"} <= set(parameters(metrics.process))
     for task_loss in (v8SegmentationLoss, v8PoseLoss):  # their box terms: TaskLoss hands them to DetectionLoss
         assert "self.get_assigned_targets_and_loss(preds, batch)" in inspect.getsource(task_loss.loss)
     obb = inspect.getsource(v8OBBLoss.loss)  # OBBLoss: one assignment, every term over its clamped target weight

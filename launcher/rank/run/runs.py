@@ -32,7 +32,6 @@ from launcher.rank.metrics.timeline import Timed, Timeline, TimelineEdges
 from launcher.rank.run.train_batches import TrainBatchPlots
 from launcher.rank.step.captured_step import CapturedStep
 from launcher.rank.ultralytics import build, checkpoint
-from launcher.rank.ultralytics.fast_validation import FastValidator
 from launcher.rank.ultralytics.plots import Plotter
 from launcher.rank.ultralytics.tracking import Tracking
 from launcher.rank.ultralytics.validation import label_loss_items
@@ -217,13 +216,13 @@ _EMA = object()
 
 def _validate(r: Rank, plotter: Plotter | None, loop: TrainLoop, weights=_EMA):
     """Validate the EMA, or `weights` in its place (best.pt's: rank 0's, None on the other ranks). The final
-    validation (the last epoch's, then best.pt's when it is another epoch) writes Ultralytics' plots: the fast
-    validator's in rank 0's plotter thread (`plotter`: None on the other ranks)."""
+    validation (the last epoch's, then best.pt's when it is another epoch) writes Ultralytics' plots, in rank 0's
+    plotter thread once the weights are written (`plotter`: None on the other ranks)."""
     final = weights is not _EMA or loop.final_epoch
     kwargs = dict(device=r.device, data=r.data, amp=r.amp_dtype is not None, loss_items=r.step.loss_items or r.state.tloss,
                   epoch=r.state.epoch, epochs=loop.epochs, plots=final and bool(r.settings.train.plots),
                   per_class=weights is not _EMA)
-    if kwargs["plots"] and plotter is not None and isinstance(r.validator, FastValidator):
+    if kwargs["plots"] and plotter is not None:
         kwargs["draw"] = plotter.later
     if weights is _EMA:
         return r.validator.validate(r.ema, r.comm, **kwargs)

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 from copy import copy
+from functools import cache
 from types import SimpleNamespace
 
 import torch
 from ultralytics.utils import callbacks
 
 from launcher.rank.group.dist import Comm
+from launcher.rank.ultralytics.deferred_plots import DeferredPlots
 from launcher.rank.ultralytics.plots import PLOT_LOCK
 from launcher.rank.ultralytics.results_table import no_progress_bar, print_table, table_validator
 from launcher.rank.ultralytics.tasks import task_of
@@ -45,18 +47,19 @@ class Validator:
         hooks = callbacks.get_default_callbacks()
         if on_batch is not None:
             hooks["on_val_batch_end"].append(lambda _validator: on_batch())
-        validator = table_validator(task_of(hyp.task).validator)  # the task's: boxes, and masks or keypoints
-        self.validator = validator(loader, save_dir=run_dir, args=copy(hyp), _callbacks=hooks)
+        self.validator = _validator_class(task_of(hyp.task).validator)(loader, save_dir=run_dir, args=copy(hyp),
+                                                                       _callbacks=hooks)
 
     @property
     def metric_keys(self) -> list[str]:
         return list(self.validator.metrics.keys)
 
     def validate(self, ema, comm: Comm, *, device, data, amp: bool, loss_items: dict, epoch: int, epochs: int,
-                 plots: bool = False, per_class: bool = False):
+                 plots: bool = False, draw=None, per_class: bool = False):
         """`plots`: Ultralytics' validation plots (curves, confusion matrices, batches), drawn by rank 0, this time;
-        every rank must pass the same value. Rank 0 writes the table (results_table.py): with `per_class`, a row per
-        class too."""
+        every rank must pass the same value; given `draw` (rank 0's Plotter.later), they are handed to it to be drawn
+        after the weights are written (deferred_plots.py). Rank 0 writes the table (results_table.py): with
+        `per_class`, a row per class too."""
         if comm.distributed:  # BaseTrainer.validate: rank 0's EMA buffers (BatchNorm statistics) on every rank
             comm.broadcast_from_rank0(list(ema.ema.buffers()))
         view = _TrainerView(device=device, data=data, amp=amp, ema=ema, loss_items=loss_items, epoch=epoch,
@@ -64,11 +67,13 @@ class Validator:
         # the same on every rank: with plots the validator also sums the confusion matrix over the ranks (a collective);
         # only rank 0 draws (Ultralytics checks RANK), so only rank 0 keeps the other plots waiting
         self.validator.args.plots, self.validator.per_class = plots, per_class
+        self.validator.defer = draw if plots else None
+        drawn_now = plots and comm.rank == 0 and draw is None
         try:
-            with PLOT_LOCK if plots and comm.rank == 0 else nullcontext(), no_progress_bar():
+            with PLOT_LOCK if drawn_now else nullcontext(), no_progress_bar():
                 metrics = self.validator(trainer=view)
         finally:
-            self.validator.args.plots, self.validator.per_class = False, False
+            self.validator.args.plots, self.validator.per_class, self.validator.defer = False, False, None
         if metrics is None:
             return None, None
         return metrics, metrics.pop("fitness", None)
@@ -84,3 +89,10 @@ class Validator:
             ema.ema.load_state_dict(weights)
         comm.broadcast_from_rank0(list(ema.ema.state_dict().values()))
         return self.validate(ema, comm, **kwargs)
+
+
+@cache
+def _validator_class(validator: type) -> type:
+    """Ultralytics' `validator` writing print_table's table, its plots deferred where asked."""
+    table = table_validator(validator)
+    return type(f"Deferred{table.__name__}", (DeferredPlots, table), {})
