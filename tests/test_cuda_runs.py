@@ -75,7 +75,7 @@ def test_auto_batch_fits_and_an_epoch_at_it_uses_50_to_70_percent_of_the_gpu(tmp
     reserved bytes: what the probe limits and what an out-of-memory error sees (allocated is lower by the
     allocator's cache; NVML adds the CUDA context). Unheld, the same epoch reserved 93-99 %
     (docs/benchmarks/h200-auto-batch/README.md)."""
-    data = ["data.synthetic.train_images=1024", "data.synthetic.val_images=32", "data.synthetic.width=320",
+    data = ["data.synthetic.train_images=2048", "data.synthetic.val_images=32", "data.synthetic.width=320",
             "data.synthetic.height=256"]
     r = ddp_launch([*data, "gpus=1", "model=yolov8s", "train.imgsz=640", "train.batch_per_device=auto",
                     "train.epochs=1", "train.plots=false", "optim.lr_scaling=linear"], cwd=tmp_path, timeout=1200)

@@ -171,11 +171,14 @@ def test_auto_batch_is_left_to_the_gpus_and_the_plan_says_by_which_rule():
     plan, problems = plan_for(["gpus=1", "train.batch_per_device=auto", "optim.lr_scaling=linear"], data=shapes(4096))
     assert not problems and plan.batch_pending
     assert (plan.batch_per_device, plan.global_batch, plan.lr0, plan.warmup_iterations) == (None, None, None, None)
-    assert plan.auto_batch == {"fraction": 0.6, "multiple": 8, "divides": None, "most": 4096, "eager": False}
+    assert plan.auto_batch == {"fraction": 0.6, "multiple": 8, "divides": None, "most": 512, "eager": False}
     text = describe(plan, None, None)
     assert ("batch           auto per device x 1 device(s): the largest multiple of 8 whose measured step fits 60 % "
             "of the smallest GPU's memory") in text
     assert "chosen on the GPUs before the first step" in text and "lr0             base_lr 0.01 x linear(" in text
+    small, _ = plan_for(["gpus=1", "train.batch_per_device=auto"], data=shapes(256))  # the built-in shapes
+    assert small.auto_batch["most"] == 32  # a large GPU's batch of 208 of them took 2 steps an epoch, and learnt nothing
+    assert "at most 32 (every epoch at least 8 steps of a rank's share of the training set)" in describe(small, None, None)
     fraction, _ = plan_for(["gpus=1", "train.batch_per_device=auto", "train.memory_fraction=0.75"])
     assert "fits 75 % of the smallest GPU's memory" in describe(fraction, None, None)
 

@@ -12,6 +12,7 @@ from launcher.plan.checks import as_int
 from launcher.problems import Problem
 
 AUTO_BATCH_MULTIPLE = 8  # train.batch_per_device=auto chooses a multiple of 8 (Tensor Core tiles, even shards)
+AUTO_BATCH_MIN_STEPS = 8  # ... and leaves every epoch this many steps: a batch of most of a small set learns nothing
 AUTO_BATCH_ON_CPU = 16  # conf/config.yaml's train.batch_per_device: what auto means without GPU memory to measure
 DEFAULT_MEMORY_FRACTION = 0.6  # conf/config.yaml's train.memory_fraction (Ultralytics' batch=-1 fills 60 %)
 # of the GPU above train.memory_fraction that a run with the auto batch may reserve (rank/step/auto_batch.py holds
@@ -71,14 +72,16 @@ def batch_fields(cfg: dict, batch_per_device: int | None, *, devices_per_rank: i
 def _auto_batch_rule(train: dict, devices_per_rank: int, world_size: int, train_images: int | None) -> dict:
     """What the ranks measure for train.batch_per_device=auto: the largest multiple of `multiple` whose step fits
     `fraction` of the GPU's memory, dividing `divides` (train.global_batch's share per device: accumulate follows)
-    and at most `most` (more than a rank's share of the training set cannot fill a batch); None: no bound."""
+    and at most `most` (an AUTO_BATCH_MIN_STEPS-th of a rank's share of the training set, so that each epoch takes
+    that many steps: on a small set the largest batch that fits a large GPU would leave the run a step or two per
+    epoch, too few to learn anything); None: no bound."""
     fraction = train.get("memory_fraction", DEFAULT_MEMORY_FRACTION)
     wanted, accumulate = train.get("global_batch"), train.get("accumulate", 1)
     divides = wanted // (devices_per_rank * world_size) if _whole(wanted) else None
     most = divides
     if most is None and train_images:
         share = math.ceil(train_images / world_size) // (devices_per_rank * (accumulate if _whole(accumulate) else 1))
-        most = max(AUTO_BATCH_MULTIPLE, share // AUTO_BATCH_MULTIPLE * AUTO_BATCH_MULTIPLE)
+        most = max(AUTO_BATCH_MULTIPLE, share // AUTO_BATCH_MIN_STEPS // AUTO_BATCH_MULTIPLE * AUTO_BATCH_MULTIPLE)
     return {"fraction": float(fraction) if checks.is_fraction(fraction) else DEFAULT_MEMORY_FRACTION,
             "multiple": AUTO_BATCH_MULTIPLE, "divides": divides, "most": most,
             "eager": train.get("compile", False) not in (False, None)}  # compiled per shape: measured eagerly

@@ -8,7 +8,7 @@ from launcher.inputs import labels
 from launcher.inputs.data import DatasetInfo
 from launcher.inputs.models import ModelSpec
 from launcher.plan import lr
-from launcher.plan.batch import held_fraction
+from launcher.plan.batch import AUTO_BATCH_MIN_STEPS, held_fraction
 from launcher.plan.plan import LaunchPlan
 from launcher.plan.task_rules import rules
 
@@ -133,7 +133,8 @@ def auto_batch_rule(rule: dict) -> str:
     if rule.get("divides"):
         text += f", dividing train.global_batch's {rule['divides']} images per device (accumulate follows)"
     elif rule.get("most"):
-        text += f", at most {rule['most']} (a rank's share of the training set)"
+        text += (f", at most {rule['most']} (every epoch at least {AUTO_BATCH_MIN_STEPS} steps of a rank's share of the "
+                 "training set)")
     if rule.get("eager"):
         text += ", measured on the eager network (train.compile compiles per batch size; its step needs less)"
     return text + f"; the run's memory then held to {100 * held_fraction(rule['fraction']):g} %"

@@ -7,7 +7,7 @@ the sync-free loss, the fused optimizer's step, the EMA), on synthetic batches o
 bucket the run will capture, captured as its set-up captures them (captured_step.buckets), and a step at the most
 targets one image of the data can carry after mosaic (eager where no graph takes it); memory is the allocator's peak
 reserved bytes (what it takes from the GPU, so what an out-of-memory error sees). The fit's answer is rounded down to the allowed sizes (plan.py, _auto_batch_rule:
-multiples of 8, dividing train.global_batch's share, at most a rank's share of the data) and then VERIFIED with real
+multiples of 8, dividing train.global_batch's share, at most an eighth of a rank's share of the data) and then VERIFIED with real
 steps; a size that runs out of memory or over the limit backs off to the next allowed size down.
 
 The run itself is then HELD to the fraction plus plan.py's AUTO_BATCH_HEADROOM
@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from launcher.plan.batch import held_fraction
+from launcher.plan.batch import AUTO_BATCH_MIN_STEPS, held_fraction
 from launcher.rank.data.pipeline import MAX_TARGETS, TARGETS_PER_IMAGE
 
 PROFILE = (8, 16, 32, 64)  # the sizes fitted (those the rule allows), smallest first; stops at the first that fails
@@ -184,7 +184,8 @@ def explain(record: dict) -> str:
     why = (f"{record['memory_per_image_mib']:.0f} MiB per image + {record['fixed_mib'] / 1024:.1f} GiB fixed"
            if record.get("memory_per_image_mib") is not None else "only the smallest size was measured")
     tried = _per_size((c["batch"], c["peak_gib"]) for c in record["candidates"])
-    bound = "" if record["limited_by"] == "memory" else f" (as large as {record['limited_by']} allows)"
+    bound = {"memory": "", "the training set": f" (the most that leaves every epoch {AUTO_BATCH_MIN_STEPS} steps of the "
+             "training set)"}.get(record["limited_by"], f" (as large as {record['limited_by']} allows)")
     ranks = f"; the smallest over ranks {record['ranks']}" if record.get("ranks") else ""
     whole = _per_size((c["batch"], c["peak_gib"]) for c in record.get("with_validation") or [])
     return (f"auto batch: {record['batch_per_device']} per device{bound}, the largest whose step fits "
