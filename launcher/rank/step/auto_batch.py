@@ -6,9 +6,10 @@ run takes it (components.py builds it: the network with channels_last, AMP, the 
 the sync-free loss, the fused optimizer's step, the EMA), on synthetic batches of the real image size: every target
 bucket the run will capture, captured as its set-up captures them (captured_step.buckets), and a step at the most
 targets one image of the data can carry after mosaic (eager where no graph takes it); memory is the allocator's peak
-reserved bytes (what it takes from the GPU, so what an out-of-memory error sees). The fit's answer is rounded down to the allowed sizes (plan.py, _auto_batch_rule:
-multiples of 8, dividing train.global_batch's share, at most an eighth of a rank's share of the data) and then VERIFIED with real
-steps; a size that runs out of memory or over the limit backs off to the next allowed size down.
+reserved bytes (what it takes from the GPU, so what an out-of-memory error sees). The fit's answer is rounded down to
+the allowed sizes (plan/batch.py, _auto_batch_rule: multiples of 8, dividing train.global_batch's share, at most an
+eighth of a rank's share of the data) and then VERIFIED with real steps; a size that runs out of memory or over the
+limit backs off to the next allowed size down.
 
 The run itself is then HELD to the fraction plus plan.py's AUTO_BATCH_HEADROOM
 (`torch.cuda.set_per_process_memory_fraction`): the caching allocator never frees what it has cached until an

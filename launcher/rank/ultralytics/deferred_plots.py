@@ -41,7 +41,7 @@ def _confusion(matrix, save_dir, on_plot) -> None:
 
 
 class DeferredPlots:
-    """Before an Ultralytics validator in the bases (results_table.table_validator): with `defer` set to
+    """Before an Ultralytics validator in the bases (validation.py composes them): with `defer` set to
     `later(what, fn, *args)`, the plots of a validation with `args.plots` are handed to it, not drawn."""
 
     defer = None
