@@ -47,10 +47,10 @@ import yaml
 from launcher.bench import report, time_to_model_earlier
 from launcher.bench.bench_tasks import quality, trainer
 from launcher.bench.side_process import run_side_process
-from launcher.bench.variants import shape_problems
-from launcher.entry import override_key
 from launcher.bench.time_to_model_report import (PARTS, SIDES, maps_text, markdown, own_metric, side_names,
                                                  summarize, write)
+from launcher.bench.variants import shape_problems
+from launcher.entry import override_key
 from launcher.inputs.labels import list_images
 from launcher.launch.logs import say
 from launcher.launch.ultralytics_home import prepare_ultralytics_home

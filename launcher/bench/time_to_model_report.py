@@ -153,7 +153,6 @@ def target_text(task: str) -> str:
     return f"target {TARGET:.1f}x where Ultralytics is input-bound (data wait >= {100 * INPUT_BOUND:.0f} %)."
 
 
-
 def _fmt(v, spec: str, scale: float = 1.0, suffix: str = "") -> str:
     return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v * scale:{spec}}{suffix}"
 

@@ -12,6 +12,7 @@ validation's metrics are computed exactly as with plots drawn at once; the files
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from copy import deepcopy
 
 import torch
@@ -51,6 +52,15 @@ class DeferredPlots:
         others' a row per object (batch_idx names its image)."""
         return _on_host(batch, ("img", "cls") if self.args.task == "classify" else ("img",))
 
+    @contextmanager
+    def _not_drawing(self):
+        """Ultralytics' own step without its drawing (args.plots off inside)."""
+        self.args.plots = False
+        try:
+            yield
+        finally:
+            self.args.plots = True
+
     def plot_val_samples(self, batch, ni):
         if self.defer is None:
             return super().plot_val_samples(batch, ni)
@@ -69,11 +79,8 @@ class DeferredPlots:
         if self.defer is None or not self.args.plots or not isinstance(stats, dict):
             return super().get_stats()
         kept = {k: list(v) for k, v in stats.items()}
-        self.args.plots = False
-        try:
+        with self._not_drawing():
             results = super().get_stats()
-        finally:
-            self.args.plots = True
         self.defer("the validation's curves", _curves, type(self.metrics), self.names, kept, self.save_dir,
                    self.on_plot)
         return results
@@ -81,9 +88,6 @@ class DeferredPlots:
     def finalize_metrics(self):
         if self.defer is None or not self.args.plots:
             return super().finalize_metrics()
-        self.args.plots = False
-        try:
+        with self._not_drawing():
             super().finalize_metrics()  # ClassificationValidator counts its matrix here
-        finally:
-            self.args.plots = True
         self.defer("the confusion matrix", _confusion, deepcopy(self.confusion_matrix), self.save_dir, self.on_plot)
