@@ -25,7 +25,7 @@ def rank_decisions(cfg: dict, *, device: str, mode: str, task: str = "detect") -
         # dist.sync_bn's SyncBatchNorm is never fused: its statistics are the ranks'
         "fused_bn_act": (graphs and device == "cuda" and train.get("fused_bn_act", False) in ("auto", True)
                          and not (cfg.get("dist") or {}).get("sync_bn", False)),
-        "val_engine": checks.val_engine(val, train) if rules(task).fast_paths else "ultralytics",
+        "val_engine": checks.val_engine(val, train) if rules(task).fast_validator else "ultralytics",
         "task": task,
         "val_batch_fixed": _whole(val.get("batch", "auto")),
         "val_cuda_graphs": device == "cuda" and val.get("cuda_graphs", "auto") in ("auto", True),

@@ -7,9 +7,10 @@ keypoints follow the matrix and flips of their boxes: rank/gpu_data/augment_keyp
 polygons too, its boxes made from them and its masks drawn on the device: augment_segments.py, segment_masks.py; an obb
 model's corners, clipped as rotated boxes: augment_obb.py), and classification its own (rank/gpu_data/classify_input.py:
 Ultralytics' classify transforms on the device), taken when asked: `auto` keeps them on the CPU pipeline until the GPU
-input is measured ahead for them. They train through Ultralytics' validator (masks, keypoints and rotated boxes scored
-as it scores them) and its loss, normalised over the ranks but eager (its mask, keypoint and rotated-box terms have
-shapes that follow the targets); the network alone is graphed on GPUs.
+input is measured ahead for them. Pose validates with the fast validator too (keypoints matched by OKS as
+PoseValidator matches them: rank/validate/matching.py); segmentation and obb through Ultralytics' validator (masks and
+rotated boxes scored as it scores them). All three train with Ultralytics' loss, normalised over the ranks but eager
+(its mask, keypoint and rotated-box terms have shapes that follow the targets); the network alone is graphed on GPUs.
 Classification trains on Ultralytics' ClassificationDataset (class folders, its own augmentations; no mosaic:
 close_mosaic and the mosaic buffer mean nothing there), its ClassificationValidator (top-1, top-5) and its
 cross-entropy, a mean over the batch.
@@ -37,6 +38,7 @@ BOX = (Metric("map50", "metrics/mAP50(B)", "mAP50"), Metric("map50_95", "metrics
 TOP1, TOP5 = "metrics/accuracy_top1", "metrics/accuracy_top5"  # a classifier's validation metrics (ClassifyMetrics)
 EAGER = "the GPU input, the fast validator and the captured step are detection's"
 OWN_EAGER = "the fast validator and the captured step are detection's"  # a task with the GPU input
+STEP_EAGER = "the captured step is detection's"  # a task with the GPU input and the fast validator
 
 
 def _own(suffix: str, name: str) -> tuple[Metric, ...]:
@@ -51,6 +53,7 @@ class TaskRules:
 
     name: str  # Ultralytics' task name: detect | segment | pose | obb | classify
     fast_paths: bool = False  # the fast validator, the captured step and the auto batch
+    fast_validator: bool = False  # val.engine=fast (and auto's choice of it): where it scores as the task's validator
     auto_gpu_input: bool = False  # loader.augment_on=auto may pick it (plan/checks.py): where measured ahead on GPUs
     folders: bool = False  # class folders (ClassificationDataset), not images and label files (YOLODataset)
     mosaic: bool = True  # Ultralytics' mosaic (and so close_mosaic and the mosaic buffer)
@@ -93,15 +96,15 @@ class TaskRules:
 
 
 TASKS = {
-    "detect": TaskRules("detect", fast_paths=True, auto_gpu_input=True),
+    "detect": TaskRules("detect", fast_paths=True, fast_validator=True, auto_gpu_input=True),
     "segment": TaskRules("segment", masks=True, own=_own("M", "mask"), quality=_own("M", "mask")[1],
                          pipeline=f"; Ultralytics' CPU pipeline, validator and loss ({OWN_EAGER})",
                          gpu_pipeline="; the GPU input pipeline (polygons warped and flipped, boxes made from them, "
                                       f"masks drawn on the device), Ultralytics' validator and loss ({OWN_EAGER})"),
-    "pose": TaskRules("pose", own=_own("P", "pose"), quality=_own("P", "pose")[1],
-                      pipeline=f"; Ultralytics' CPU pipeline, validator and loss ({OWN_EAGER})",
+    "pose": TaskRules("pose", fast_validator=True, own=_own("P", "pose"), quality=_own("P", "pose")[1],
+                      pipeline=f"; Ultralytics' CPU pipeline and loss, the fast validator's OKS ({STEP_EAGER})",
                       gpu_pipeline="; the GPU input pipeline (keypoints warped and flipped with their boxes), "
-                                   f"Ultralytics' validator and loss ({OWN_EAGER})"),
+                                   f"Ultralytics' loss, the fast validator's OKS ({STEP_EAGER})"),
     # its box metrics (B) are the rotated boxes'
     "obb": TaskRules("obb", quality=Metric("map50_95", BOX[1].source, "box mAP50-95 (rotated boxes)"),
                      note=" (rotated boxes)",
@@ -134,9 +137,9 @@ def task_problems(cfg: dict, task: str, *, device: str) -> list[Problem]:
     r = rules(task)
     train, loader, val = cfg["train"], cfg.get("loader") or {}, cfg.get("val") or {}
     problems = []
-    if not r.fast_paths and val.get("engine") == "fast":
-        problems.append(Problem(f"val.engine=fast with a {task} model: the fast engine scores upright boxes only; use "
-                                "val.engine=ultralytics (or auto)"))
+    if not r.fast_validator and val.get("engine") == "fast":
+        problems.append(Problem(f"val.engine=fast with a {task} model: the fast engine scores upright boxes and "
+                                "keypoints only; use val.engine=ultralytics (or auto)"))
     if not r.fast_paths and train.get("batch_per_device") == "auto" and device == "cuda":
         problems.append(Problem(f"train.batch_per_device=auto with a {task} model: the probe measures the detection "
                                 "step only; give train.batch_per_device as a number"))

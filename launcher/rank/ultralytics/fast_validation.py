@@ -20,6 +20,10 @@ The validation loss is the EMA's own Ultralytics loss on the same outputs, summe
 count, averaged over the ranks (Ultralytics' rule; larger batches move it a little). DetMetrics' per-image
 precision/recall dict (image_metrics) is not kept: nothing of a training run reads it.
 
+A pose model's validation is PoseValidator's the same way: its detections carry their keypoints through the NMS,
+are matched to the targets' by OKS as well as by IoU (matching.pose_true_positives: its tp_p), and PoseMetrics scores
+both; its first batches are drawn with their keypoints.
+
 Per-rank statistics go to rank 0 through the rank's own process group (Comm.gather), in rank order.
 """
 
@@ -31,7 +35,6 @@ from copy import copy, deepcopy
 import numpy as np
 import torch
 from ultralytics.models.yolo.detect import DetectionValidator
-from ultralytics.utils.metrics import DetMetrics
 
 from launcher.rank.kernels import kernels
 from launcher.rank.group.dist import Comm
@@ -39,6 +42,7 @@ from launcher.rank.ultralytics import class_metrics, datasets, releases
 from launcher.rank.ultralytics.folded import FoldedCopy
 from launcher.rank.ultralytics.plots import PLOT_LOCK
 from launcher.rank.ultralytics.results_table import print_table
+from launcher.rank.ultralytics.tasks import task_of
 from launcher.rank.ultralytics.validation import label_loss_items
 from launcher.rank.validate.confusion import confusion_counts
 from launcher.rank.validate.engine import NmsSettings, detections_of, run_pass
@@ -84,7 +88,7 @@ class FastValidator:
         self.warming: kernels.WarmUp | None = None  # the validation's Triton kernels, compiled during training
         self._amp_dtype: torch.dtype | None = None  # this validation's autocast type (None on CPU or without AMP)
         self.on_batch, self.log, self.detail = on_batch or (lambda: None), log, detail or log
-        self.validator = DetectionValidator(loader, save_dir=run_dir, args=copy(hyp))
+        self.validator = task_of(hyp.task).validator(loader, save_dir=run_dir, args=copy(hyp))  # detect or pose
         self.split: PreloadedSplit | None = None
         self.reading: SplitReader | None = None  # the split being read during training (read_ahead)
         self.placing: Placement | None = None  # the split read, being copied to the device (place_ahead)
@@ -226,7 +230,8 @@ class FastValidator:
         started = time.perf_counter()
         with torch.inference_mode(), torch.autocast(device.type, enabled=False):
             result = run_pass(self.split, self.forward, batch=self.batch, nc=v.nc, nms=nms_settings(v.args, v.end2end),
-                              single_cls=bool(v.args.single_cls), on_batch=on_batch, each_batch=each_batch,
+                              single_cls=bool(v.args.single_cls), kpt_sigma=_kpt_sigma(v),
+                              on_batch=on_batch, each_batch=each_batch,
                               loss_fn=lambda targets, preds: self._loss(model, targets, preds), stream=self.stream)
         if confusion:  # one copy to the host
             v.confusion_matrix.matrix += torch.stack(confusion).sum(0).cpu().numpy()
@@ -258,7 +263,7 @@ class FastValidator:
                 for i in range(vb.n):
                     n = int(vb.count[i])
                     truth = {"cls": vb.cls[i, :n], "bboxes": boxes[i, :n]}
-                    cm.process_batch(detections_of(det, i), truth, conf=v.args.conf)
+                    cm.process_batch(detections_of(det, i, _kpt_shape(v)), truth, conf=v.args.conf)
             if rank == 0 and len(plotted) < PLOTTED_BATCHES:
                 plotted.append((vb, det))
 
@@ -290,7 +295,7 @@ class FastValidator:
         v.args.plots = False  # the metrics without the plots: those are drawing's
         detections = sum(len(c) for c in v.metrics.stats["conf"])
         metrics_started = time.perf_counter()
-        class_metrics.process(v.metrics)  # get_stats' DetMetrics.process, each class's detections grouped once
+        class_metrics.process(v.metrics)  # get_stats' metrics.process, each class's detections grouped once
         stats = v.metrics.results_dict
         v.metrics.clear_stats()
         if first:  # on the host, and as long as the detections are many: an untrained model's, at conf 0.001
@@ -324,7 +329,7 @@ class _Drawing:
     the validator held: its statistics, its confusion matrix and the first batches with their detections. Of the
     validator itself only what a run never changes is read (the run folder, names, max_det)."""
 
-    def __init__(self, v: DetectionValidator, plotted: list):
+    def __init__(self, v: DetectionValidator, plotted: list):  # or its PoseValidator
         self.v, self.plotted = v, list(plotted)
         self.stats = {k: list(x) for k, x in v.metrics.stats.items()}
         self.matrix = deepcopy(v.confusion_matrix)
@@ -335,8 +340,8 @@ class _Drawing:
         for ni, (vb, det) in enumerate(self.plotted):
             batch = {"img": vb.img[: vb.n], **vb.ultralytics_targets(), "im_file": vb.files}
             v.plot_val_samples(batch, ni)
-            v.plot_predictions(batch, [detections_of(det, i) for i in range(vb.n)], ni)
-        curves = DetMetrics(names=v.names)
+            v.plot_predictions(batch, [detections_of(det, i, _kpt_shape(v)) for i in range(vb.n)], ni)
+        curves = type(v.metrics)(names=v.names)  # DetMetrics or PoseMetrics
         curves.stats = self.stats
         curves.process(save_dir=v.save_dir, plot=True, on_plot=v.on_plot)  # the PR, F1, P and R curves
         for normalize in True, False:  # DetectionValidator.finalize_metrics's
@@ -351,6 +356,17 @@ def _draw(drawing: _Drawing, draw) -> None:
             drawing()
     else:
         draw("the final validation's plots", drawing)
+
+
+def _kpt_shape(v: DetectionValidator) -> list | None:
+    """A PoseValidator's keypoint shape (set by init_metrics), None for detection's."""
+    return getattr(v, "kpt_shape", None)
+
+
+def _kpt_sigma(v: DetectionValidator) -> torch.Tensor | None:
+    """A PoseValidator's OKS sigmas (set by init_metrics), None for detection's."""
+    sigma = getattr(v, "sigma", None)
+    return None if sigma is None else torch.as_tensor(sigma)
 
 
 def mean_loss(losses: list[dict]) -> dict:

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from torch.utils import _pytree as pytree
 
-from launcher.rank.validate.matching import true_positives
+from launcher.rank.validate.matching import pose_true_positives, true_positives
 from launcher.rank.validate.nms import Detections, batched_nms, xywh2xyxy
 from launcher.rank.validate.store import PreloadedSplit, ValBatch
 
@@ -49,25 +49,47 @@ def target_boxes(batch: ValBatch, shape) -> torch.Tensor:
     return xywh2xyxy(batch.xywh) * torch.tensor([w, h, w, h], device=batch.xywh.device)
 
 
-def batch_stats(vb: ValBatch, det: Detections, boxes: torch.Tensor, nc: int) -> dict[str, torch.Tensor]:
+def target_keypoints(batch: ValBatch, shape) -> torch.Tensor:
+    """A pose dataset's target keypoints in pixels of the letterboxed image, as PoseValidator._prepare_batch scales
+    them."""
+    h, w = shape
+    kpts = batch.keypoints.clone()
+    kpts[..., 0] *= w
+    kpts[..., 1] *= h
+    return kpts
+
+
+def batch_stats(vb: ValBatch, det: Detections, boxes: torch.Tensor, nc: int,
+                kpt_sigma: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """What DetectionValidator.update_metrics adds to DetMetrics.stats for these images, concatenated image after
-    image (still on the device)."""
+    image (still on the device); given the keypoints' `kpt_sigma`, PoseValidator's tp_p too (the detections'
+    keypoints in det.extra)."""
     valid_t, valid_p = vb.valid(), det.valid()
     tp = true_positives(det.boxes, det.cls, valid_p, boxes, vb.cls, valid_t)
     present = torch.zeros((vb.n, max(nc, 1)), dtype=torch.bool, device=vb.cls.device)
     rows = torch.arange(vb.n, device=vb.cls.device)[:, None].expand_as(valid_t)
     present[rows[valid_t], vb.cls[valid_t].long()] = True
-    return {"tp": tp[valid_p], "conf": det.conf[valid_p], "pred_cls": det.cls[valid_p], "target_cls": vb.cls[valid_t],
-            "target_img": present.nonzero()[:, 1].float()}  # np.unique(cls) of each image, image after image
+    stats = {"tp": tp[valid_p], "conf": det.conf[valid_p], "pred_cls": det.cls[valid_p],
+             "target_cls": vb.cls[valid_t],
+             "target_img": present.nonzero()[:, 1].float()}  # np.unique(cls) of each image, image after image
+    if kpt_sigma is not None:
+        kpts = target_keypoints(vb, vb.img.shape[2:])
+        b, d, channels = det.extra.shape
+        pred = det.extra.view(b, d, kpts.shape[2], channels // kpts.shape[2])  # PoseValidator.postprocess's view
+        stats["tp_p"] = pose_true_positives(pred, det.cls, valid_p, kpts, boxes, vb.cls, valid_t, kpt_sigma)[valid_p]
+    return stats
 
 
 def run_pass(split: PreloadedSplit, forward, *, batch: int, nc: int, nms: NmsSettings, single_cls: bool = False,
-             loss_fn=None, on_batch=lambda: None, each_batch=None,
+             kpt_sigma: torch.Tensor | None = None, loss_fn=None, on_batch=lambda: None, each_batch=None,
              stream: torch.cuda.Stream | None = None) -> PassResult:
-    """`forward(img)` -> the model's eval output; `loss_fn(targets, preds)` -> a dict of loss items (the val loss);
-    `each_batch(batch, detections, target_boxes)` sees every batch (the plots' confusion matrix, the first batches);
-    `stream`: where the post-processing runs, one batch behind the forward (None: after it, on the same stream)."""
-    out = {k: [] for k in ("tp", "conf", "pred_cls", "target_cls", "target_img")}
+    """`forward(img)` -> the model's eval output; `kpt_sigma`: a pose model's keypoint sigmas (PoseValidator.sigma),
+    its detections then matched by OKS too (stats' tp_p); `loss_fn(targets, preds)` -> a dict of loss items (the val
+    loss); `each_batch(batch, detections, target_boxes)` sees every batch (the plots' confusion matrix, the first
+    batches); `stream`: where the post-processing runs, one batch behind the forward (None: after it, on the same
+    stream)."""
+    keys = ("tp", "conf", "pred_cls", "target_cls", "target_img") + (("tp_p",) if kpt_sigma is not None else ())
+    out = {k: [] for k in keys}
     loss: dict[str, torch.Tensor] = {}
     batches = images = 0
 
@@ -82,7 +104,7 @@ def run_pass(split: PreloadedSplit, forward, *, batch: int, nc: int, nms: NmsSet
         if single_cls:
             det = det._replace(cls=det.cls * 0)
         boxes = target_boxes(vb, shape)
-        for k, v in batch_stats(vb, det, boxes, nc).items():
+        for k, v in batch_stats(vb, det, boxes, nc, kpt_sigma).items():
             out[k].append(v)
         if loss_fn is not None:
             sliced = pytree.tree_map(lambda t: t[:n] if isinstance(t, torch.Tensor) else t, preds)
@@ -113,7 +135,8 @@ def run_pass(split: PreloadedSplit, forward, *, batch: int, nc: int, nms: NmsSet
         with torch.cuda.stream(stream):
             post(*pending)
         torch.cuda.current_stream().wait_stream(stream)  # what it computed is read on this stream from here on
-    stats = {k: (torch.cat(v).cpu().numpy() if v else np.zeros((0, 10) if k == "tp" else 0)) for k, v in out.items()}
+    stats = {k: (torch.cat(v).cpu().numpy() if v else np.zeros((0, 10) if k.startswith("tp") else 0))
+             for k, v in out.items()}
     return PassResult(stats=stats, images=images, batches=batches, loss=loss)
 
 
@@ -122,7 +145,10 @@ def _kept_for(t: torch.Tensor, stream: torch.cuda.Stream) -> torch.Tensor:
     return t
 
 
-def detections_of(det: Detections, i: int) -> dict[str, torch.Tensor]:
-    """Image i's detections as DetectionValidator.postprocess returns them."""
+def detections_of(det: Detections, i: int, kpt_shape=None) -> dict[str, torch.Tensor]:
+    """Image i's detections as DetectionValidator.postprocess returns them (PoseValidator's, given `kpt_shape`)."""
     n = int(det.count[i])
-    return {"bboxes": det.boxes[i, :n], "conf": det.conf[i, :n], "cls": det.cls[i, :n]}
+    out = {"bboxes": det.boxes[i, :n], "conf": det.conf[i, :n], "cls": det.cls[i, :n]}
+    if kpt_shape is not None:
+        out["keypoints"] = det.extra[i, :n].view(-1, *kpt_shape)
+    return out

@@ -7,7 +7,8 @@ a true positive at a threshold when that IoU reaches it. The visit is sequential
 detection of every image at once: as many rounds as the busiest image has candidate detections, each a few
 operations on (images, targets, thresholds); on CUDA the visit is one Triton program per image instead (scans.py),
 with no launch per round. Same IoUs in the same float operations, the same first-index argmax: the same true
-positives.
+positives. PoseValidator._process_batch matches by keypoint similarity (metrics.kpt_iou, OKS) instead of IoU, the
+same way: pose_true_positives.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 from launcher.rank.kernels import scans
 
 IOU_THRESHOLDS = torch.linspace(0.5, 0.95, 10)  # DetectionValidator.iouv
+OKS_ELEMENTS = 2**24  # keypoint distances computed at once (a few temporaries of 64 MiB)
 
 
 def box_iou(a: torch.Tensor, b: torch.Tensor, eps: float = 1e-7) -> torch.Tensor:
@@ -32,12 +34,51 @@ def true_positives(pred_boxes: torch.Tensor, pred_cls: torch.Tensor, pred_valid:
                    thresholds: torch.Tensor = IOU_THRESHOLDS) -> torch.Tensor:
     """(B, D, T) bool: detection d of image b is a true positive at threshold t. Detections in descending
     confidence order per image; padding rows (not `*_valid`) never match."""
-    b, d = pred_cls.shape
-    device = pred_cls.device
-    if not (d and true_cls.shape[1]):
-        return torch.zeros((b, d, thresholds.numel()), dtype=torch.bool, device=device)
-    thresholds = thresholds.to(device)
+    if not (pred_cls.shape[1] and true_cls.shape[1]):
+        return _none(pred_cls, thresholds)
     iou = box_iou(true_boxes, pred_boxes)  # (B, M, D): targets as rows, as Ultralytics
+    return _matched(iou, pred_cls, pred_valid, true_cls, true_valid, thresholds)
+
+
+def pose_true_positives(pred_kpts: torch.Tensor, pred_cls: torch.Tensor, pred_valid: torch.Tensor,
+                        true_kpts: torch.Tensor, true_boxes: torch.Tensor, true_cls: torch.Tensor,
+                        true_valid: torch.Tensor, sigma: torch.Tensor,
+                        thresholds: torch.Tensor = IOU_THRESHOLDS) -> torch.Tensor:
+    """(B, D, T) bool as true_positives, the detections' keypoints `pred_kpts` (B, D, K, >= 2) matched to the
+    targets' `true_kpts` (B, M, K, 3), in input pixels, by OKS with the keypoints' `sigma` (K,) (PoseValidator's
+    tp_p); `true_boxes` (B, M, 4) xyxy give each target's area."""
+    if not (pred_cls.shape[1] and true_cls.shape[1]):
+        return _none(pred_cls, thresholds)
+    wh = true_boxes[..., 2:] - true_boxes[..., :2]  # ops.xyxy2xywh's width and height
+    area = wh.prod(-1) * 0.53  # PoseValidator's (from xtcocotools' cocoeval)
+    b, m, d, k = *true_cls.shape, pred_cls.shape[1], true_kpts.shape[2]
+    rows = max(1, OKS_ELEMENTS // (m * d * k))  # images at once: their (M, D, K) distances are the temporaries
+    oks = torch.cat([kpt_iou(true_kpts[i : i + rows], pred_kpts[i : i + rows], area[i : i + rows], sigma)
+                     for i in range(0, b, rows)])
+    return _matched(oks, pred_cls, pred_valid, true_cls, true_valid, thresholds)
+
+
+def kpt_iou(kpt1: torch.Tensor, kpt2: torch.Tensor, area: torch.Tensor, sigma: torch.Tensor,
+            eps: float = 1e-7) -> torch.Tensor:
+    """(B, M, D) OKS of each image's targets' keypoints `kpt1` (B, M, K, 3) with its detections' `kpt2` (B, D, K,
+    >= 2): metrics.kpt_iou's operations, image by image at once."""
+    t, p = kpt1[:, :, None], kpt2[:, None]  # (B, M, 1, K, 3), (B, 1, D, K, >= 2)
+    d = (t[..., 0] - p[..., 0]).pow(2) + (t[..., 1] - p[..., 1]).pow(2)  # (B, M, D, K)
+    sigma = sigma.to(device=kpt1.device, dtype=kpt1.dtype)
+    kpt_mask = kpt1[..., 2] != 0  # (B, M, K)
+    e = d / ((2 * sigma).pow(2) * (area[:, :, None, None] + eps) * 2)
+    return ((-e).exp() * kpt_mask[:, :, None]).sum(-1) / (kpt_mask.sum(-1)[:, :, None] + eps)
+
+
+def _none(pred_cls: torch.Tensor, thresholds: torch.Tensor) -> torch.Tensor:
+    b, d = pred_cls.shape
+    return torch.zeros((b, d, thresholds.numel()), dtype=torch.bool, device=pred_cls.device)
+
+
+def _matched(iou: torch.Tensor, pred_cls: torch.Tensor, pred_valid: torch.Tensor, true_cls: torch.Tensor,
+             true_valid: torch.Tensor, thresholds: torch.Tensor) -> torch.Tensor:
+    """BaseValidator.match_predictions on (B, M, D) similarities: other classes and padding zeroed, then claimed."""
+    thresholds = thresholds.to(iou.device)
     same = (true_cls[:, :, None] == pred_cls[:, None, :]) & true_valid[:, :, None] & pred_valid[:, None, :]
     iou = iou * same
     return scans.claims(iou, thresholds) if scans.usable(iou) else _claims(iou, thresholds)

@@ -34,12 +34,14 @@ MATRIX_ELEMENTS = 2**26  # IoUs of earlier survivors with a chunk's candidates c
 
 
 class Detections(NamedTuple):
-    """Per image, its first `count[b]` rows: boxes (B, K, 4) xyxy in input pixels, conf (B, K), cls (B, K) (float32)."""
+    """Per image, its first `count[b]` rows: boxes (B, K, 4) xyxy in input pixels, conf (B, K), cls (B, K) (float32);
+    `extra` (B, K, E): the head's channels after the class scores (a pose head's keypoints), or None without them."""
 
     boxes: torch.Tensor
     conf: torch.Tensor
     cls: torch.Tensor
     count: torch.Tensor
+    extra: torch.Tensor | None = None
 
     def valid(self) -> torch.Tensor:
         """(B, K) True on each image's detections."""
@@ -59,13 +61,16 @@ def batched_nms(prediction, conf: float, iou: float, *, max_det: int, multi_labe
                 agnostic: bool = False, nc: int = 0, max_nms: int = 30000, max_wh: int = 7680,
                 end2end: bool = False) -> Detections:
     """`prediction`: the head's inference output (B, 4 + nc [+ extra], anchors) of xywh boxes and class scores, or
-    an end-to-end head's (B, N, 6) rows of x1, y1, x2, y2, score, class (or the tuple the model returns in eval)."""
+    an end-to-end head's (B, N, 6 [+ extra]) rows of x1, y1, x2, y2, score, class (or the tuple the model returns in
+    eval). With `nc` given, the channels after the scores come with each detection (Detections.extra, float32), as
+    Ultralytics' non_max_suppression keeps them for a pose head's keypoints."""
     if isinstance(prediction, (list, tuple)):
         prediction = prediction[0]
     if prediction.shape[-1] == 6 or end2end:
         return _end2end(prediction, conf, max_det)
     b, channels, anchors = prediction.shape
     nc = nc or channels - 4
+    extra = channels - 4 - nc
     device = prediction.device
     x = prediction.transpose(-1, -2)  # (B, anchors, C), in the prediction's dtype as Ultralytics computes
     scores = x[..., 4 : 4 + nc]
@@ -83,7 +88,8 @@ def batched_nms(prediction, conf: float, iou: float, *, max_det: int, multi_labe
     out_k = min(max_det, top)
     if top == 0:
         return Detections(torch.zeros((b, 0, 4), device=device), torch.zeros((b, 0), device=device),
-                          torch.zeros((b, 0), device=device), torch.zeros(b, dtype=torch.int64, device=device))
+                          torch.zeros((b, 0), device=device), torch.zeros(b, dtype=torch.int64, device=device),
+                          torch.zeros((b, 0, extra), device=device) if extra else None)
     k = min(top, max_nms)
     masked = torch.where(above.reshape(b, -1), flat, torch.full_like(flat, -1))
     # descending score, equal scores in candidate order: torchvision's NMS sorts stably over Ultralytics' candidates
@@ -100,7 +106,12 @@ def batched_nms(prediction, conf: float, iou: float, *, max_det: int, multi_labe
     else:
         keep = _greedy_in_chunks(offset, cand_valid, iou, max_det)
     keep &= keep.cumsum(1) <= max_det
-    return Detections(*(_first_kept(t, keep, out_k) for t in (box, cand_score, cand_cls)), keep.sum(1))
+    kept = (_first_kept(t, keep, out_k) for t in (box, cand_score, cand_cls))
+    channels = None
+    if extra:  # the survivors' own channels only (a weak model's candidates are tens of thousands per image)
+        kept_anchor = _first_kept(anchor, keep, out_k)  # a padding row reads anchor 0, never counted
+        channels = x[..., 4 + nc :].gather(1, kept_anchor[..., None].expand(b, out_k, extra)).float()
+    return Detections(*kept, keep.sum(1), channels)
 
 
 def box_iou(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -165,14 +176,15 @@ def _torchvision_nms(boxes: torch.Tensor, valid: torch.Tensor, iou: float) -> to
 
 
 def _end2end(prediction: torch.Tensor, conf: float, max_det: int) -> Detections:
-    """An end-to-end head's rows above `conf`, the first `max_det` of each image."""
-    b, n = prediction.shape[:2]
+    """An end-to-end head's rows above `conf`, the first `max_det` of each image (the columns after the sixth as
+    `extra`)."""
+    b, n, columns = prediction.shape
     above = prediction[..., 4] > conf
     rank = above.cumsum(1)
     keep = above & (rank <= max_det)
     out_k = min(max_det, n)
     slot = torch.where(keep, rank - 1, out_k)
-    rows = torch.zeros((b, out_k + 1, 6), device=prediction.device)
-    rows.scatter_(1, slot[..., None].expand(b, n, 6), prediction[..., :6].float())
+    rows = torch.zeros((b, out_k + 1, columns), device=prediction.device)
+    rows.scatter_(1, slot[..., None].expand(b, n, columns), prediction.float())
     rows = rows[:, :out_k]
-    return Detections(rows[..., :4], rows[..., 4], rows[..., 5], keep.sum(1))
+    return Detections(rows[..., :4], rows[..., 4], rows[..., 5], keep.sum(1), rows[..., 6:] if columns > 6 else None)

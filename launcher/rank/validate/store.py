@@ -41,6 +41,7 @@ class ValBatch:
     files: list[str]
     ori_shape: list
     ratio_pad: list
+    keypoints: torch.Tensor | None = None  # (n, T, K, 3) float32 normalised as xywh (a pose dataset's), else None
 
     @property
     def n(self) -> int:
@@ -50,10 +51,14 @@ class ValBatch:
         return torch.arange(self.cls.shape[1], device=self.cls.device) < self.count[:, None]
 
     def ultralytics_targets(self) -> dict:
-        """The labels in the loader's flat layout (batch_idx, cls (N, 1), bboxes (N, 4)), which the loss reads."""
+        """The labels in the loader's flat layout (batch_idx, cls (N, 1), bboxes (N, 4), a pose dataset's keypoints
+        (N, K, 3)), which the loss reads."""
         valid = self.valid()
         idx = torch.arange(self.n, device=self.cls.device)[:, None].expand_as(valid)[valid]
-        return {"batch_idx": idx.float(), "cls": self.cls[valid][:, None], "bboxes": self.xywh[valid]}
+        targets = {"batch_idx": idx.float(), "cls": self.cls[valid][:, None], "bboxes": self.xywh[valid]}
+        if self.keypoints is not None:
+            targets["keypoints"] = self.keypoints[valid]
+        return targets
 
 
 class _Group:
@@ -61,21 +66,29 @@ class _Group:
 
     def __init__(self):
         self.images: list[torch.Tensor] = []
-        self.labels: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.labels: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = []  # cls, xywh, keypoints
         self.files, self.ori_shape, self.ratio_pad = [], [], []
+        self.keypoints: torch.Tensor | None = None
 
     def stack(self) -> None:
         """On the host: the images as one tensor, each image's labels padded to the group's most."""
         n = len(self.files)
-        width = max([len(c) for c, _ in self.labels] + [1])
+        width = max([len(c) for c, _, _ in self.labels] + [1])
         cls, xywh, count = torch.zeros((n, width)), torch.zeros((n, width, 4)), torch.zeros(n, dtype=torch.int64)
-        for i, (c, b) in enumerate(self.labels):
+        shape = next((k.shape[1:] for _, _, k in self.labels if k is not None), None)
+        keypoints = torch.zeros((n, width, *shape)) if shape is not None else None
+        for i, (c, b, k) in enumerate(self.labels):
             cls[i, : len(c)], xywh[i, : len(c)], count[i] = c, b, len(c)
+            if keypoints is not None:
+                keypoints[i, : len(c)] = k
         self.img, self.cls, self.xywh, self.count = torch.stack(self.images), cls, xywh, count
+        self.keypoints = keypoints
         self.images = []
 
     def place_labels(self, device: torch.device) -> None:
         self.cls, self.xywh, self.count = self.cls.to(device), self.xywh.to(device), self.count.to(device)
+        if self.keypoints is not None:
+            self.keypoints = self.keypoints.to(device)
 
 
 class Placement:
@@ -166,8 +179,8 @@ class PreloadedSplit:
 
     @staticmethod
     def read(batches, on_batch=lambda: None) -> dict[tuple[int, int], _Group]:
-        """Ultralytics' collated validation batches (img uint8 (b, 3, H, W), batch_idx, cls, bboxes, im_file,
-        ori_shape, ratio_pad), grouped by image shape and stacked, in host memory."""
+        """Ultralytics' collated validation batches (img uint8 (b, 3, H, W), batch_idx, cls, bboxes, a pose
+        dataset's keypoints, im_file, ori_shape, ratio_pad), grouped by image shape and stacked, in host memory."""
         groups: dict[tuple[int, int], _Group] = {}
         for batch in batches:
             img = batch["img"]
@@ -176,7 +189,8 @@ class PreloadedSplit:
             for i in range(img.shape[0]):
                 mine = idx == i
                 group.images.append(img[i])
-                group.labels.append((batch["cls"][mine].view(-1).float(), batch["bboxes"][mine].float()))
+                keypoints = batch["keypoints"][mine].float() if "keypoints" in batch else None
+                group.labels.append((batch["cls"][mine].view(-1).float(), batch["bboxes"][mine].float(), keypoints))
                 group.files.append(batch["im_file"][i])
                 group.ori_shape.append(batch["ori_shape"][i])
                 group.ratio_pad.append(batch["ratio_pad"][i])
@@ -211,4 +225,5 @@ class PreloadedSplit:
                 yield ValBatch(img=img.to(self.device, non_blocking=True) if not self.on_device else img,
                                cls=group.cls[start:end], xywh=group.xywh[start:end], count=group.count[start:end],
                                files=group.files[start:end], ori_shape=group.ori_shape[start:end],
-                               ratio_pad=group.ratio_pad[start:end])
+                               ratio_pad=group.ratio_pad[start:end],
+                               keypoints=None if group.keypoints is None else group.keypoints[start:end])
