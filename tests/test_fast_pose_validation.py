@@ -18,7 +18,7 @@ from ultralytics.utils import nms as ultralytics_nms
 from launcher.inputs.shapes import CLASSES, ShapesSpec, ensure_dataset
 from launcher.rank.group.dist import Comm
 from launcher.rank.ultralytics import class_metrics, datasets
-from launcher.rank.ultralytics.fast_validation import FastValidator, gathered_stats, nms_settings
+from launcher.rank.ultralytics.fast_validation import FastValidator, claims_rule, gathered_stats, nms_settings
 from launcher.rank.ultralytics.validation import Validator
 from launcher.rank.validate.engine import NmsSettings, run_pass
 from launcher.rank.validate.nms import batched_nms
@@ -77,10 +77,16 @@ def test_the_nms_keeps_each_detections_keypoints_as_ultralytics():
     assert none.extra.shape == (4, 0, 12)
 
 
-@pytest.mark.parametrize("replayed", [False, True])
-def test_pose_metrics_from_the_same_predictions_equal_pose_validators(tmp_path, replayed):
+@pytest.mark.parametrize("replayed,per_image", [(False, False), (True, False), (False, True)])
+def test_pose_metrics_from_the_same_predictions_equal_pose_validators(tmp_path, monkeypatch, replayed, per_image):
     """PoseValidator's postprocess and update_metrics per batch against the fast engine's pass over the same batches
-    preloaded, two ranks' shards gathered in rank order: box and pose metrics equal."""
+    preloaded, two ranks' shards gathered in rank order: box and pose metrics equal. `per_image`: the matching by
+    PoseValidator's own match_predictions, image by image (the fast validator's rule where the installed release
+    does not claim greedily: releases.GREEDY_MATCHING)."""
+    from launcher.rank.ultralytics import releases
+
+    if per_image:
+        monkeypatch.setattr(releases, "GREEDY_MATCHING", False)
     batches = pose_batches(10, 4)
     preds = [pose_output(len(b["im_file"]), 300, seed=5 + k) for k, b in enumerate(batches)]
     ref = _pose_validator(tmp_path)
@@ -98,7 +104,7 @@ def test_pose_metrics_from_the_same_predictions_equal_pose_validators(tmp_path, 
             return static[: len(pred)].copy_(pred) if replayed else pred
 
         result = run_pass(split, forward, batch=4, nc=NC, nms=nms_settings(ref.args, False),
-                          kpt_sigma=torch.as_tensor(ref.sigma))
+                          kpt_sigma=torch.as_tensor(ref.sigma), claim=claims_rule(ref))
         per_rank.append(result.stats)
     mine = _pose_validator(tmp_path)
     mine.metrics.stats = gathered_stats(per_rank)

@@ -14,7 +14,7 @@ from ultralytics.models.yolo.detect import DetectionValidator
 from ultralytics.utils import nms as ultralytics_nms
 
 from launcher.inputs.shapes import CLASSES
-from launcher.rank.ultralytics.fast_validation import gathered_stats, nms_settings
+from launcher.rank.ultralytics.fast_validation import claims_rule, gathered_stats, nms_settings
 from launcher.rank.validate.engine import run_pass
 from launcher.rank.validate.matching import IOU_THRESHOLDS, true_positives
 from launcher.rank.validate.nms import batched_nms
@@ -231,7 +231,7 @@ def test_metrics_from_the_same_predictions_equal_ultralytics(tmp_path, replayed)
             pred = next(replies)
             return static[: len(pred)].copy_(pred) if replayed else pred
 
-        result = run_pass(split, forward, batch=4, nc=NC, nms=nms_settings(ref.args, False))
+        result = run_pass(split, forward, batch=4, nc=NC, nms=nms_settings(ref.args, False), claim=claims_rule(ref))
         per_rank.append(result.stats)
     mine = _ultralytics_validator(tmp_path)
     mine.metrics.stats = gathered_stats(per_rank)

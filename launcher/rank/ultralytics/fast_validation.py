@@ -231,6 +231,7 @@ class FastValidator:
         with torch.inference_mode(), torch.autocast(device.type, enabled=False):
             result = run_pass(self.split, self.forward, batch=self.batch, nc=v.nc, nms=nms_settings(v.args, v.end2end),
                               single_cls=bool(v.args.single_cls), kpt_sigma=_kpt_sigma(v),
+                              claim=claims_rule(v),
                               on_batch=on_batch, each_batch=each_batch,
                               loss_fn=lambda targets, preds: self._loss(model, targets, preds), stream=self.stream)
         if confusion:  # one copy to the host
@@ -367,6 +368,20 @@ def _kpt_sigma(v: DetectionValidator) -> torch.Tensor | None:
     """A PoseValidator's OKS sigmas (set by init_metrics), None for detection's."""
     sigma = getattr(v, "sigma", None)
     return None if sigma is None else torch.as_tensor(sigma)
+
+
+def claims_rule(v: DetectionValidator):
+    """run_pass's `claim`: None (the greedy claims, batched) where the installed release claims greedily
+    (releases.GREEDY_MATCHING), else the validator's own match_predictions, image by image."""
+    if releases.GREEDY_MATCHING:
+        return None
+
+    def claim(iou: torch.Tensor, thresholds: torch.Tensor) -> torch.Tensor:
+        b, m, d = iou.shape
+        same = torch.zeros(max(m, d), device=iou.device)  # other classes are zeroed in `iou` already
+        return torch.stack([v.match_predictions(same[:d], same[:m], iou[i]) for i in range(b)]).to(iou.device)
+
+    return claim
 
 
 def mean_loss(losses: list[dict]) -> dict:

@@ -21,3 +21,8 @@ STRIP_CLEARS_STOPPER = INSTALLED >= (8, 4, 172)
 # unclaimed target (the rule rank/validate/confusion.py counts on the device); before, it keeps the pairs of highest
 # IoU, one per target and one per detection: there the fast validator calls process_batch itself, image by image.
 GREEDY_CONFUSION = INSTALLED >= (8, 4, 184)
+
+# BaseValidator.match_predictions from 8.4.176 visits the detections in descending confidence, each claiming its best
+# unclaimed target at each threshold (the rule rank/validate/matching.py runs over whole batches); before, it keeps the
+# pairs of highest IoU per threshold: there the fast validator calls match_predictions itself, image by image.
+GREEDY_MATCHING = INSTALLED >= (8, 4, 176)

@@ -60,12 +60,12 @@ def target_keypoints(batch: ValBatch, shape) -> torch.Tensor:
 
 
 def batch_stats(vb: ValBatch, det: Detections, boxes: torch.Tensor, nc: int,
-                kpt_sigma: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+                kpt_sigma: torch.Tensor | None = None, claim=None) -> dict[str, torch.Tensor]:
     """What DetectionValidator.update_metrics adds to DetMetrics.stats for these images, concatenated image after
     image (still on the device); given the keypoints' `kpt_sigma`, PoseValidator's tp_p too (the detections'
-    keypoints in det.extra)."""
+    keypoints in det.extra). `claim`: matching.true_positives'."""
     valid_t, valid_p = vb.valid(), det.valid()
-    tp = true_positives(det.boxes, det.cls, valid_p, boxes, vb.cls, valid_t)
+    tp = true_positives(det.boxes, det.cls, valid_p, boxes, vb.cls, valid_t, claim=claim)
     present = torch.zeros((vb.n, max(nc, 1)), dtype=torch.bool, device=vb.cls.device)
     rows = torch.arange(vb.n, device=vb.cls.device)[:, None].expand_as(valid_t)
     present[rows[valid_t], vb.cls[valid_t].long()] = True
@@ -76,15 +76,17 @@ def batch_stats(vb: ValBatch, det: Detections, boxes: torch.Tensor, nc: int,
         kpts = target_keypoints(vb, vb.img.shape[2:])
         b, d, channels = det.extra.shape
         pred = det.extra.view(b, d, kpts.shape[2], channels // kpts.shape[2])  # PoseValidator.postprocess's view
-        stats["tp_p"] = pose_true_positives(pred, det.cls, valid_p, kpts, boxes, vb.cls, valid_t, kpt_sigma)[valid_p]
+        stats["tp_p"] = pose_true_positives(pred, det.cls, valid_p, kpts, boxes, vb.cls, valid_t, kpt_sigma,
+                                            claim=claim)[valid_p]
     return stats
 
 
 def run_pass(split: PreloadedSplit, forward, *, batch: int, nc: int, nms: NmsSettings, single_cls: bool = False,
-             kpt_sigma: torch.Tensor | None = None, loss_fn=None, on_batch=lambda: None, each_batch=None,
-             stream: torch.cuda.Stream | None = None) -> PassResult:
+             kpt_sigma: torch.Tensor | None = None, claim=None, loss_fn=None, on_batch=lambda: None,
+             each_batch=None, stream: torch.cuda.Stream | None = None) -> PassResult:
     """`forward(img)` -> the model's eval output; `kpt_sigma`: a pose model's keypoint sigmas (PoseValidator.sigma),
-    its detections then matched by OKS too (stats' tp_p); `loss_fn(targets, preds)` -> a dict of loss items (the val
+    its detections then matched by OKS too (stats' tp_p); `claim`: matching.true_positives' (None: the greedy
+    claims); `loss_fn(targets, preds)` -> a dict of loss items (the val
     loss); `each_batch(batch, detections, target_boxes)` sees every batch (the plots' confusion matrix, the first
     batches); `stream`: where the post-processing runs, one batch behind the forward (None: after it, on the same
     stream)."""
@@ -104,7 +106,7 @@ def run_pass(split: PreloadedSplit, forward, *, batch: int, nc: int, nms: NmsSet
         if single_cls:
             det = det._replace(cls=det.cls * 0)
         boxes = target_boxes(vb, shape)
-        for k, v in batch_stats(vb, det, boxes, nc, kpt_sigma).items():
+        for k, v in batch_stats(vb, det, boxes, nc, kpt_sigma, claim).items():
             out[k].append(v)
         if loss_fn is not None:
             sliced = pytree.tree_map(lambda t: t[:n] if isinstance(t, torch.Tensor) else t, preds)

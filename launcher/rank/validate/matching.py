@@ -31,19 +31,20 @@ def box_iou(a: torch.Tensor, b: torch.Tensor, eps: float = 1e-7) -> torch.Tensor
 
 def true_positives(pred_boxes: torch.Tensor, pred_cls: torch.Tensor, pred_valid: torch.Tensor,
                    true_boxes: torch.Tensor, true_cls: torch.Tensor, true_valid: torch.Tensor,
-                   thresholds: torch.Tensor = IOU_THRESHOLDS) -> torch.Tensor:
+                   thresholds: torch.Tensor = IOU_THRESHOLDS, claim=None) -> torch.Tensor:
     """(B, D, T) bool: detection d of image b is a true positive at threshold t. Detections in descending
-    confidence order per image; padding rows (not `*_valid`) never match."""
+    confidence order per image; padding rows (not `*_valid`) never match. `claim(iou, thresholds)`: another rule
+    for who claims what, given the (B, M, D) IoUs with other classes and padding zeroed (None: the greedy claims)."""
     if not (pred_cls.shape[1] and true_cls.shape[1]):
         return _none(pred_cls, thresholds)
     iou = box_iou(true_boxes, pred_boxes)  # (B, M, D): targets as rows, as Ultralytics
-    return _matched(iou, pred_cls, pred_valid, true_cls, true_valid, thresholds)
+    return _matched(iou, pred_cls, pred_valid, true_cls, true_valid, thresholds, claim)
 
 
 def pose_true_positives(pred_kpts: torch.Tensor, pred_cls: torch.Tensor, pred_valid: torch.Tensor,
                         true_kpts: torch.Tensor, true_boxes: torch.Tensor, true_cls: torch.Tensor,
                         true_valid: torch.Tensor, sigma: torch.Tensor,
-                        thresholds: torch.Tensor = IOU_THRESHOLDS) -> torch.Tensor:
+                        thresholds: torch.Tensor = IOU_THRESHOLDS, claim=None) -> torch.Tensor:
     """(B, D, T) bool as true_positives, the detections' keypoints `pred_kpts` (B, D, K, >= 2) matched to the
     targets' `true_kpts` (B, M, K, 3), in input pixels, by OKS with the keypoints' `sigma` (K,) (PoseValidator's
     tp_p); `true_boxes` (B, M, 4) xyxy give each target's area."""
@@ -55,7 +56,7 @@ def pose_true_positives(pred_kpts: torch.Tensor, pred_cls: torch.Tensor, pred_va
     rows = max(1, OKS_ELEMENTS // (m * d * k))  # images at once: their (M, D, K) distances are the temporaries
     oks = torch.cat([kpt_iou(true_kpts[i : i + rows], pred_kpts[i : i + rows], area[i : i + rows], sigma)
                      for i in range(0, b, rows)])
-    return _matched(oks, pred_cls, pred_valid, true_cls, true_valid, thresholds)
+    return _matched(oks, pred_cls, pred_valid, true_cls, true_valid, thresholds, claim)
 
 
 def kpt_iou(kpt1: torch.Tensor, kpt2: torch.Tensor, area: torch.Tensor, sigma: torch.Tensor,
@@ -76,11 +77,13 @@ def _none(pred_cls: torch.Tensor, thresholds: torch.Tensor) -> torch.Tensor:
 
 
 def _matched(iou: torch.Tensor, pred_cls: torch.Tensor, pred_valid: torch.Tensor, true_cls: torch.Tensor,
-             true_valid: torch.Tensor, thresholds: torch.Tensor) -> torch.Tensor:
+             true_valid: torch.Tensor, thresholds: torch.Tensor, claim=None) -> torch.Tensor:
     """BaseValidator.match_predictions on (B, M, D) similarities: other classes and padding zeroed, then claimed."""
     thresholds = thresholds.to(iou.device)
     same = (true_cls[:, :, None] == pred_cls[:, None, :]) & true_valid[:, :, None] & pred_valid[:, None, :]
     iou = iou * same
+    if claim is not None:
+        return claim(iou, thresholds)
     return scans.claims(iou, thresholds) if scans.usable(iou) else _claims(iou, thresholds)
 
 
