@@ -88,7 +88,8 @@ class FastValidator:
         self.warming: kernels.WarmUp | None = None  # the validation's Triton kernels, compiled during training
         self._amp_dtype: torch.dtype | None = None  # this validation's autocast type (None on CPU or without AMP)
         self.on_batch, self.log, self.detail = on_batch or (lambda: None), log, detail or log
-        self.validator = task_of(hyp.task).validator(loader, save_dir=run_dir, args=copy(hyp))  # detect or pose
+        task = task_of(getattr(hyp, "task", None))  # detect or pose; hyperparameters without one are detection's
+        self.validator = task.validator(loader, save_dir=run_dir, args=copy(hyp))
         self.split: PreloadedSplit | None = None
         self.reading: SplitReader | None = None  # the split being read during training (read_ahead)
         self.placing: Placement | None = None  # the split read, being copied to the device (place_ahead)
