@@ -1,7 +1,7 @@
 """The task a run trains follows from the model and the dataset, decided in the plan before any process starts:
-segmentation, pose and obb models train through Ultralytics' loss (normalised over the ranks) and validator (pose
-through the fast validator, which scores keypoints as PoseValidator does), on its CPU pipeline or, when asked, the
-GPU input, a model that does not fit its data is refused with what to change, and the synthetic shapes are labelled
+segmentation, pose and obb models train through Ultralytics' loss (normalised over the ranks) and validator (a
+pose model, when asked, through the fast validator, which scores keypoints as PoseValidator does), on its CPU
+pipeline or, when asked, the GPU input, a model that does not fit its data is refused with what to change, and the synthetic shapes are labelled
 for the model's task. tests/test_e2e_tasks.py trains each task on two ranks."""
 
 from __future__ import annotations
@@ -73,7 +73,6 @@ def test_an_obb_model_on_box_labels_is_refused_by_the_plan(tmp_path, cache_dir):
 
 # --- what the task changes in the plan ------------------------------------------------------------------------
 def test_segment_pose_and_obb_take_ultralytics_paths_where_detection_takes_the_fast_ones():
-    """Pose validates with the fast validator (its OKS matching is PoseValidator's: test_fast_pose_validation.py)."""
     cfg = compose_config(["train.imgsz=640"])
     detect, problems = make_plan(cfg, FEW_CORES)
     assert not problems and (detect.augment_on, detect.val_engine, detect.graph_scope) == ("gpu", "fast", "step")
@@ -81,12 +80,11 @@ def test_segment_pose_and_obb_take_ultralytics_paths_where_detection_takes_the_f
         plan, problems = make_plan(cfg, FEW_CORES, task=task, task_from=MODELS[task])
         assert not problems
         # auto: the CPU pipeline (they take the GPU input when asked: the next test)
-        engine = "fast" if task == "pose" else "ultralytics"
         assert (plan.task, plan.augment_on, plan.val_engine, plan.graph_scope, plan.cuda_graphs) == (
-            task, "cpu", engine, "network", True)
+            task, "cpu", "ultralytics", "network", True)
         text = describe(plan, None, None)
         assert f"task            {task} (from {MODELS[task]}); Ultralytics' CPU pipeline" in text
-        assert ("the fast validator's OKS" in text) == (task == "pose")
+        assert ("PoseValidator (or with val.engine=fast the fast validator" in text) == (task == "pose")
         assert f"the network's forward and backward only (train.cuda_graphs): the {task} loss runs eagerly" in text
     assert "task            detect" in describe(detect, None, None)
 
@@ -96,8 +94,7 @@ def test_pose_segment_and_obb_take_the_gpu_input_when_asked_and_ultralytics_pipe
     for value, on in (("gpu", "gpu"), ("cpu", "cpu")):
         cfg = compose_config([f"loader.augment_on={value}", "train.imgsz=640"])
         plan, problems = make_plan(cfg, FEW_CORES, task=task, task_from=MODELS[task])
-        engine = "fast" if task == "pose" else "ultralytics"
-        assert not problems and plan.augment_on == on and plan.val_engine == engine
+        assert not problems and plan.augment_on == on and plan.val_engine == "ultralytics"
         paths = f"the GPU input pipeline ({carried}" if on == "gpu" else "Ultralytics' CPU pipeline"
         assert f"task            {task} (from {MODELS[task]}); {paths}" in describe(plan, None, None)
     cfg = compose_config(["loader.augment_on=gpu", "val.engine=fast", "train.batch_per_device=auto"])
@@ -106,6 +103,20 @@ def test_pose_segment_and_obb_take_the_gpu_input_when_asked_and_ultralytics_pipe
     assert "loader.augment_on" not in text  # the GPU input is the task's; the probe is not, the fast validator pose's
     assert (f"val.engine=fast with a {task} model" in text) == (task != "pose")
     assert f"train.batch_per_device=auto with a {task} model" in text
+
+
+def test_a_pose_model_validates_with_the_fast_validator_when_asked():
+    """val.engine=fast: the fast validator, whose OKS matching is PoseValidator's (test_fast_pose_validation.py);
+    `auto` keeps PoseValidator until the fast one is measured ahead on GPUs (as the GPU input's auto)."""
+    for on in ("cpu", "gpu"):
+        cfg = compose_config([f"loader.augment_on={on}", "val.engine=fast", "train.imgsz=640"])
+        plan, problems = make_plan(cfg, FEW_CORES, task="pose", task_from=MODELS["pose"])
+        assert not problems and plan.val_engine == "fast"
+        assert "the fast validator (keypoints matched by OKS as PoseValidator matches them)" in describe(plan, None, None)
+    cfg = compose_config(["val.engine=fast", "+train.extra.save_json=true"])
+    _, problems = make_plan(cfg, FEW_CORES, task="pose")
+    assert "train.extra.save_json=true: the fast validation engine does not write it" in "\n".join(
+        p.message for p in problems)
 
 
 def test_settings_that_ask_a_segment_model_for_detections_fast_paths_are_refused_with_what_to_set():

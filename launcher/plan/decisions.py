@@ -25,7 +25,7 @@ def rank_decisions(cfg: dict, *, device: str, mode: str, task: str = "detect") -
         # dist.sync_bn's SyncBatchNorm is never fused: its statistics are the ranks'
         "fused_bn_act": (graphs and device == "cuda" and train.get("fused_bn_act", False) in ("auto", True)
                          and not (cfg.get("dist") or {}).get("sync_bn", False)),
-        "val_engine": checks.val_engine(val, train) if rules(task).fast_validator else "ultralytics",
+        "val_engine": _val_engine(val, train, task),
         "task": task,
         "val_batch_fixed": _whole(val.get("batch", "auto")),
         "val_cuda_graphs": device == "cuda" and val.get("cuda_graphs", "auto") in ("auto", True),
@@ -41,6 +41,16 @@ def val_batch_at(fixed: int | None, micro_batch: int) -> int:
     the memory the fraction allows, and a validation batch twice that (a CUDA graph per image shape, each with its
     memory) would not fit beside it."""
     return fixed if fixed is not None else min(2 * micro_batch, VAL_BATCH_MOST)
+
+
+def _val_engine(val: dict, train: dict, task: str) -> str:
+    """val.engine resolved for the task: `auto` takes the fast engine only where the task's rules measured it ahead
+    (TaskRules.auto_fast_validator), `fast` where the task has it (asked elsewhere, the plan refuses it)."""
+    r = rules(task)
+    asked = (val or {}).get("engine", "auto")
+    if r.auto_fast_validator or (r.fast_validator and asked == "fast"):
+        return checks.val_engine(val, train)
+    return "ultralytics"
 
 
 def _whole(value) -> int | None:

@@ -35,7 +35,7 @@ def describe(plan: LaunchPlan, model: ModelSpec | None, data: DatasetInfo | None
     lines = [f"{'translated' if i == 0 else '':<16}{t}" for i, t in enumerate(translated)]
     if model is not None:
         lines.append(f"model           {_model_text(model)}")
-    lines.append(f"task            {rules(plan.task).text(plan.task_from, plan.augment_on)}")
+    lines.append(f"task            {rules(plan.task).text(plan.task_from, plan.augment_on, plan.val_engine)}")
     if cfg is not None:
         lines.append(f"training        {_training_text(cfg, plan.task)}")
     lines += [

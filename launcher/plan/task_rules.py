@@ -7,10 +7,11 @@ keypoints follow the matrix and flips of their boxes: rank/gpu_data/augment_keyp
 polygons too, its boxes made from them and its masks drawn on the device: augment_segments.py, segment_masks.py; an obb
 model's corners, clipped as rotated boxes: augment_obb.py), and classification its own (rank/gpu_data/classify_input.py:
 Ultralytics' classify transforms on the device), taken when asked: `auto` keeps them on the CPU pipeline until the GPU
-input is measured ahead for them. Pose validates with the fast validator too (keypoints matched by OKS as
-PoseValidator matches them: rank/validate/matching.py); segmentation and obb through Ultralytics' validator (masks and
-rotated boxes scored as it scores them). All three train with Ultralytics' loss, normalised over the ranks but eager
-(its mask, keypoint and rotated-box terms have shapes that follow the targets); the network alone is graphed on GPUs.
+input is measured ahead for them. Pose may validate with the fast validator too (val.engine=fast: keypoints matched by
+OKS as PoseValidator matches them, rank/validate/matching.py; `auto` keeps PoseValidator until the fast one is
+measured ahead on GPUs); segmentation and obb through Ultralytics' validator (masks and rotated boxes scored as it
+scores them). All three train with Ultralytics' loss, normalised over the ranks but eager (its mask, keypoint and
+rotated-box terms have shapes that follow the targets); the network alone is graphed on GPUs.
 Classification trains on Ultralytics' ClassificationDataset (class folders, its own augmentations; no mosaic:
 close_mosaic and the mosaic buffer mean nothing there), its ClassificationValidator (top-1, top-5) and its
 cross-entropy, a mean over the batch.
@@ -39,6 +40,8 @@ TOP1, TOP5 = "metrics/accuracy_top1", "metrics/accuracy_top5"  # a classifier's 
 EAGER = "the GPU input, the fast validator and the captured step are detection's"
 OWN_EAGER = "the fast validator and the captured step are detection's"  # a task with the GPU input
 STEP_EAGER = "the captured step is detection's"  # a task with the GPU input and the fast validator
+POSE_VALIDATORS = ("PoseValidator (or with val.engine=fast the fast validator, keypoints matched by OKS as it does)",
+                   "the fast validator (keypoints matched by OKS as PoseValidator matches them)")
 
 
 def _own(suffix: str, name: str) -> tuple[Metric, ...]:
@@ -53,7 +56,9 @@ class TaskRules:
 
     name: str  # Ultralytics' task name: detect | segment | pose | obb | classify
     fast_paths: bool = False  # the fast validator, the captured step and the auto batch
-    fast_validator: bool = False  # val.engine=fast (and auto's choice of it): where it scores as the task's validator
+    fast_validator: bool = False  # val.engine=fast: where it scores as the task's validator
+    auto_fast_validator: bool = False  # val.engine=auto may pick it (plan/decisions.py): where measured ahead on GPUs
+    validators: tuple[str, str] = ("", "")  # the pipeline's {validator} by val.engine resolved: ultralytics, fast
     auto_gpu_input: bool = False  # loader.augment_on=auto may pick it (plan/checks.py): where measured ahead on GPUs
     folders: bool = False  # class folders (ClassificationDataset), not images and label files (YOLODataset)
     mosaic: bool = True  # Ultralytics' mosaic (and so close_mosaic and the mosaic buffer)
@@ -84,10 +89,11 @@ class TaskRules:
         the gradient of the mean over the global batch, Ultralytics' classification step at a batch of nbs)."""
         return 1 if self.mean_loss else base_batch
 
-    def text(self, task_from: str | None, augment_on: str = "cpu") -> str:
+    def text(self, task_from: str | None, augment_on: str = "cpu", val_engine: str = "ultralytics") -> str:
         """The plan's task line: the task, what it was read from, and the paths it takes (its input's by
-        `augment_on`, the plan's loader.augment_on resolved)."""
+        `augment_on`, the plan's loader.augment_on resolved; its validator's by `val_engine`, val.engine resolved)."""
         paths = self.gpu_pipeline if augment_on == "gpu" else self.pipeline
+        paths = paths.replace("{validator}", self.validators[val_engine == "fast"])
         return f"{self.name}{f' (from {task_from})' if task_from else ''}{paths}"
 
     def result_line(self, summary: dict) -> str:
@@ -96,15 +102,17 @@ class TaskRules:
 
 
 TASKS = {
-    "detect": TaskRules("detect", fast_paths=True, fast_validator=True, auto_gpu_input=True),
+    "detect": TaskRules("detect", fast_paths=True, fast_validator=True, auto_fast_validator=True,
+                        auto_gpu_input=True),
     "segment": TaskRules("segment", masks=True, own=_own("M", "mask"), quality=_own("M", "mask")[1],
                          pipeline=f"; Ultralytics' CPU pipeline, validator and loss ({OWN_EAGER})",
                          gpu_pipeline="; the GPU input pipeline (polygons warped and flipped, boxes made from them, "
                                       f"masks drawn on the device), Ultralytics' validator and loss ({OWN_EAGER})"),
-    "pose": TaskRules("pose", fast_validator=True, own=_own("P", "pose"), quality=_own("P", "pose")[1],
-                      pipeline=f"; Ultralytics' CPU pipeline and loss, the fast validator's OKS ({STEP_EAGER})",
+    "pose": TaskRules("pose", fast_validator=True, validators=POSE_VALIDATORS,
+                      own=_own("P", "pose"), quality=_own("P", "pose")[1],
+                      pipeline=f"; Ultralytics' CPU pipeline and loss, {{validator}} ({STEP_EAGER})",
                       gpu_pipeline="; the GPU input pipeline (keypoints warped and flipped with their boxes), "
-                                   f"Ultralytics' loss, the fast validator's OKS ({STEP_EAGER})"),
+                                   f"Ultralytics' loss, {{validator}} ({STEP_EAGER})"),
     # its box metrics (B) are the rotated boxes'
     "obb": TaskRules("obb", quality=Metric("map50_95", BOX[1].source, "box mAP50-95 (rotated boxes)"),
                      note=" (rotated boxes)",
