@@ -75,6 +75,14 @@ def test_the_nms_keeps_each_detections_keypoints_as_ultralytics():
         assert torch.equal(torch.cat([rows(det, i), det.extra[i, :n]], 1), want), i
     none = batched_nms(pred, 2.0, 0.7, max_det=300, nc=NC)  # nothing above conf: no rows, still 12 channels
     assert none.extra.shape == (4, 0, 12)
+    # an end-to-end head (yolo26-pose with nms=False): its rows x1, y1, x2, y2, score, class, then the keypoints
+    rows26 = torch.cat([torch.rand(4, 50, 4) * 90, torch.rand(4, 50, 1), torch.randint(0, NC, (4, 50, 1)).float(),
+                        torch.rand(4, 50, 12) * 90], -1)
+    ref = ultralytics_nms.non_max_suppression(rows26.clone(), 0.3, 0.7, nc=NC, max_det=20, end2end=True)
+    det = batched_nms(rows26, 0.3, 0.7, max_det=20, nc=NC, end2end=True)
+    for i, want in enumerate(ref):
+        n = int(det.count[i])
+        assert n and torch.equal(torch.cat([rows(det, i), det.extra[i, :n]], 1), want), i
 
 
 @pytest.mark.parametrize("replayed,per_image", [(False, False), (True, False), (False, True)])
