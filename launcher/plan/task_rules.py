@@ -55,7 +55,7 @@ class TaskRules:
     """What one task changes: its paths, its input, its loss and the metrics its run reports."""
 
     name: str  # Ultralytics' task name: detect | segment | pose | obb | classify
-    fast_paths: bool = False  # the fast validator, the captured step and the auto batch
+    fast_paths: bool = False  # the captured step and the auto batch (detection's)
     fast_validator: bool = False  # val.engine=fast: where it scores as the task's validator
     auto_fast_validator: bool = False  # val.engine=auto may pick it (plan/decisions.py): where measured ahead on GPUs
     validators: tuple[str, str] = ("", "")  # the pipeline's {validator} by val.engine resolved: ultralytics, fast
