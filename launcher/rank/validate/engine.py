@@ -84,12 +84,11 @@ def batch_stats(vb: ValBatch, det: Detections, boxes: torch.Tensor, nc: int,
 def run_pass(split: PreloadedSplit, forward, *, batch: int, nc: int, nms: NmsSettings, single_cls: bool = False,
              kpt_sigma: torch.Tensor | None = None, claim=None, loss_fn=None, on_batch=lambda: None,
              each_batch=None, stream: torch.cuda.Stream | None = None) -> PassResult:
-    """`forward(img)` -> the model's eval output; `kpt_sigma`: a pose model's keypoint sigmas (PoseValidator.sigma),
-    its detections then matched by OKS too (stats' tp_p); `claim`: matching.true_positives' (None: the greedy
-    claims); `loss_fn(targets, preds)` -> a dict of loss items (the val
-    loss); `each_batch(batch, detections, target_boxes)` sees every batch (the plots' confusion matrix, the first
-    batches); `stream`: where the post-processing runs, one batch behind the forward (None: after it, on the same
-    stream)."""
+    """`forward(img)` -> the model's eval output; `loss_fn(targets, preds)` -> a dict of loss items (the val loss);
+    `each_batch(batch, detections, target_boxes)` sees every batch (the plots' confusion matrix, the first batches);
+    `stream`: where the post-processing runs, one batch behind the forward (None: after it, on the same stream).
+    `kpt_sigma`: a pose model's keypoint sigmas (PoseValidator.sigma), its detections then matched by OKS too (the
+    stats' tp_p); `claim`: matching.true_positives' (None: the greedy claims, batched)."""
     keys = ("tp", "conf", "pred_cls", "target_cls", "target_img") + (("tp_p",) if kpt_sigma is not None else ())
     out = {k: [] for k in keys}
     loss: dict[str, torch.Tensor] = {}
