@@ -29,14 +29,15 @@ def _on_host(tree, per_image: tuple[str, ...] = ()):
     return pytree.tree_map(lambda t: t.detach().to("cpu", copy=True) if isinstance(t, torch.Tensor) else t, tree)
 
 
-def _curves(metrics_type, names: dict, stats: dict, save_dir, on_plot) -> None:
-    """The curves of these statistics, drawn by a fresh metrics object of the validation's own type."""
+def draw_curves(metrics_type, names: dict, stats: dict, save_dir, on_plot) -> None:
+    """The curves of these statistics (the PR, F1, P and R curves of each kind of mAP), drawn by a fresh metrics
+    object of the validation's own type."""
     curves = metrics_type(names=names)
     curves.stats = stats
     curves.process(save_dir=save_dir, plot=True, on_plot=on_plot)
 
 
-def _confusion(matrix, save_dir, on_plot) -> None:
+def draw_confusion(matrix, save_dir, on_plot) -> None:
     for normalize in True, False:  # DetectionValidator.finalize_metrics's two
         matrix.plot(save_dir=save_dir, normalize=normalize, on_plot=on_plot)
 
@@ -81,7 +82,7 @@ class DeferredPlots:
         kept = {k: list(v) for k, v in stats.items()}
         with self._not_drawing():
             results = super().get_stats()
-        self.defer("the validation's curves", _curves, type(self.metrics), self.names, kept, self.save_dir,
+        self.defer("the validation's curves", draw_curves, type(self.metrics), self.names, kept, self.save_dir,
                    self.on_plot)
         return results
 
@@ -90,4 +91,4 @@ class DeferredPlots:
             return super().finalize_metrics()
         with self._not_drawing():
             super().finalize_metrics()  # ClassificationValidator counts its matrix here
-        self.defer("the confusion matrix", _confusion, deepcopy(self.confusion_matrix), self.save_dir, self.on_plot)
+        self.defer("the confusion matrix", draw_confusion, deepcopy(self.confusion_matrix), self.save_dir, self.on_plot)

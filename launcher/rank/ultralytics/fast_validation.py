@@ -39,6 +39,7 @@ from ultralytics.models.yolo.detect import DetectionValidator
 from launcher.rank.kernels import kernels
 from launcher.rank.group.dist import Comm
 from launcher.rank.ultralytics import class_metrics, datasets, releases
+from launcher.rank.ultralytics.deferred_plots import draw_confusion, draw_curves
 from launcher.rank.ultralytics.folded import FoldedCopy
 from launcher.rank.ultralytics.plots import PLOT_LOCK
 from launcher.rank.ultralytics.results_table import print_table
@@ -343,11 +344,8 @@ class _Drawing:
             batch = {"img": vb.img[: vb.n], **vb.ultralytics_targets(), "im_file": vb.files}
             v.plot_val_samples(batch, ni)
             v.plot_predictions(batch, [detections_of(det, i, _kpt_shape(v)) for i in range(vb.n)], ni)
-        curves = type(v.metrics)(names=v.names)  # DetMetrics or PoseMetrics
-        curves.stats = self.stats
-        curves.process(save_dir=v.save_dir, plot=True, on_plot=v.on_plot)  # the PR, F1, P and R curves
-        for normalize in True, False:  # DetectionValidator.finalize_metrics's
-            self.matrix.plot(save_dir=v.save_dir, normalize=normalize, on_plot=v.on_plot)
+        draw_curves(type(v.metrics), v.names, self.stats, v.save_dir, v.on_plot)  # DetMetrics' or PoseMetrics'
+        draw_confusion(self.matrix, v.save_dir, v.on_plot)
 
 
 def _draw(drawing: _Drawing, draw) -> None:
