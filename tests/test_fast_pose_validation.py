@@ -12,19 +12,20 @@ import torch
 from ultralytics.cfg import get_cfg
 from ultralytics.models.yolo.pose import PoseValidator
 from ultralytics.nn.tasks import PoseModel
-from ultralytics.utils import metrics
+from ultralytics.utils import YAML, metrics
 from ultralytics.utils import nms as ultralytics_nms
 
 from launcher.inputs.shapes import CLASSES, ShapesSpec, ensure_dataset
 from launcher.rank.group.dist import Comm
-from launcher.rank.ultralytics import class_metrics, datasets
+from launcher.rank.ultralytics import datasets
 from launcher.rank.ultralytics.fast_validation import FastValidator, claims_rule, gathered_stats, nms_settings
 from launcher.rank.ultralytics.validation import Validator
 from launcher.rank.validate.engine import NmsSettings, run_pass
 from launcher.rank.validate.nms import batched_nms
 from launcher.rank.validate.store import PreloadedSplit
 
-from tests.test_fast_validation import NC, _loader_batches, _stats, head_output, rows
+from tests.test_fast_validation import NC, _loader_batches, head_output, rows
+from tests.test_validation_split import finding_boxes
 
 KPT_SHAPE = [4, 3]  # the project's synthetic pose shapes: four keypoints with visibility
 
@@ -126,23 +127,18 @@ def test_pose_metrics_from_the_same_predictions_equal_pose_validators(tmp_path, 
         assert got[k] == pytest.approx(want[k], abs=1e-6), k
 
 
-def test_the_pose_metrics_grouped_by_class_are_pose_metrics_process():
-    """class_metrics.process on PoseMetrics' statistics: its box and pose results as PoseMetrics.process gives them."""
-    st = _stats(5000, 3, 300, seed=4)
-    st["tp_p"] = np.random.default_rng(5).random((5000, 10)) < np.linspace(0.3, 0.02, 10)
-    names = {i: str(i) for i in range(5)}
-    ours, theirs = metrics.PoseMetrics(names=names), metrics.PoseMetrics(names=names)
-    ours.stats, theirs.stats = {k: [v] for k, v in st.items()}, {k: [v] for k, v in st.items()}
-    theirs.process()
-    class_metrics.process(ours)
-    assert ours.results_dict == theirs.results_dict and theirs.results_dict["metrics/mAP50(P)"] > 0
+def split_data(root, task: str, images: int) -> dict:
+    """The project's synthetic shapes labelled for `task` at odd sizes (97x71: rect batches with padding), as the
+    validators read the data YAML."""
+    spec = ShapesSpec(train_images=2, val_images=images, width=97, height=71, seed=3, task=task)
+    path = ensure_dataset(root, spec, workers=1, log=lambda *_: None)
+    data = YAML.load(path)
+    return {**data, "val": str(path.parent / data["val"]), "nc": len(data["names"]), "channels": 3}
 
 
 @pytest.fixture(scope="module")
 def pose_split(tmp_path_factory):
-    """The project's synthetic pose shapes at odd sizes (97x71): rect batches with padding."""
-    spec = ShapesSpec(train_images=2, val_images=6, width=97, height=71, seed=3, task="pose")
-    return ensure_dataset(tmp_path_factory.mktemp("pose"), spec, workers=1, log=lambda *_: None)
+    return split_data(tmp_path_factory.mktemp("pose"), "pose", 6)
 
 
 def a_pose_model_that_finds_objects(data: dict) -> PoseModel:
@@ -156,13 +152,8 @@ def a_pose_model_that_finds_objects(data: dict) -> PoseModel:
     # Pose.kpts_decode: (output * 2 + anchor - 0.5) * stride, so an offset of d strides is an output of (d + 0.5) / 2
     midpoints = torch.tensor([[0.0, -1.0], [1.0, 0.0], [0.0, 1.0], [-1.0, 0.0]])
     keypoints = torch.cat([(midpoints + 0.5) / 2, torch.full((4, 1), 5.0)], 1).flatten()
+    finding_boxes(head)
     with torch.no_grad():
-        for level in head.cv2:
-            level[-1].weight.zero_()
-            level[-1].bias.copy_(torch.tensor([0.0, 8.0] + [0.0] * 14).repeat(4))
-        for level in head.cv3:
-            level[-1].bias.zero_()
-            level[-1].weight.normal_(0, 2.0)
         for level in head.cv4:
             level[-1].weight.zero_()
             level[-1].bias.copy_(keypoints)
@@ -177,10 +168,7 @@ def test_the_fast_validator_gives_what_pose_validator_gives_on_a_real_model(pose
     for owner, name in [(DetectionValidator, "plot_val_samples"), (DetectionValidator, "plot_predictions"),
                         (metrics.ConfusionMatrix, "plot"), (metrics, "plot_pr_curve"), (metrics, "plot_mc_curve")]:
         monkeypatch.setattr(owner, name, lambda *args, **kwargs: None)
-    from ultralytics.utils import YAML
-
-    data = YAML.load(pose_split)
-    data = {**data, "val": str(pose_split.parent / data["val"]), "nc": len(data["names"]), "channels": 3}
+    data = pose_split
     ema = SimpleNamespace(ema=a_pose_model_that_finds_objects(data))
     hyp = get_cfg(overrides={"imgsz": 64, "plots": False, "task": "pose"})
     loaders = [datasets.val_loader(hyp, data, 4, 32, 0, torch.device("cpu")) for _ in range(2)]
@@ -198,23 +186,16 @@ def test_the_fast_validator_gives_what_pose_validator_gives_on_a_real_model(pose
     assert want["metrics/recall(B)"] > 0 and want["metrics/recall(P)"] > 0  # not a comparison of zeros
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_the_fast_validator_on_cuda_gives_pose_validators_map(tmp_path):
-    """On CUDA (fp16, CUDA graphs, the Triton scans) against PoseValidator on the same weights and a 64-image pose
-    split: the same box and pose mAP up to fp16 rounding."""
-    from ultralytics.utils import YAML
-
-    spec = ShapesSpec(train_images=2, val_images=64, width=97, height=71, seed=3, task="pose")
-    path = ensure_dataset(tmp_path / "data", spec, workers=1, log=lambda *_: None)
-    data = YAML.load(path)
-    data = {**data, "val": str(path.parent / data["val"]), "nc": len(data["names"]), "channels": 3}
+def fast_and_ultralytics_on_cuda(tmp_path, task: str, make_model, imgsz: int, own: str) -> None:
+    """On CUDA (fp16, CUDA graphs, the Triton scans), Ultralytics' validator of `task` and the fast one on the same
+    weights (`make_model(data)`) and a 64-image split of the synthetic shapes: the same box mAP and the task's own
+    (suffix `own`: P, M) up to fp16 rounding."""
+    data = split_data(tmp_path / "data", task, 64)
     device = torch.device("cuda", 0)
-    ema = SimpleNamespace(ema=a_pose_model_that_finds_objects(data).to(device))
-    hyp = get_cfg(overrides={"imgsz": 64, "plots": False, "task": "pose"})
+    ema = SimpleNamespace(ema=make_model(data).to(device))
+    hyp = get_cfg(overrides={"imgsz": imgsz, "plots": False, "task": task})
     kwargs = dict(device=device, data=data, amp=True, epoch=0, epochs=1,
-                  loss_items={k: torch.zeros((), device=device) for k in ("box_loss", "pose_loss", "kobj_loss",
-                                                                         "cls_loss", "dfl_loss")})
+                  loss_items={k: torch.zeros((), device=device) for k in ema.ema.init_criterion().loss_names})
     results = {}
     for name in ("ultralytics", "fast"):
         loader = datasets.val_loader(hyp, data, 16, 32, 2, device)
@@ -223,6 +204,12 @@ def test_the_fast_validator_on_cuda_gives_pose_validators_map(tmp_path):
         validator.validate(ema, Comm(), **kwargs)  # the preload and the graphs' capture
         results[name], _ = validator.validate(ema, Comm(), **kwargs)
     want, got = results["ultralytics"], results["fast"]
-    assert want["metrics/recall(B)"] > 0 and want["metrics/recall(P)"] > 0 and list(got) == list(want)
-    for key in ("metrics/mAP50(B)", "metrics/mAP50-95(B)", "metrics/mAP50(P)", "metrics/mAP50-95(P)"):
+    assert want["metrics/recall(B)"] > 0 and want[f"metrics/recall({own})"] > 0 and list(got) == list(want)
+    for key in ("metrics/mAP50(B)", "metrics/mAP50-95(B)", f"metrics/mAP50({own})", f"metrics/mAP50-95({own})"):
         assert abs(got[key] - want[key]) <= 0.05 * want[key] + 1e-4, (key, got[key], want[key])  # both in fp16
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_fast_validator_on_cuda_gives_pose_validators_map(tmp_path):
+    fast_and_ultralytics_on_cuda(tmp_path, "pose", a_pose_model_that_finds_objects, 64, "P")

@@ -285,3 +285,21 @@ def test_the_metrics_grouped_by_class_are_ultralytics_bit_for_bit(n, nc, seed):
     assert np.array_equal(ours.nt_per_class, theirs.nt_per_class)
     assert np.array_equal(ours.nt_per_image, theirs.nt_per_image)
     assert np.array_equal(ours.box.ap_class_index, theirs.box.ap_class_index)
+
+
+@pytest.mark.parametrize("kind,key,suffix", [("PoseMetrics", "tp_p", "P"), ("SegmentMetrics", "tp_m", "M")])
+def test_a_tasks_own_metrics_grouped_by_class_are_its_metrics_process(kind, key, suffix):
+    """class_metrics.process on PoseMetrics' (SegmentMetrics') statistics: its box and pose (mask) results as its own
+    process gives them."""
+    from ultralytics.utils import metrics
+
+    from launcher.rank.ultralytics import class_metrics
+
+    st = _stats(5000, 3, 300, seed=4)
+    st[key] = np.random.default_rng(5).random((5000, 10)) < np.linspace(0.3, 0.02, 10)
+    names = {i: str(i) for i in range(5)}
+    ours, theirs = getattr(metrics, kind)(names=names), getattr(metrics, kind)(names=names)
+    ours.stats, theirs.stats = {k: [v] for k, v in st.items()}, {k: [v] for k, v in st.items()}
+    theirs.process()
+    class_metrics.process(ours)
+    assert ours.results_dict == theirs.results_dict and theirs.results_dict[f"metrics/mAP50({suffix})"] > 0

@@ -1,7 +1,7 @@
 """The task a run trains follows from the model and the dataset, decided in the plan before any process starts:
 segmentation, pose and obb models train through Ultralytics' loss (normalised over the ranks) and validator (a
-pose model, when asked, through the fast validator, which scores keypoints as PoseValidator does), on its CPU
-pipeline or, when asked, the GPU input, a model that does not fit its data is refused with what to change, and the synthetic shapes are labelled
+pose or segmentation model, when asked, through the fast validator, which scores keypoints and masks as Ultralytics'
+validators do), on its CPU pipeline or, when asked, the GPU input, a model that does not fit its data is refused with what to change, and the synthetic shapes are labelled
 for the model's task. tests/test_e2e_tasks.py trains each task on two ranks."""
 
 from __future__ import annotations
@@ -85,6 +85,7 @@ def test_segment_pose_and_obb_take_ultralytics_paths_where_detection_takes_the_f
         text = describe(plan, None, None)
         assert f"task            {task} (from {MODELS[task]}); Ultralytics' CPU pipeline" in text
         assert ("PoseValidator (or with val.engine=fast the fast validator" in text) == (task == "pose")
+        assert ("SegmentationValidator (or with val.engine=fast the fast validator" in text) == (task == "segment")
         assert f"the network's forward and backward only (train.cuda_graphs): the {task} loss runs eagerly" in text
     assert "task            detect" in describe(detect, None, None)
 
@@ -100,21 +101,25 @@ def test_pose_segment_and_obb_take_the_gpu_input_when_asked_and_ultralytics_pipe
     cfg = compose_config(["loader.augment_on=gpu", "val.engine=fast", "train.batch_per_device=auto"])
     _, problems = make_plan(cfg, FEW_CORES, task=task)
     text = "\n".join(p.message for p in problems)
-    assert "loader.augment_on" not in text  # the GPU input is the task's; the probe is not, the fast validator pose's
-    assert (f"val.engine=fast with a {task} model" in text) == (task != "pose")
+    assert "loader.augment_on" not in text  # the GPU input is the task's; the probe is not
+    assert (f"val.engine=fast with a {task} model" in text) == (task == "obb")  # pose's and segment's fast validator
     assert f"train.batch_per_device=auto with a {task} model" in text
 
 
-def test_a_pose_model_validates_with_the_fast_validator_when_asked():
-    """val.engine=fast: the fast validator, whose OKS matching is PoseValidator's (test_fast_pose_validation.py);
-    `auto` keeps PoseValidator until the fast one is measured ahead on GPUs (as the GPU input's auto)."""
+@pytest.mark.parametrize("task,says", [
+    ("pose", "the fast validator (keypoints matched by OKS as PoseValidator matches them)"),
+    ("segment", "the fast validator (masks made and matched as SegmentationValidator makes and matches them)")])
+def test_pose_and_segment_models_validate_with_the_fast_validator_when_asked(task, says):
+    """val.engine=fast: the fast validator, whose OKS and mask matching are Ultralytics' validators'
+    (test_fast_pose_validation.py, test_fast_segment_validation.py); `auto` keeps Ultralytics' validator until the
+    fast one is measured ahead on GPUs (as the GPU input's auto)."""
     for on in ("cpu", "gpu"):
         cfg = compose_config([f"loader.augment_on={on}", "val.engine=fast", "train.imgsz=640"])
-        plan, problems = make_plan(cfg, FEW_CORES, task="pose", task_from=MODELS["pose"])
+        plan, problems = make_plan(cfg, FEW_CORES, task=task, task_from=MODELS[task])
         assert not problems and plan.val_engine == "fast"
-        assert "the fast validator (keypoints matched by OKS as PoseValidator matches them)" in describe(plan, None, None)
+        assert says in describe(plan, None, None)
     cfg = compose_config(["val.engine=fast", "+train.extra.save_json=true"])
-    _, problems = make_plan(cfg, FEW_CORES, task="pose")
+    _, problems = make_plan(cfg, FEW_CORES, task=task)
     assert "train.extra.save_json=true: the fast validation engine does not write it" in "\n".join(
         p.message for p in problems)
 
@@ -125,7 +130,7 @@ def test_settings_that_ask_a_segment_model_for_detections_fast_paths_are_refused
     _, problems = make_plan(cfg, FEW_CORES, task="segment")
     text = "\n".join(p.message for p in problems)
     assert "loader.augment_on" not in text  # the GPU input takes a segment model's polygons
-    assert "val.engine=fast with a segment model" in text and "val.engine=ultralytics" in text
+    assert "overlap_mask=false with val.engine=fast" in text and "val.engine=ultralytics" in text
     assert "train.batch_per_device=auto with a segment model" in text
     assert "overlap_mask=false with train.accumulate > 1" in text
     _, problems = make_plan(cfg, FEW_CORES)

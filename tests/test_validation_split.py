@@ -62,16 +62,21 @@ def a_model_that_finds_objects() -> DetectionModel:
     model = DetectionModel("yolov8n.yaml", nc=NC, verbose=False)
     model.args = get_cfg()
     model.names = dict(enumerate(CLASSES))
-    head = model.model[-1]
+    finding_boxes(model.model[-1])
+    return model
+
+
+def finding_boxes(head) -> None:
+    """A detection head (any task's) set to find some shapes without training: its boxes each side one stride from
+    the anchor (a random net's are anywhere), its class scores spread over (0, 1) (a fresh head's are all about
+    1e-3: ties). The seed is the caller's."""
     with torch.no_grad():
         for level in head.cv2:
-            last = level[-1]
-            last.weight.zero_()
-            last.bias.copy_(torch.tensor([0.0, 8.0] + [0.0] * 14).repeat(4))  # each side 1 stride from the anchor
+            level[-1].weight.zero_()
+            level[-1].bias.copy_(torch.tensor([0.0, 8.0] + [0.0] * 14).repeat(4))  # DFL's bins: about 1 stride
         for level in head.cv3:
             level[-1].bias.zero_()
             level[-1].weight.normal_(0, 2.0)
-    return model
 
 
 @pytest.mark.parametrize("folded", [False, True])

@@ -7,10 +7,10 @@ keypoints follow the matrix and flips of their boxes: rank/gpu_data/augment_keyp
 polygons too, its boxes made from them and its masks drawn on the device: augment_segments.py, segment_masks.py; an obb
 model's corners, clipped as rotated boxes: augment_obb.py), and classification its own (rank/gpu_data/classify_input.py:
 Ultralytics' classify transforms on the device), taken when asked: `auto` keeps them on the CPU pipeline until the GPU
-input is measured ahead for them. Pose may validate with the fast validator too (val.engine=fast: keypoints matched by
-OKS as PoseValidator matches them, rank/validate/matching.py; `auto` keeps PoseValidator until the fast one is
-measured ahead on GPUs); segmentation and obb through Ultralytics' validator (masks and rotated boxes scored as it
-scores them). All three train with Ultralytics' loss, normalised over the ranks but eager (its mask, keypoint and
+input is measured ahead for them. Pose and segmentation may validate with the fast validator too (val.engine=fast:
+keypoints matched by OKS as PoseValidator matches them, rank/validate/matching.py; masks made from the prototypes and
+matched by IoU as SegmentationValidator does, masks.py; `auto` keeps Ultralytics' validator until the fast one is
+measured ahead on GPUs); obb through Ultralytics' validator (rotated boxes scored as it scores them). All three train with Ultralytics' loss, normalised over the ranks but eager (its mask, keypoint and
 rotated-box terms have shapes that follow the targets); the network alone is graphed on GPUs.
 Classification trains on Ultralytics' ClassificationDataset (class folders, its own augmentations; no mosaic:
 close_mosaic and the mosaic buffer mean nothing there), its ClassificationValidator (top-1, top-5) and its
@@ -42,6 +42,8 @@ OWN_EAGER = "the fast validator and the captured step are detection's"  # a task
 STEP_EAGER = "the captured step is detection's"  # a task with the GPU input and the fast validator
 POSE_VALIDATORS = ("PoseValidator (or with val.engine=fast the fast validator, keypoints matched by OKS as it does)",
                    "the fast validator (keypoints matched by OKS as PoseValidator matches them)")
+SEGMENT_VALIDATORS = ("SegmentationValidator (or with val.engine=fast the fast validator, masks matched as it does)",
+                      "the fast validator (masks made and matched as SegmentationValidator makes and matches them)")
 
 
 def _own(suffix: str, name: str) -> tuple[Metric, ...]:
@@ -104,10 +106,11 @@ class TaskRules:
 TASKS = {
     "detect": TaskRules("detect", fast_paths=True, fast_validator=True, auto_fast_validator=True,
                         auto_gpu_input=True),
-    "segment": TaskRules("segment", masks=True, own=_own("M", "mask"), quality=_own("M", "mask")[1],
-                         pipeline=f"; Ultralytics' CPU pipeline, validator and loss ({OWN_EAGER})",
+    "segment": TaskRules("segment", masks=True, fast_validator=True, validators=SEGMENT_VALIDATORS,
+                         own=_own("M", "mask"), quality=_own("M", "mask")[1],
+                         pipeline=f"; Ultralytics' CPU pipeline and loss, {{validator}} ({STEP_EAGER})",
                          gpu_pipeline="; the GPU input pipeline (polygons warped and flipped, boxes made from them, "
-                                      f"masks drawn on the device), Ultralytics' validator and loss ({OWN_EAGER})"),
+                                      f"masks drawn on the device), Ultralytics' loss, {{validator}} ({STEP_EAGER})"),
     "pose": TaskRules("pose", fast_validator=True, validators=POSE_VALIDATORS,
                       own=_own("P", "pose"), quality=_own("P", "pose")[1],
                       pipeline=f"; Ultralytics' CPU pipeline and loss, {{validator}} ({STEP_EAGER})",
@@ -146,8 +149,8 @@ def task_problems(cfg: dict, task: str, *, device: str) -> list[Problem]:
     train, loader, val = cfg["train"], cfg.get("loader") or {}, cfg.get("val") or {}
     problems = []
     if not r.fast_validator and val.get("engine") == "fast":
-        problems.append(Problem(f"val.engine=fast with a {task} model: the fast engine scores upright boxes and "
-                                "keypoints only; use val.engine=ultralytics (or auto)"))
+        problems.append(Problem(f"val.engine=fast with a {task} model: the fast engine scores upright boxes, "
+                                "keypoints and masks only; use val.engine=ultralytics (or auto)"))
     if not r.fast_paths and train.get("batch_per_device") == "auto" and device == "cuda":
         problems.append(Problem(f"train.batch_per_device=auto with a {task} model: the probe measures the detection "
                                 "step only; give train.batch_per_device as a number"))
@@ -170,4 +173,8 @@ def task_problems(cfg: dict, task: str, *, device: str) -> list[Problem]:
     if r.masks and extra.get("overlap_mask") is False and isinstance(accumulate, int) and accumulate > 1:
         problems.append(Problem("train.extra.overlap_mask=false with train.accumulate > 1: the micro-batches split "
                                 "masks per image; leave overlap_mask at true, or train.accumulate=1"))
+    if r.masks and extra.get("overlap_mask") is False and val.get("engine") == "fast":
+        problems.append(Problem("train.extra.overlap_mask=false with val.engine=fast: the fast validator keeps a "
+                                "split's masks as one image of target indices each; leave overlap_mask at true, or "
+                                "use val.engine=ultralytics (or auto)"))
     return problems

@@ -17,13 +17,15 @@ Reaches into internals, each in one place:
   seen, speed, plot_val_samples/plot_predictions, finalize_metrics and print_results called directly (the
   statistics it would have collected are rank/validate/'s, in its layout); get_stats' work done by class_metrics.
   For a pose model, a PoseValidator the same way: its sigma and kpt_shape read (set by its init_metrics), and its
-  postprocess, _prepare_batch and _process_batch (kpt_iou, the OKS) re-stated over whole batches in rank/validate/.
+  postprocess, _prepare_batch and _process_batch (kpt_iou, the OKS) re-stated over whole batches in rank/validate/;
+  for a segmentation model, a SegmentationValidator: its postprocess (process_mask, crop_mask), _prepare_batch (the
+  overlapping masks split per target) and _process_batch (mask_iou) re-stated the same way (rank/validate/masks.py).
 - deferred_plots.py: the validators' plot_val_samples, plot_predictions, get_stats and finalize_metrics overridden
   (with args.plots switched off around the last two) so that the final validation's plots are handed to the run's
   plotter; the curves drawn by a fresh metrics object of the validation's type (its `stats`, process(plot=True)),
   the confusion matrix by a copy's ConfusionMatrix.plot.
 - class_metrics.py: DetMetrics.process re-stated (box.update, nt_per_class, nt_per_image; PoseMetrics.process's
-  pose.update) on ap_per_class re-stated with each class's detections grouped once instead of masked per class;
+  pose.update, SegmentMetrics.process's seg.update) on ap_per_class re-stated with each class's detections grouped once instead of masked per class;
   compute_ap and smooth called.
 - folded.py: Conv / DWConv's `conv`, `bn` and `act`, folded as BaseModel.fuse folds them, in a copy that is never
   saved (FastValidator(folded=True), off by default).

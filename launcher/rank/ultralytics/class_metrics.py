@@ -69,13 +69,16 @@ def _class_keys(pred_cls: np.ndarray) -> np.ndarray:
 
 def process(metrics: DetMetrics) -> None:
     """DetMetrics.process(plot=False) on its collected stats: its box metrics and per-class target counts set; a
-    PoseMetrics' pose metrics too (PoseMetrics.process: the same from its keypoint matches, tp_p)."""
+    PoseMetrics' pose metrics too (PoseMetrics.process: the same from its keypoint matches, tp_p), a SegmentMetrics'
+    mask metrics (SegmentMetrics.process: from its masks' matches, tp_m)."""
     stats = {k: np.concatenate(v, 0) for k, v in metrics.stats.items()}
     results = ap_per_class(stats["tp"], stats["conf"], stats["pred_cls"], stats["target_cls"])[2:]
     metrics.box.nc = len(metrics.names)
     metrics.box.update(results)
-    if "tp_p" in stats:
-        metrics.pose.nc = len(metrics.names)
-        metrics.pose.update(ap_per_class(stats["tp_p"], stats["conf"], stats["pred_cls"], stats["target_cls"])[2:])
+    for key, own in ("tp_p", "pose"), ("tp_m", "seg"):  # PoseMetrics' keypoint matches, SegmentMetrics' masks'
+        if key in stats:
+            getattr(metrics, own).nc = len(metrics.names)
+            getattr(metrics, own).update(ap_per_class(stats[key], stats["conf"], stats["pred_cls"],
+                                                      stats["target_cls"])[2:])
     metrics.nt_per_class = np.bincount(stats["target_cls"].astype(int), minlength=len(metrics.names))
     metrics.nt_per_image = np.bincount(stats["target_img"].astype(int), minlength=len(metrics.names))

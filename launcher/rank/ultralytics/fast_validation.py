@@ -22,7 +22,10 @@ precision/recall dict (image_metrics) is not kept: nothing of a training run rea
 
 A pose model's validation is PoseValidator's the same way: its detections carry their keypoints through the NMS,
 are matched to the targets' by OKS as well as by IoU (matching.pose_true_positives: its tp_p), and PoseMetrics scores
-both; its first batches are drawn with their keypoints.
+both; its first batches are drawn with their keypoints. A segmentation model's is SegmentationValidator's: its
+detections carry their mask coefficients through the NMS, their masks are made from the head's prototypes and
+matched to the targets' (the loader's overlapping masks, kept with the split) by mask IoU (rank/validate/masks.py:
+its tp_m), and SegmentMetrics scores both.
 
 Per-rank statistics go to rank 0 through the rank's own process group (Comm.gather), in rank order.
 """
@@ -39,7 +42,7 @@ from ultralytics.models.yolo.detect import DetectionValidator
 from launcher.rank.kernels import kernels
 from launcher.rank.group.dist import Comm
 from launcher.rank.ultralytics import class_metrics, datasets, releases
-from launcher.rank.ultralytics.deferred_plots import draw_confusion, draw_curves
+from launcher.rank.ultralytics.deferred_plots import PLOTTED_IMAGES, draw_confusion, draw_curves
 from launcher.rank.ultralytics.folded import FoldedCopy
 from launcher.rank.ultralytics.plots import PLOT_LOCK
 from launcher.rank.ultralytics.results_table import print_table
@@ -89,7 +92,10 @@ class FastValidator:
         self.warming: kernels.WarmUp | None = None  # the validation's Triton kernels, compiled during training
         self._amp_dtype: torch.dtype | None = None  # this validation's autocast type (None on CPU or without AMP)
         self.on_batch, self.log, self.detail = on_batch or (lambda: None), log, detail or log
-        task = task_of(getattr(hyp, "task", None))  # detect or pose; hyperparameters without one are detection's
+        task = task_of(getattr(hyp, "task", None))  # detect, pose or segment; without one, detection's
+        if task.name == "segment" and not getattr(hyp, "overlap_mask", True):
+            raise ValueError("the fast validator reads a segmentation split's masks as overlapping (overlap_mask=True, "
+                             "Ultralytics' default); use val.engine=ultralytics with overlap_mask=False")
         self.validator = task.validator(loader, save_dir=run_dir, args=copy(hyp))
         self.split: PreloadedSplit | None = None
         self.reading: SplitReader | None = None  # the split being read during training (read_ahead)
@@ -233,7 +239,7 @@ class FastValidator:
         with torch.inference_mode(), torch.autocast(device.type, enabled=False):
             result = run_pass(self.split, self.forward, batch=self.batch, nc=v.nc, nms=nms_settings(v.args, v.end2end),
                               single_cls=bool(v.args.single_cls), kpt_sigma=_kpt_sigma(v),
-                              claim=claims_rule(v),
+                              masks=v.args.task == "segment", claim=claims_rule(v),
                               on_batch=on_batch, each_batch=each_batch,
                               loss_fn=lambda targets, preds: self._loss(model, targets, preds), stream=self.stream)
         if confusion:  # one copy to the host
@@ -257,7 +263,7 @@ class FastValidator:
         on rank 0 the first PLOTTED_BATCHES batches kept in `plotted`."""
         v = self.validator
 
-        def each_batch(vb, det, boxes):
+        def each_batch(vb, det, boxes, proto):
             cm = v.confusion_matrix
             if cm.matches is None and releases.GREEDY_CONFUSION:  # the counts alone: the whole batch at once
                 confusion.append(confusion_counts(det, det.valid(), boxes, vb.cls, vb.valid(), cm.nc,
@@ -267,8 +273,8 @@ class FastValidator:
                     n = int(vb.count[i])
                     truth = {"cls": vb.cls[i, :n], "bboxes": boxes[i, :n]}
                     cm.process_batch(detections_of(det, i, _kpt_shape(v)), truth, conf=v.args.conf)
-            if rank == 0 and len(plotted) < PLOTTED_BATCHES:
-                plotted.append((vb, det))
+            if rank == 0 and len(plotted) < PLOTTED_BATCHES:  # a copy of the prototypes: a replay overwrites them
+                plotted.append((vb, det, None if proto is None else proto[:PLOTTED_IMAGES].clone()))
 
         return each_batch
 
@@ -332,7 +338,7 @@ class _Drawing:
     the validator held: its statistics, its confusion matrix and the first batches with their detections. Of the
     validator itself only what a run never changes is read (the run folder, names, max_det)."""
 
-    def __init__(self, v: DetectionValidator, plotted: list):  # or its PoseValidator
+    def __init__(self, v: DetectionValidator, plotted: list):  # or its PoseValidator, SegmentationValidator
         self.v, self.plotted = v, list(plotted)
         self.stats = {k: list(x) for k, x in v.metrics.stats.items()}
         self.matrix = deepcopy(v.confusion_matrix)
@@ -340,11 +346,13 @@ class _Drawing:
     def __call__(self) -> None:
         """Under PLOT_LOCK (the caller's)."""
         v = self.v
-        for ni, (vb, det) in enumerate(self.plotted):
+        for ni, (vb, det, proto) in enumerate(self.plotted):
             batch = {"img": vb.img[: vb.n], **vb.ultralytics_targets(), "im_file": vb.files}
             v.plot_val_samples(batch, ni)
-            v.plot_predictions(batch, [detections_of(det, i, _kpt_shape(v)) for i in range(vb.n)], ni)
-        draw_curves(type(v.metrics), v.names, self.stats, v.save_dir, v.on_plot)  # DetMetrics' or PoseMetrics'
+            shape = tuple(vb.img.shape[2:])  # the images plot_images draws
+            v.plot_predictions(batch, [detections_of(det, i, _kpt_shape(v), proto, shape)
+                                       for i in range(min(vb.n, PLOTTED_IMAGES))], ni)
+        draw_curves(type(v.metrics), v.names, self.stats, v.save_dir, v.on_plot)  # DetMetrics' or the task's own
         draw_confusion(self.matrix, v.save_dir, v.on_plot)
 
 

@@ -8,7 +8,7 @@ detection of every image at once: as many rounds as the busiest image has candid
 operations on (images, targets, thresholds); on CUDA the visit is one Triton program per image instead (scans.py),
 with no launch per round. Same IoUs in the same float operations, the same first-index argmax: the same true
 positives. PoseValidator._process_batch matches by keypoint similarity (metrics.kpt_iou, OKS) instead of IoU, the
-same way: pose_true_positives.
+same way: pose_true_positives; SegmentationValidator's by the masks' IoU: masks.py.
 """
 
 from __future__ import annotations
@@ -36,9 +36,9 @@ def true_positives(pred_boxes: torch.Tensor, pred_cls: torch.Tensor, pred_valid:
     confidence order per image; padding rows (not `*_valid`) never match. `claim(iou, thresholds)`: another rule
     for who claims what, given the (B, M, D) IoUs with other classes and padding zeroed (None: the greedy claims)."""
     if not (pred_cls.shape[1] and true_cls.shape[1]):
-        return _none(pred_cls, thresholds)
+        return no_matches(pred_cls, thresholds)
     iou = box_iou(true_boxes, pred_boxes)  # (B, M, D): targets as rows, as Ultralytics
-    return _matched(iou, pred_cls, pred_valid, true_cls, true_valid, thresholds, claim)
+    return matched(iou, pred_cls, pred_valid, true_cls, true_valid, thresholds, claim)
 
 
 def pose_true_positives(pred_kpts: torch.Tensor, pred_cls: torch.Tensor, pred_valid: torch.Tensor,
@@ -49,14 +49,14 @@ def pose_true_positives(pred_kpts: torch.Tensor, pred_cls: torch.Tensor, pred_va
     targets' `true_kpts` (B, M, K, 3), in input pixels, by OKS with the keypoints' `sigma` (K,) (PoseValidator's
     tp_p); `true_boxes` (B, M, 4) xyxy give each target's area."""
     if not (pred_cls.shape[1] and true_cls.shape[1]):
-        return _none(pred_cls, thresholds)
+        return no_matches(pred_cls, thresholds)
     wh = true_boxes[..., 2:] - true_boxes[..., :2]  # ops.xyxy2xywh's width and height
     area = wh.prod(-1) * 0.53  # PoseValidator's (from xtcocotools' cocoeval)
     b, m, d, k = *true_cls.shape, pred_cls.shape[1], true_kpts.shape[2]
     rows = max(1, OKS_ELEMENTS // (m * d * k))  # images at once: their (M, D, K) distances are the temporaries
     oks = torch.cat([kpt_iou(true_kpts[i : i + rows], pred_kpts[i : i + rows], area[i : i + rows], sigma)
                      for i in range(0, b, rows)])
-    return _matched(oks, pred_cls, pred_valid, true_cls, true_valid, thresholds, claim)
+    return matched(oks, pred_cls, pred_valid, true_cls, true_valid, thresholds, claim)
 
 
 def kpt_iou(kpt1: torch.Tensor, kpt2: torch.Tensor, area: torch.Tensor, sigma: torch.Tensor,
@@ -71,14 +71,15 @@ def kpt_iou(kpt1: torch.Tensor, kpt2: torch.Tensor, area: torch.Tensor, sigma: t
     return ((-e).exp() * kpt_mask[:, :, None]).sum(-1) / (kpt_mask.sum(-1)[:, :, None] + eps)
 
 
-def _none(pred_cls: torch.Tensor, thresholds: torch.Tensor) -> torch.Tensor:
+def no_matches(pred_cls: torch.Tensor, thresholds: torch.Tensor) -> torch.Tensor:
     b, d = pred_cls.shape
     return torch.zeros((b, d, thresholds.numel()), dtype=torch.bool, device=pred_cls.device)
 
 
-def _matched(iou: torch.Tensor, pred_cls: torch.Tensor, pred_valid: torch.Tensor, true_cls: torch.Tensor,
-             true_valid: torch.Tensor, thresholds: torch.Tensor, claim=None) -> torch.Tensor:
-    """BaseValidator.match_predictions on (B, M, D) similarities: other classes and padding zeroed, then claimed."""
+def matched(iou: torch.Tensor, pred_cls: torch.Tensor, pred_valid: torch.Tensor, true_cls: torch.Tensor,
+            true_valid: torch.Tensor, thresholds: torch.Tensor, claim=None) -> torch.Tensor:
+    """BaseValidator.match_predictions on (B, M, D) similarities (IoU, OKS, mask IoU): other classes and padding
+    zeroed, then claimed."""
     thresholds = thresholds.to(iou.device)
     same = (true_cls[:, :, None] == pred_cls[:, None, :]) & true_valid[:, :, None] & pred_valid[:, None, :]
     iou = iou * same
@@ -98,14 +99,14 @@ def _claims(iou: torch.Tensor, thresholds: torch.Tensor) -> torch.Tensor:
     if not rounds:
         return correct[:, :d]
     positions = torch.where(candidate, torch.arange(d, device=device), d).sort(1).values[:, :rounds]  # (B, R)
-    matched = torch.zeros((b, iou.shape[1], t), dtype=torch.bool, device=device)
+    taken = torch.zeros((b, iou.shape[1], t), dtype=torch.bool, device=device)
     zero = iou.new_zeros(())
     for r in range(rounds):
         j = positions[:, r]  # (B,): this round's detection in each image, d where it has no more
         column = iou.gather(2, j.clamp(max=d - 1).view(b, 1, 1).expand(b, iou.shape[1], 1))  # (B, M, 1)
-        available = torch.where(matched, zero, column)  # (B, M, T)
+        available = torch.where(taken, zero, column)  # (B, M, T)
         k = available.argmax(1, keepdim=True)  # (B, 1, T): the best unclaimed target, first on ties
         hit = (available.gather(1, k) >= thresholds) & (j < d).view(b, 1, 1)  # (B, 1, T)
         correct.scatter_(1, j.view(b, 1, 1).expand(b, 1, t), hit)
-        matched.scatter_(1, k, matched.gather(1, k) | hit)
+        taken.scatter_(1, k, taken.gather(1, k) | hit)
     return correct[:, :d]

@@ -42,6 +42,7 @@ class ValBatch:
     ori_shape: list
     ratio_pad: list
     keypoints: torch.Tensor | None = None  # (n, T, K, 3) float32 normalised as xywh (a pose dataset's), else None
+    masks: torch.Tensor | None = None  # (n, h, w) a segmentation dataset's: target i's pixels i + 1 (overlap_mask)
 
     @property
     def n(self) -> int:
@@ -51,13 +52,15 @@ class ValBatch:
         return torch.arange(self.cls.shape[1], device=self.cls.device) < self.count[:, None]
 
     def ultralytics_targets(self) -> dict:
-        """The labels in the loader's flat layout (batch_idx, cls (N, 1), bboxes (N, 4), a pose dataset's keypoints
-        (N, K, 3)), which the loss reads."""
+        """The labels in the loader's layout (batch_idx, cls (N, 1), bboxes (N, 4), a pose dataset's keypoints
+        (N, K, 3), a segmentation dataset's masks (n, h, w)), which the loss reads."""
         valid = self.valid()
         idx = torch.arange(self.n, device=self.cls.device)[:, None].expand_as(valid)[valid]
         targets = {"batch_idx": idx.float(), "cls": self.cls[valid][:, None], "bboxes": self.xywh[valid]}
         if self.keypoints is not None:
             targets["keypoints"] = self.keypoints[valid]
+        if self.masks is not None:
+            targets["masks"] = self.masks
         return targets
 
 
@@ -68,6 +71,7 @@ class _Group:
         self.images: list[torch.Tensor] = []
         self.labels: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = []  # cls, xywh, keypoints
         self.files, self.ori_shape, self.ratio_pad = [], [], []
+        self.masks: list[torch.Tensor] | torch.Tensor | None = []  # an image's overlap mask each, then stacked
         self.keypoints: torch.Tensor | None = None
 
     def stack(self) -> None:
@@ -83,12 +87,19 @@ class _Group:
                 keypoints[i, : len(c)] = k
         self.img, self.cls, self.xywh, self.count = torch.stack(self.images), cls, xywh, count
         self.keypoints = keypoints
+        if self.masks:  # uint8 unless an image has more than 255 targets (Ultralytics then gives int32)
+            dtype = max((m.dtype for m in self.masks), key=lambda t: torch.iinfo(t).bits)
+            self.masks = torch.stack([m.to(dtype) for m in self.masks])
+        else:
+            self.masks = None
         self.images = []
 
     def place_labels(self, device: torch.device) -> None:
         self.cls, self.xywh, self.count = self.cls.to(device), self.xywh.to(device), self.count.to(device)
         if self.keypoints is not None:
             self.keypoints = self.keypoints.to(device)
+        if self.masks is not None:
+            self.masks = self.masks.to(device)
 
 
 class Placement:
@@ -180,7 +191,8 @@ class PreloadedSplit:
     @staticmethod
     def read(batches, on_batch=lambda: None) -> dict[tuple[int, int], _Group]:
         """Ultralytics' collated validation batches (img uint8 (b, 3, H, W), batch_idx, cls, bboxes, a pose
-        dataset's keypoints, im_file, ori_shape, ratio_pad), grouped by image shape and stacked, in host memory."""
+        dataset's keypoints, a segmentation dataset's masks (b, h, w) with overlap_mask, im_file, ori_shape,
+        ratio_pad), grouped by image shape and stacked, in host memory."""
         groups: dict[tuple[int, int], _Group] = {}
         for batch in batches:
             img = batch["img"]
@@ -194,6 +206,8 @@ class PreloadedSplit:
                 group.files.append(batch["im_file"][i])
                 group.ori_shape.append(batch["ori_shape"][i])
                 group.ratio_pad.append(batch["ratio_pad"][i])
+                if "masks" in batch:
+                    group.masks.append(batch["masks"][i])
             on_batch()
         for group in groups.values():
             group.stack()
@@ -226,4 +240,5 @@ class PreloadedSplit:
                                cls=group.cls[start:end], xywh=group.xywh[start:end], count=group.count[start:end],
                                files=group.files[start:end], ori_shape=group.ori_shape[start:end],
                                ratio_pad=group.ratio_pad[start:end],
-                               keypoints=None if group.keypoints is None else group.keypoints[start:end])
+                               keypoints=None if group.keypoints is None else group.keypoints[start:end],
+                               masks=None if group.masks is None else group.masks[start:end])
