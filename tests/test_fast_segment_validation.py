@@ -21,6 +21,7 @@ from launcher.rank.ultralytics.fast_validation import FastValidator, claims_rule
 from launcher.rank.ultralytics.validation import Validator
 from launcher.rank.validate.engine import NmsSettings, run_pass
 from launcher.rank.validate.masks import predicted_masks, target_masks
+from launcher.rank.validate.nms import batched_nms
 from launcher.rank.validate.store import PreloadedSplit
 
 from tests.test_fast_pose_validation import fast_and_ultralytics_on_cuda, split_data
@@ -81,6 +82,21 @@ def test_the_masks_of_detections_and_targets_are_ultralytics():
             want = v._prepare_batch(i, {**batch, "masks": batch["masks"].float()})["masks"]
             assert torch.equal(mine[i, : counts[i]], want), (ratio, i)
             assert not mine[i, counts[i]:].any()  # padding: no pixels
+
+
+def test_the_mask_matching_a_few_images_at_a_time_is_the_same_as_all_at_once(monkeypatch):
+    """mask_true_positives holds MASK_ELEMENTS mask pixels at once: one image at a time gives the same flags."""
+    from launcher.rank.validate import masks
+
+    batch = segment_batches(6, 6)[0]
+    (rows, proto), _ = segment_output(6, 120, (96, 128), seed=3)
+    det = batched_nms(rows, 0.001, 0.7, max_det=100, nc=NC)
+    split = PreloadedSplit.load([batch], torch.device("cpu"))
+    vb = next(split.batches(6))
+    args = (proto, det.extra, det.boxes, det.cls, det.valid(), vb.masks, vb.cls, vb.valid(), (96, 128))
+    at_once = masks.mask_true_positives(*args)
+    monkeypatch.setattr(masks, "MASK_ELEMENTS", 1)
+    assert at_once.any() and torch.equal(masks.mask_true_positives(*args), at_once)
 
 
 def _segment_validator(save_dir) -> SegmentationValidator:
