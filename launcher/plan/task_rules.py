@@ -7,11 +7,12 @@ keypoints follow the matrix and flips of their boxes: rank/gpu_data/augment_keyp
 polygons too, its boxes made from them and its masks drawn on the device: augment_segments.py, segment_masks.py; an obb
 model's corners, clipped as rotated boxes: augment_obb.py), and classification its own (rank/gpu_data/classify_input.py:
 Ultralytics' classify transforms on the device), taken when asked: `auto` keeps them on the CPU pipeline until the GPU
-input is measured ahead for them. Pose and segmentation may validate with the fast validator too (val.engine=fast:
-keypoints matched by OKS as PoseValidator matches them, rank/validate/matching.py; masks made from the prototypes and
-matched by IoU as SegmentationValidator does, masks.py; `auto` keeps Ultralytics' validator until the fast one is
-measured ahead on GPUs); obb through Ultralytics' validator (rotated boxes scored as it scores them). All three train with Ultralytics' loss, normalised over the ranks but eager (its mask, keypoint and
-rotated-box terms have shapes that follow the targets); the network alone is graphed on GPUs.
+input is measured ahead for them. Pose validates with the fast validator too (keypoints matched by OKS as
+PoseValidator matches them, rank/validate/matching.py: measured ahead on a GPU, so `auto` takes it), segmentation when
+asked (val.engine=fast: masks made from the prototypes and matched by IoU as SegmentationValidator does, masks.py;
+`auto` keeps SegmentationValidator until the fast one is measured ahead on GPUs); obb through Ultralytics' validator
+(rotated boxes scored as it scores them). All three train with Ultralytics' loss, normalised over the ranks but eager
+(its mask, keypoint and rotated-box terms have shapes that follow the targets); the network alone is graphed on GPUs.
 Classification trains on Ultralytics' ClassificationDataset (class folders, its own augmentations; no mosaic:
 close_mosaic and the mosaic buffer mean nothing there), its ClassificationValidator (top-1, top-5) and its
 cross-entropy, a mean over the batch.
@@ -40,7 +41,7 @@ TOP1, TOP5 = "metrics/accuracy_top1", "metrics/accuracy_top5"  # a classifier's 
 EAGER = "the GPU input, the fast validator and the captured step are detection's"
 OWN_EAGER = "the fast validator and the captured step are detection's"  # a task with the GPU input
 STEP_EAGER = "the captured step is detection's"  # a task with the GPU input and the fast validator
-POSE_VALIDATORS = ("PoseValidator (or with val.engine=fast the fast validator, keypoints matched by OKS as it does)",
+POSE_VALIDATORS = ("PoseValidator (val.engine=ultralytics, or asked for save_json or save_txt)",
                    "the fast validator (keypoints matched by OKS as PoseValidator matches them)")
 SEGMENT_VALIDATORS = ("SegmentationValidator (or with val.engine=fast the fast validator, masks matched as it does)",
                       "the fast validator (masks made and matched as SegmentationValidator makes and matches them)")
@@ -111,7 +112,7 @@ TASKS = {
                          pipeline=f"; Ultralytics' CPU pipeline and loss, {{validator}} ({STEP_EAGER})",
                          gpu_pipeline="; the GPU input pipeline (polygons warped and flipped, boxes made from them, "
                                       f"masks drawn on the device), Ultralytics' loss, {{validator}} ({STEP_EAGER})"),
-    "pose": TaskRules("pose", fast_validator=True, validators=POSE_VALIDATORS,
+    "pose": TaskRules("pose", fast_validator=True, auto_fast_validator=True, validators=POSE_VALIDATORS,
                       own=_own("P", "pose"), quality=_own("P", "pose")[1],
                       pipeline=f"; Ultralytics' CPU pipeline and loss, {{validator}} ({STEP_EAGER})",
                       gpu_pipeline="; the GPU input pipeline (keypoints warped and flipped with their boxes), "
