@@ -4,9 +4,9 @@ real `ddp-launch`: the README's command for each, shorter and smaller, on the sy
 segmentation, pose and obb runs' input on the GPU pipeline, run on the CPU: the polygons warped and flipped, boxes and
 masks made from them; the keypoints warped and flipped with their boxes; the corners warped, clipped as rotated boxes
 and flipped), a metric above zero (a classifier's top-1 above chance), and a best.pt that Ultralytics loads as that
-task. The pose and segmentation runs validate with the fast validator (val.engine=fast: keypoints matched by OKS,
-masks made from the prototypes and matched by IoU, sharded over the two ranks and gathered), the others with
-Ultralytics' validator of their task."""
+task. The pose run validates with the fast validator (its default: keypoints matched by OKS), the segmentation run
+with it when asked (val.engine=fast: masks made from the prototypes and matched by IoU), each sharded over the two
+ranks and gathered; the others with Ultralytics' validator of their task."""
 
 from __future__ import annotations
 
@@ -46,7 +46,6 @@ PATHS = {"pose": "; the GPU input pipeline (keypoints warped and flipped with th
          "obb": "; the GPU input pipeline (corners warped, clipped as rotated boxes and flipped)"}
 # a classifier's run on its own GPU input too (rank/gpu_data/classify_input.py: Ultralytics' classify transforms)
 INPUT["classify"] = ["loader.augment_on=gpu"]
-INPUT["pose"].append("val.engine=fast")
 PATHS["pose"] += ", Ultralytics' loss, the fast validator (keypoints matched by OKS"
 INPUT["segment"].append("val.engine=fast")
 PATHS["segment"] += " on the device), Ultralytics' loss, the fast validator (masks made and matched"
