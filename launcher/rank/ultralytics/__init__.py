@@ -25,8 +25,8 @@ Reaches into internals, each in one place:
   plotter; the curves drawn by a fresh metrics object of the validation's type (its `stats`, process(plot=True)),
   the confusion matrix by a copy's ConfusionMatrix.plot.
 - class_metrics.py: DetMetrics.process re-stated (box.update, nt_per_class, nt_per_image; PoseMetrics.process's
-  pose.update, SegmentMetrics.process's seg.update) on ap_per_class re-stated with each class's detections grouped once instead of masked per class;
-  compute_ap and smooth called.
+  pose.update, SegmentMetrics.process's seg.update) on ap_per_class re-stated with each class's detections grouped
+  once instead of masked per class; compute_ap and smooth called.
 - folded.py: Conv / DWConv's `conv`, `bn` and `act`, folded as BaseModel.fuse folds them, in a copy that is never
   saved (FastValidator(folded=True), off by default).
 - loss.py: v8DetectionLoss.get_assigned_targets_and_loss and .preprocess re-implemented (the global normaliser, the
