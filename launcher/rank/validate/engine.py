@@ -117,7 +117,7 @@ def run_pass(split: PreloadedSplit, forward, *, batch: int, nc: int, nms: NmsSet
         if ready is not None:
             torch.cuda.current_stream().wait_event(ready)
         y, proto = head_outputs(preds)
-        proto = proto[:n] if proto is not None else None
+        proto = proto[:n] if masks and proto is not None else None  # `masks` alone decides the stats' keys
         det = batched_nms(y[:n], nms.conf, nms.iou, max_det=nms.max_det, multi_label=nms.multi_label,
                           agnostic=nms.agnostic, nc=nc, end2end=nms.end2end)
         if single_cls:
