@@ -5,6 +5,7 @@ model and data (CPU, fp32). Detection's: tests/test_fast_validation.py; pose's: 
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -152,9 +153,19 @@ def test_mask_metrics_from_the_same_predictions_equal_segmentation_validators(tm
         assert got[k] == pytest.approx(want[k], abs=1e-6), k
 
 
-@pytest.fixture(scope="module")
-def segment_split(tmp_path_factory):
-    return split_data(tmp_path_factory.mktemp("segment"), "segment", 6)
+@pytest.fixture(scope="module", params=["shapes", "crowded"])
+def segment_split(request, tmp_path_factory):
+    """The shapes' polygons; crowded: the same with an image without targets (Ultralytics' loader gives its mask in
+    float, and so the batch's) and one with 300 more (its mask in int32), in one batch."""
+    data = split_data(tmp_path_factory.mktemp("segment"), "segment", 6)
+    if request.param == "crowded":
+        labels = sorted((Path(data["val"]).parent.parent / "labels" / "val").glob("*.txt"))
+        labels[0].write_text("")
+        squares = [(0.02 + 0.048 * (i % 20), 0.03 + 0.064 * (i // 20)) for i in range(300)]  # 3 px each, a grid
+        with labels[1].open("a") as f:
+            f.writelines(f"{i % 3} {x:.4f} {y:.4f} {x + 0.03:.4f} {y:.4f} {x + 0.03:.4f} {y + 0.04:.4f} {x:.4f} "
+                         f"{y + 0.04:.4f}\n" for i, (x, y) in enumerate(squares))
+    return data
 
 
 def a_segment_model_that_finds_objects(data: dict) -> SegmentationModel:
@@ -182,7 +193,7 @@ def loss_names(model) -> tuple[str, ...]:
 
 
 def test_the_fast_validator_gives_what_segmentation_validator_gives_on_a_real_model(segment_split, tmp_path,
-                                                                                    monkeypatch):
+                                                                                    monkeypatch, request):
     """A segmentation model's weights and a polygon split through both engines: the metric keys (box and mask),
     their values, the validation losses (the masks' among them) and the confusion matrix equal (CPU, fp32). The
     plots handed to be drawn: the first batch's labels and predictions with their masks, drawn."""
@@ -210,6 +221,8 @@ def test_the_fast_validator_gives_what_segmentation_validator_gives_on_a_real_mo
     assert got == pytest.approx(want, abs=1e-4) and got_fitness == pytest.approx(want_fitness, abs=1e-4)
     assert want["metrics/recall(B)"] > 0 and want["metrics/recall(M)"] > 0  # not a comparison of zeros
     assert want["metrics/mAP50-95(M)"] != want["metrics/mAP50-95(B)"]
+    most = max(int(g.masks.max()) for g in fast.split.groups.values())  # the split's target indices, kept whole
+    assert (most > 255) == (request.node.callspec.params["segment_split"] == "crowded")
     drawings[0]()
     (_, labels), (_, preds) = drawn[:2]
     assert labels["masks"].shape[0] == labels["img"].shape[0] and labels["masks"].max() >= 1

@@ -87,8 +87,9 @@ class _Group:
                 keypoints[i, : len(c)] = k
         self.img, self.cls, self.xywh, self.count = torch.stack(self.images), cls, xywh, count
         self.keypoints = keypoints
-        if self.masks:  # uint8 unless an image has more than 255 targets (Ultralytics then gives int32)
-            dtype = max((m.dtype for m in self.masks), key=lambda t: torch.iinfo(t).bits)
+        if self.masks:  # target indices: uint8, int32 where an image has over 255 targets (as Ultralytics' masks);
+            # by value, as a batch holding an image without targets comes in float (Format gives it float zeros)
+            dtype = torch.uint8 if max(int(m.max()) for m in self.masks) <= 255 else torch.int32
             self.masks = torch.stack([m.to(dtype) for m in self.masks])
         else:
             self.masks = None
