@@ -4,9 +4,9 @@ real `ddp-launch`: the README's command for each, shorter and smaller, on the sy
 segmentation, pose and obb runs' input on the GPU pipeline, run on the CPU: the polygons warped and flipped, boxes and
 masks made from them; the keypoints warped and flipped with their boxes; the corners warped, clipped as rotated boxes
 and flipped), a metric above zero (a classifier's top-1 above chance), and a best.pt that Ultralytics loads as that
-task. The pose run validates with the fast validator (its default: keypoints matched by OKS), the segmentation run
-with it when asked (val.engine=fast: masks made from the prototypes and matched by IoU), each sharded over the two
-ranks and gathered; the others with Ultralytics' validator of their task."""
+task. The pose and segmentation runs validate with the fast validator (their default: keypoints matched by OKS,
+masks made from the prototypes and matched by IoU), each sharded over the two ranks and gathered; the others with
+Ultralytics' validator of their task."""
 
 from __future__ import annotations
 
@@ -47,7 +47,6 @@ PATHS = {"pose": "; the GPU input pipeline (keypoints warped and flipped with th
 # a classifier's run on its own GPU input too (rank/gpu_data/classify_input.py: Ultralytics' classify transforms)
 INPUT["classify"] = ["loader.augment_on=gpu"]
 PATHS["pose"] += ", Ultralytics' loss, the fast validator (keypoints matched by OKS"
-INPUT["segment"].append("val.engine=fast")
 PATHS["segment"] += " on the device), Ultralytics' loss, the fast validator (masks made and matched"
 PATHS["classify"] = "; the GPU input pipeline (class folders decoded and augmented on the device"
 ABOVE = {"classify": 0.5}  # the metric's floor: a classifier's top-1 above chance (a third), the mAPs above zero

@@ -80,15 +80,15 @@ def test_segment_pose_and_obb_take_ultralytics_paths_where_detection_takes_the_f
     for task in ("segment", "pose", "obb"):
         plan, problems = make_plan(cfg, FEW_CORES, task=task, task_from=MODELS[task])
         assert not problems
-        # auto: the CPU pipeline (they take the GPU input when asked: the next test); pose's fast validator, measured
-        # ahead on a GPU (docs/benchmarks section 19), the others' Ultralytics' validator
-        engine = "fast" if task == "pose" else "ultralytics"
+        # auto: the CPU pipeline (they take the GPU input when asked: the next test); pose's and segmentation's fast
+        # validator, measured ahead on a GPU (docs/benchmarks sections 19-20), obb's Ultralytics' validator
+        engine = "ultralytics" if task == "obb" else "fast"
         assert (plan.task, plan.augment_on, plan.val_engine, plan.graph_scope, plan.cuda_graphs) == (
             task, "cpu", engine, "network", True)
         text = describe(plan, None, None)
         assert f"task            {task} (from {MODELS[task]}); Ultralytics' CPU pipeline" in text
         assert ("the fast validator (keypoints matched by OKS" in text) == (task == "pose")
-        assert ("SegmentationValidator (or with val.engine=fast the fast validator" in text) == (task == "segment")
+        assert ("the fast validator (masks made and matched as SegmentationValidator" in text) == (task == "segment")
         assert f"the network's forward and backward only (train.cuda_graphs): the {task} loss runs eagerly" in text
     assert "task            detect" in describe(detect, None, None)
 
@@ -99,7 +99,7 @@ def test_pose_segment_and_obb_take_the_gpu_input_when_asked_and_ultralytics_pipe
         cfg = compose_config([f"loader.augment_on={value}", "train.imgsz=640"])
         plan, problems = make_plan(cfg, FEW_CORES, task=task, task_from=MODELS[task])
         assert not problems and plan.augment_on == on
-        assert plan.val_engine == ("fast" if task == "pose" else "ultralytics")
+        assert plan.val_engine == ("ultralytics" if task == "obb" else "fast")
         paths = f"the GPU input pipeline ({carried}" if on == "gpu" else "Ultralytics' CPU pipeline"
         assert f"task            {task} (from {MODELS[task]}); {paths}" in describe(plan, None, None)
     cfg = compose_config(["loader.augment_on=gpu", "val.engine=fast", "train.batch_per_device=auto"])
@@ -113,11 +113,11 @@ def test_pose_segment_and_obb_take_the_gpu_input_when_asked_and_ultralytics_pipe
 @pytest.mark.parametrize("task,says", [
     ("pose", "the fast validator (keypoints matched by OKS as PoseValidator matches them)"),
     ("segment", "the fast validator (masks made and matched as SegmentationValidator makes and matches them)")])
-def test_pose_and_segment_models_validate_with_the_fast_validator_when_asked(task, says):
+def test_pose_and_segment_models_validate_with_the_fast_validator_by_default(task, says):
     """val.engine=fast: the fast validator, whose OKS and mask matching are Ultralytics' validators'
-    (test_fast_pose_validation.py, test_fast_segment_validation.py); `auto` takes it for pose (measured ahead on a
-    GPU) and keeps SegmentationValidator until the fast one is measured ahead there too; save_json is refused with
-    it, and `auto` then takes Ultralytics' validator, which writes it."""
+    (test_fast_pose_validation.py, test_fast_segment_validation.py), and `auto` takes it (measured ahead on a GPU);
+    save_json is refused with it, and `auto` then takes Ultralytics' validator, which writes it; so does a
+    segmentation run's overlap_mask=false, whose separate masks the fast validator does not keep."""
     for on in ("cpu", "gpu"):
         cfg = compose_config([f"loader.augment_on={on}", "val.engine=fast", "train.imgsz=640"])
         plan, problems = make_plan(cfg, FEW_CORES, task=task, task_from=MODELS[task])
@@ -130,7 +130,15 @@ def test_pose_and_segment_models_validate_with_the_fast_validator_when_asked(tas
     plan, problems = make_plan(compose_config(["+train.extra.save_json=true"]), FEW_CORES, task=task,
                                task_from=MODELS[task])
     assert not problems and plan.val_engine == "ultralytics"
-    assert ("PoseValidator (val.engine=ultralytics" in describe(plan, None, None)) == (task == "pose")
+    validator = "PoseValidator" if task == "pose" else "SegmentationValidator"
+    assert f"{validator} (val.engine=ultralytics, or asked for" in describe(plan, None, None)
+    for engine in ("auto", "fast"):
+        cfg = compose_config([f"val.engine={engine}", "+train.extra.overlap_mask=false"])
+        plan, problems = make_plan(cfg, FEW_CORES, task=task, task_from=MODELS[task])
+        refused = "train.extra.overlap_mask=false with val.engine=fast" in "\n".join(p.message for p in problems)
+        assert refused == (task == "segment" and engine == "fast")
+        if not problems:
+            assert plan.val_engine == ("ultralytics" if task == "segment" else "fast")
 
 
 def test_settings_that_ask_a_segment_model_for_detections_fast_paths_are_refused_with_what_to_set():

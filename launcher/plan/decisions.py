@@ -45,9 +45,12 @@ def val_batch_at(fixed: int | None, micro_batch: int) -> int:
 
 def _val_engine(val: dict, train: dict, task: str) -> str:
     """val.engine resolved for the task: `auto` takes the fast engine only where the task's rules measured it ahead
-    (TaskRules.auto_fast_validator), `fast` where the task has it (asked elsewhere, the plan refuses it)."""
+    (TaskRules.auto_fast_validator) and the run's masks overlap, `fast` where the task has it (asked elsewhere, the
+    plan refuses it)."""
     r = rules(task)
     asked = (val or {}).get("engine", "auto")
+    if r.masks and asked == "auto" and (train.get("extra") or {}).get("overlap_mask") is False:
+        return "ultralytics"  # the fast validator keeps overlapping masks only (plan/task_rules.py refuses it asked)
     if r.auto_fast_validator or (r.fast_validator and asked == "fast"):
         return checks.val_engine(val, train)
     return "ultralytics"

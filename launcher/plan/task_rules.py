@@ -7,11 +7,10 @@ keypoints follow the matrix and flips of their boxes: rank/gpu_data/augment_keyp
 polygons too, its boxes made from them and its masks drawn on the device: augment_segments.py, segment_masks.py; an obb
 model's corners, clipped as rotated boxes: augment_obb.py), and classification its own (rank/gpu_data/classify_input.py:
 Ultralytics' classify transforms on the device), taken when asked: `auto` keeps them on the CPU pipeline until the GPU
-input is measured ahead for them. Pose validates with the fast validator too (keypoints matched by OKS as
-PoseValidator matches them, rank/validate/matching.py: measured ahead on a GPU, so `auto` takes it), segmentation when
-asked (val.engine=fast: masks made from the prototypes and matched by IoU as SegmentationValidator does, masks.py;
-`auto` keeps SegmentationValidator until the fast one is measured ahead on GPUs); obb through Ultralytics' validator
-(rotated boxes scored as it scores them). All three train with Ultralytics' loss, normalised over the ranks but eager
+input is measured ahead for them. Pose and segmentation validate with the fast validator too (keypoints matched by
+OKS as PoseValidator matches them, rank/validate/matching.py; masks made from the prototypes and matched by IoU as
+SegmentationValidator does, masks.py: each measured ahead on a GPU, so `auto` takes it); obb through Ultralytics'
+validator (rotated boxes scored as it scores them). All three train with Ultralytics' loss, normalised over the ranks but eager
 (its mask, keypoint and rotated-box terms have shapes that follow the targets); the network alone is graphed on GPUs.
 Classification trains on Ultralytics' ClassificationDataset (class folders, its own augmentations; no mosaic:
 close_mosaic and the mosaic buffer mean nothing there), its ClassificationValidator (top-1, top-5) and its
@@ -43,7 +42,8 @@ OWN_EAGER = "the fast validator and the captured step are detection's"  # a task
 STEP_EAGER = "the captured step is detection's"  # a task with the GPU input and the fast validator
 POSE_VALIDATORS = ("PoseValidator (val.engine=ultralytics, or asked for save_json or save_txt)",
                    "the fast validator (keypoints matched by OKS as PoseValidator matches them)")
-SEGMENT_VALIDATORS = ("SegmentationValidator (or with val.engine=fast the fast validator, masks matched as it does)",
+SEGMENT_VALIDATORS = ("SegmentationValidator (val.engine=ultralytics, or asked for overlap_mask=false, save_json or "
+                      "save_txt)",
                       "the fast validator (masks made and matched as SegmentationValidator makes and matches them)")
 
 
@@ -107,7 +107,8 @@ class TaskRules:
 TASKS = {
     "detect": TaskRules("detect", fast_paths=True, fast_validator=True, auto_fast_validator=True,
                         auto_gpu_input=True),
-    "segment": TaskRules("segment", masks=True, fast_validator=True, validators=SEGMENT_VALIDATORS,
+    "segment": TaskRules("segment", masks=True, fast_validator=True, auto_fast_validator=True,
+                         validators=SEGMENT_VALIDATORS,
                          own=_own("M", "mask"), quality=_own("M", "mask")[1],
                          pipeline=f"; Ultralytics' CPU pipeline and loss, {{validator}} ({STEP_EAGER})",
                          gpu_pipeline="; the GPU input pipeline (polygons warped and flipped, boxes made from them, "
