@@ -10,8 +10,9 @@ Ultralytics' classify transforms on the device), taken when asked: `auto` keeps 
 input is measured ahead for them. Pose and segmentation validate with the fast validator too (keypoints matched by
 OKS as PoseValidator matches them, rank/validate/matching.py; masks made from the prototypes and matched by IoU as
 SegmentationValidator does, masks.py: each measured ahead on a GPU, so `auto` takes it); obb through Ultralytics'
-validator (rotated boxes scored as it scores them). All three train with Ultralytics' loss, normalised over the ranks but eager
-(its mask, keypoint and rotated-box terms have shapes that follow the targets); the network alone is graphed on GPUs.
+validator (rotated boxes scored as it scores them). All three train with Ultralytics' loss, normalised over the ranks
+but eager (its mask, keypoint and rotated-box terms have shapes that follow the targets); the network alone is graphed
+on GPUs.
 Classification trains on Ultralytics' ClassificationDataset (class folders, its own augmentations; no mosaic:
 close_mosaic and the mosaic buffer mean nothing there), its ClassificationValidator (top-1, top-5) and its
 cross-entropy, a mean over the batch.
