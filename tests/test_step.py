@@ -346,3 +346,18 @@ def test_only_tensors_stored_pixel_by_pixel_are_copied_as_rows():
     assert pixel_rows(torch.zeros(2, 48, 5, 7)) is None  # NCHW
     assert pixel_rows(torch.zeros(2, 48, 1, 1)) == 48  # NCHW and channels_last are one layout at 1x1
     assert pixel_rows(cl[0:1, 16:32, 2:3, 3:4]) == 16 and pixel_rows(torch.zeros(2, 3, 4)) is None
+
+
+@pytest.mark.parametrize("asked", [None, True, False])
+def test_the_network_is_channels_last_on_the_cpu_too_unless_channels_last_false(asked):
+    """Ultralytics' channels_last key: unset or true, the network's 4-d weights are channels_last on the CPU as on
+    CUDA (oneDNN's faster layout: docs/benchmarks section 21); channels_last=False keeps them NCHW."""
+    from types import SimpleNamespace
+
+    from launcher.rank.build_steps.model_build import on_device
+
+    model, _ = make_model_and_batch()
+    net = on_device(model, torch.device("cpu"), SimpleNamespace(channels_last=asked))
+    weights = [p for p in net.parameters() if p.ndim == 4 and p.shape[1] > 1 and p.shape[2] > 1]
+    layout = torch.contiguous_format if asked is False else torch.channels_last
+    assert weights and all(w.is_contiguous(memory_format=layout) for w in weights)
