@@ -35,7 +35,7 @@ def network(hyp, data: dict, weights: str | None, device: torch.device,
 
 def on_device(net: nn.Module, device: torch.device, hyp) -> nn.Module:
     """`net` on `device`, channels_last unless the hyperparameters turn it off: Ultralytics' CUDA default (fast
-    convolutions), and on the CPU oneDNN's faster layout too (the step about 1.15x at 160 px on 2 cores)."""
+    convolutions), and on the CPU oneDNN's faster one too (docs/benchmarks section 21)."""
     net = net.to(device)
     if hyp.channels_last is not False:
         net = net.to(memory_format=torch.channels_last)
