@@ -1,7 +1,7 @@
 """The task a run trains follows from the model and the dataset, decided in the plan before any process starts:
 segmentation, pose and obb models train through Ultralytics' loss (normalised over the ranks) and validator (a
-pose model through the fast validator, a segmentation model when asked, which score keypoints and masks as
-Ultralytics' validators do), on its CPU pipeline or, when asked, the GPU input; a model that does not fit its data
+pose or segmentation model through the fast validator, which scores keypoints and masks as Ultralytics'
+validators do), on its CPU pipeline or, when asked, the GPU input; a model that does not fit its data
 is refused with what to change, and the synthetic shapes are labelled for the model's task. tests/test_e2e_tasks.py
 trains each task on two ranks."""
 
